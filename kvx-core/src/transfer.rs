@@ -1,0 +1,278 @@
+//! The transport seam: [`TransferAgent`], one endpoint of a one-sided transport (NIXL, UCX, the
+//! in-process loopback).
+//!
+//! Post then poll, as NIXL and UCX themselves work: memory is registered once, peers' metadata is
+//! loaded once, descriptor lists are prepared once per side, and each transfer names blocks by
+//! index into those lists.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::ids::AgentName;
+use crate::memory::{KvMemory, MemKind, MemRegion};
+
+/// What a backend can do. Checked once, up front, by the connector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The backend's name, as it appears in errors ("loopback", "ucx", "nixl").
+    pub backend: &'static str,
+    /// Host memory can be registered.
+    pub dram: bool,
+    /// GPU memory can be registered.
+    pub vram: bool,
+    /// One-sided READ is supported.
+    pub read: bool,
+    /// One-sided WRITE is supported.
+    pub write: bool,
+    /// Notifications (with transfers and on their own) are supported.
+    pub notifications: bool,
+}
+
+impl Capabilities {
+    /// Whether memory of `kind` can be registered.
+    pub fn supports(&self, kind: MemKind) -> bool {
+        match kind {
+            MemKind::Dram => self.dram,
+            MemKind::Vram => self.vram,
+        }
+    }
+}
+
+macro_rules! handle_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(pub u64);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}#{}", stringify!($name), self.0)
+            }
+        }
+    };
+}
+
+handle_id!(
+    /// A memory registration of one agent.
+    RegistrationId
+);
+handle_id!(
+    /// A prepared descriptor list of one agent.
+    DlistId
+);
+handle_id!(
+    /// A posted transfer of one agent.
+    XferId
+);
+
+/// Whose memory a descriptor list describes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum DlistOwner {
+    /// This agent's own registered memory.
+    Local,
+    /// A loaded remote agent's registered memory.
+    Remote(AgentName),
+}
+
+/// Equal-length blocks laid out as regions × blocks, the shape of a paged KV cache.
+///
+/// Descriptor `r * num_blocks + b` is the `block_len` bytes at `bases[r] + b * block_len`. This is
+/// the reference's descriptor numbering (`region * num_blocks + block`); keeping it implicit means
+/// a list of millions of blocks costs one `Vec` of region bases, not millions of entries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockList {
+    /// Host or GPU memory.
+    pub kind: MemKind,
+    /// Device id of all regions.
+    pub device: u32,
+    /// Base address of each region.
+    pub bases: Vec<u64>,
+    /// Blocks per region.
+    pub num_blocks: u32,
+    /// Bytes per block.
+    pub block_len: u64,
+}
+
+impl BlockList {
+    /// Number of descriptors (regions × blocks).
+    pub fn len(&self) -> u64 {
+        self.bases.len() as u64 * u64::from(self.num_blocks)
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The memory of descriptor `index`, or `None` when it is out of range or overflows.
+    pub fn desc(&self, index: u32) -> Option<MemRegion> {
+        if self.num_blocks == 0 {
+            return None;
+        }
+        let region = (index / self.num_blocks) as usize;
+        let block = u64::from(index % self.num_blocks);
+        let base = *self.bases.get(region)?;
+        let addr = base.checked_add(block.checked_mul(self.block_len)?)?;
+        let desc = MemRegion { addr, len: self.block_len, kind: self.kind, device: self.device };
+        desc.end().map(|_| desc)
+    }
+
+    /// The whole of each region (for checking the list against registrations).
+    pub fn regions(&self) -> impl Iterator<Item = Option<MemRegion>> + '_ {
+        self.bases.iter().map(move |&addr| {
+            let len = u64::from(self.num_blocks).checked_mul(self.block_len)?;
+            let region = MemRegion { addr, len, kind: self.kind, device: self.device };
+            region.end().map(|_| region)
+        })
+    }
+}
+
+/// The direction of a one-sided transfer, from the initiator's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum XferOp {
+    /// Copy remote blocks into local blocks.
+    Read,
+    /// Copy local blocks into remote blocks.
+    Write,
+}
+
+/// Where a posted transfer stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XferState {
+    /// Still moving data.
+    Pending,
+    /// All data is in place; the notification, if any, has been handed to the transport.
+    Done,
+    /// The transfer failed; the destination blocks hold unspecified bytes.
+    Failed(String),
+}
+
+/// A notification received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The agent that sent it.
+    pub from: AgentName,
+    /// Its payload (kvx sends request ids).
+    pub msg: Vec<u8>,
+}
+
+/// One endpoint of a one-sided transport.
+///
+/// Sync and object-safe (`Arc<dyn TransferAgent>` works). Every method is non-blocking except where
+/// its doc says otherwise. Errors carry the backend's name and status.
+///
+/// # Calling order
+/// 1. [`register`](Self::register) the KV memory; [`local_metadata`](Self::local_metadata) and give
+///    it to peers.
+/// 2. [`load_remote`](Self::load_remote) each peer's metadata; [`prep_dlist`](Self::prep_dlist) one
+///    local list and one list per remote.
+/// 3. [`post`](Self::post) transfers, [`poll`](Self::poll) them until `Done` or `Failed`, then
+///    [`release`](Self::release) them.
+/// 4. [`drain_notifications`](Self::drain_notifications) every step.
+pub trait TransferAgent: Send + Sync + fmt::Debug {
+    /// This agent's name.
+    fn name(&self) -> &AgentName;
+
+    /// What this backend supports.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Registers memory with the transport. The agent keeps `memory` alive until
+    /// [`deregister`](Self::deregister) or the agent is dropped, so it cannot be freed while a
+    /// peer may still access it.
+    ///
+    /// Requires [`Capabilities::dram`] or [`Capabilities::vram`] for the memory's kind.
+    fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId>;
+
+    /// Deregisters memory. Descriptor lists over it must no longer be used.
+    fn deregister(&self, registration: RegistrationId) -> Result<()>;
+
+    /// An opaque blob that a peer passes to [`load_remote`](Self::load_remote): the agent's name,
+    /// its transport address and its registered regions. Call it after registering.
+    fn local_metadata(&self) -> Result<Vec<u8>>;
+
+    /// Loads a peer's metadata (from the network: validated). Returns the peer's name.
+    ///
+    /// # Behavior
+    /// A peer already loaded is an error of kind `State`: [`forget_remote`](Self::forget_remote)
+    /// it first (a restarted peer has new metadata).
+    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName>;
+
+    /// Forgets a peer: its descriptor lists are released and later posts to it fail.
+    fn forget_remote(&self, agent: &AgentName) -> Result<()>;
+
+    /// Prepares a descriptor list over this agent's registered memory or a remote agent's.
+    ///
+    /// # Behavior
+    /// Every region of `blocks` must lie inside one registration of the owner, or the call fails
+    /// with `InvalidArgument` (local) or `InvalidPeerData` (remote).
+    fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId>;
+
+    /// Releases a descriptor list.
+    fn release_dlist(&self, dlist: DlistId) -> Result<()>;
+
+    /// Posts one transfer of `local_descs[i]` <-> `remote_descs[i]` for every `i`.
+    ///
+    /// `local` must be a local list and `remote` a list of a loaded remote, the two index slices
+    /// equally long and every index in range of its list; otherwise nothing is transferred and an
+    /// error returned. With `notify`, the remote agent receives the message after all the data is
+    /// in place.
+    ///
+    /// Requires [`Capabilities::read`] or [`Capabilities::write`].
+    fn post(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        local_descs: &[u32],
+        remote: DlistId,
+        remote_descs: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<XferId>;
+
+    /// Where a transfer stands; drives the transport's progress. An unknown id is `NotFound`.
+    fn poll(&self, xfer: XferId) -> Result<XferState>;
+
+    /// Forgets a finished transfer (or cancels a pending one, where the backend can).
+    fn release(&self, xfer: XferId) -> Result<()>;
+
+    /// Sends a notification without data. Requires [`Capabilities::notifications`].
+    fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()>;
+
+    /// Moves received notifications into `out`; drives the transport's progress.
+    fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()>;
+
+    /// Drives the transport once without blocking. Backends that progress on their own do
+    /// nothing. A target that only serves memory calls this (or `drain_notifications`) regularly.
+    fn progress(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_list_numbers_descriptors_region_major() {
+        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![1000, 5000], num_blocks: 4, block_len: 10 };
+        assert_eq!(l.len(), 8);
+        assert_eq!(l.desc(0).unwrap().addr, 1000);
+        assert_eq!(l.desc(3).unwrap().addr, 1030);
+        assert_eq!(l.desc(4).unwrap().addr, 5000);
+        assert_eq!(l.desc(7).unwrap(), MemRegion::dram(5030, 10));
+        assert_eq!(l.desc(8), None);
+        let regions: Vec<_> = l.regions().collect();
+        assert_eq!(regions, vec![Some(MemRegion::dram(1000, 40)), Some(MemRegion::dram(5000, 40))]);
+    }
+
+    #[test]
+    fn block_list_rejects_overflow() {
+        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![u64::MAX - 5], num_blocks: 2, block_len: 4 };
+        assert_eq!(l.desc(1), None);
+        assert_eq!(l.regions().next(), Some(None));
+        let empty = BlockList { num_blocks: 0, ..l };
+        assert!(empty.is_empty());
+        assert_eq!(empty.desc(0), None);
+    }
+}
