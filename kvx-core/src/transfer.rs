@@ -171,6 +171,7 @@ pub struct Notification {
 /// 3. [`post`](Self::post) transfers, [`poll`](Self::poll) them until `Done` or `Failed`, then
 ///    [`release`](Self::release) them.
 /// 4. [`drain_notifications`](Self::drain_notifications) every step.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// This agent's name.
     fn name(&self) -> &AgentName;
@@ -220,14 +221,14 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// in place.
     ///
     /// Requires [`Capabilities::read`] or [`Capabilities::write`].
-    fn post(
+    fn post<'a>(
         &self,
         op: XferOp,
         local: DlistId,
         local_descs: &[u32],
         remote: DlistId,
         remote_descs: &[u32],
-        notify: Option<&[u8]>,
+        notify: Option<&'a [u8]>,
     ) -> Result<XferId>;
 
     /// Where a transfer stands; drives the transport's progress. An unknown id is `NotFound`.
