@@ -106,18 +106,23 @@ impl GatherInbox {
     }
 }
 
+type Rank0Inbox = (Receiver<(u32, Finished)>, GatherInbox);
+
 /// A group of threads in one process (for tests and the in-process demo). Create all ranks with
 /// [`InProcessGroup::new_group`].
 pub struct InProcessGroup {
     rank: u32,
     world_size: u32,
     to_rank0: Sender<(u32, Finished)>,
-    inbox: Option<Mutex<(Receiver<(u32, Finished)>, GatherInbox)>>,
+    inbox: Option<Mutex<Rank0Inbox>>,
 }
 
 impl fmt::Debug for InProcessGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InProcessGroup").field("rank", &self.rank).field("world_size", &self.world_size).finish()
+        f.debug_struct("InProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .finish()
     }
 }
 

@@ -24,8 +24,8 @@ pub use meta::{ConnectorMetadata, FailedRecv, Finished, RecvRequest};
 pub use params::{RemoteCoordinates, TransferParams};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
-    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp,
-    XferState,
+    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,
+    XferOp, XferState,
 };
 pub use worker::{ConnectorWorker, FinishedAggregator, WorkerCommand, WorkerConfig, WorkerStats};
 

@@ -74,8 +74,9 @@ impl TransferParams {
 
     /// Parses vLLM's JSON.
     pub fn from_json(json: &str) -> crate::Result<Self> {
-        serde_json::from_str(json)
-            .map_err(|e| crate::Error::new(crate::ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e))
+        serde_json::from_str(json).map_err(|e| {
+            crate::Error::new(crate::ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e)
+        })
     }
 
     /// Renders vLLM's JSON.
@@ -129,7 +130,10 @@ mod tests {
         assert!(p.do_remote_decode && p.coordinates().is_none() && p.remote_blocks().is_empty());
         assert!(TransferParams::from_json(r#"{"remote_port": 70000}"#).is_err());
         assert!(TransferParams::from_json(r#"{"remote_block_ids": [-1]}"#).is_err());
-        let no_host = TransferParams { remote_host: Some(String::new()), ..TransferParams::for_decode(vec![], "e".into(), "h".into(), 1) };
+        let no_host = TransferParams {
+            remote_host: Some(String::new()),
+            ..TransferParams::for_decode(vec![], "e".into(), "h".into(), 1)
+        };
         assert!(no_host.coordinates().is_none());
     }
 }

@@ -6,9 +6,9 @@ use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, EngineId, RequestId};
-use crate::meta::{ConnectorMetadata, Finished, RecvRequest};
 #[cfg(test)]
 use crate::meta::FailedRecv;
+use crate::meta::{ConnectorMetadata, Finished, RecvRequest};
 use crate::params::{RemoteCoordinates, TransferParams};
 
 /// Configuration of one engine's scheduler-side connector.
@@ -341,7 +341,10 @@ mod tests {
         let mut s = sched();
         assert_eq!(s.get_num_new_matched_tokens(&id("r"), 100, None, 0).unwrap(), MatchedTokens::default());
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
-        assert_eq!(s.get_num_new_matched_tokens(&id("r"), 100, Some(&p), 0).unwrap(), MatchedTokens::default());
+        assert_eq!(
+            s.get_num_new_matched_tokens(&id("r"), 100, Some(&p), 0).unwrap(),
+            MatchedTokens::default()
+        );
     }
 
     #[test]
@@ -454,7 +457,10 @@ mod tests {
         let mut s = sched();
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
         for reason in [FinishReason::Stopped, FinishReason::Aborted, FinishReason::Error] {
-            assert_eq!(s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]), FinishOutcome::default());
+            assert_eq!(
+                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]),
+                FinishOutcome::default()
+            );
         }
         assert_eq!(
             s.request_finished(&id("a"), None, FinishReason::LengthCapped, 64, &[1, 2, 3, 4]),

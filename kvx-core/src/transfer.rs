@@ -221,6 +221,7 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// in place.
     ///
     /// Requires [`Capabilities::read`] or [`Capabilities::write`].
+    #[allow(clippy::needless_lifetimes)] // mockall needs the lifetime named.
     fn post<'a>(
         &self,
         op: XferOp,
@@ -256,7 +257,13 @@ mod tests {
 
     #[test]
     fn block_list_numbers_descriptors_region_major() {
-        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![1000, 5000], num_blocks: 4, block_len: 10 };
+        let l = BlockList {
+            kind: MemKind::Dram,
+            device: 0,
+            bases: vec![1000, 5000],
+            num_blocks: 4,
+            block_len: 10,
+        };
         assert_eq!(l.len(), 8);
         assert_eq!(l.desc(0).unwrap().addr, 1000);
         assert_eq!(l.desc(3).unwrap().addr, 1030);
@@ -269,7 +276,13 @@ mod tests {
 
     #[test]
     fn block_list_rejects_overflow() {
-        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![u64::MAX - 5], num_blocks: 2, block_len: 4 };
+        let l = BlockList {
+            kind: MemKind::Dram,
+            device: 0,
+            bases: vec![u64::MAX - 5],
+            num_blocks: 2,
+            block_len: 4,
+        };
         assert_eq!(l.desc(1), None);
         assert_eq!(l.regions().next(), Some(None));
         let empty = BlockList { num_blocks: 0, ..l };

@@ -64,7 +64,10 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
         ));
     }
     if env.kind != T::KIND {
-        return Err(Error::new(ErrorKind::Wire, format!("expected a {:?} message, got {:?}", T::KIND, env.kind)));
+        return Err(Error::new(
+            ErrorKind::Wire,
+            format!("expected a {:?} message, got {:?}", T::KIND, env.kind),
+        ));
     }
     rmp_serde::from_slice(&env.body).map_err(|e| wire_error("decode body", e))
 }
@@ -128,7 +131,8 @@ mod tests {
     #[test]
     fn refuses_other_versions_garbage_and_wrong_kinds() {
         let body = rmp_serde::to_vec_named(&payload()).unwrap();
-        let env = Envelope { magic: MAGIC.to_vec(), version: WIRE_VERSION + 1, kind: MessageKind::Handshake, body };
+        let env =
+            Envelope { magic: MAGIC.to_vec(), version: WIRE_VERSION + 1, kind: MessageKind::Handshake, body };
         let err = decode::<HandshakePayload>(&rmp_serde::to_vec_named(&env).unwrap()).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Incompatible);
 

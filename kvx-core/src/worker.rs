@@ -14,7 +14,9 @@ use crate::ids::{AgentName, EngineId, RequestId};
 use crate::layout::{KvCacheLayout, LayerCache};
 use crate::meta::{ConnectorMetadata, FailedRecv, Finished, RecvRequest};
 use crate::params::RemoteCoordinates;
-use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState};
+use crate::transfer::{
+    DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState,
+};
 use crate::wire::{self, HandshakePayload};
 
 /// Configuration of one worker.
@@ -198,10 +200,7 @@ impl ConnectorWorker {
 
     /// Takes the latency samples collected so far (the counters stay).
     pub fn take_latencies(&mut self) -> (Vec<Duration>, Vec<Duration>) {
-        (
-            std::mem::take(&mut self.stats.transfer_latencies),
-            std::mem::take(&mut self.stats.handshake_times),
-        )
+        (std::mem::take(&mut self.stats.transfer_latencies), std::mem::take(&mut self.stats.handshake_times))
     }
 
     /// Whether nothing is in flight, held, or waiting for a handshake.
@@ -276,7 +275,10 @@ impl ConnectorWorker {
             return Err(Error::new(ErrorKind::State, "load requested before KV caches were registered"));
         };
         if req.remote.engine_id == self.config.engine_id {
-            return Err(Error::invalid_peer_data(format!("remote engine {} is this engine", req.remote.engine_id)));
+            return Err(Error::invalid_peer_data(format!(
+                "remote engine {} is this engine",
+                req.remote.engine_id
+            )));
         }
         KvCacheLayout::check_block_ids(&req.local_block_ids, registered.layout.num_blocks, "local")?;
         if req.local_block_ids.len() > req.remote_block_ids.len() {
@@ -301,7 +303,10 @@ impl ConnectorWorker {
             Entry::Vacant(e) => {
                 let RemoteCoordinates { engine_id, host, port } = &req.remote;
                 let port = u16::try_from(u32::from(*port) + self.config.rank).map_err(|_| {
-                    Error::invalid_peer_data(format!("side-channel port {port} + rank {} overflows", self.config.rank))
+                    Error::invalid_peer_data(format!(
+                        "side-channel port {port} + rank {} overflows",
+                        self.config.rank
+                    ))
                 })?;
                 debug!(%engine_id, %host, port, "handshake queued");
                 self.commands.push_back(WorkerCommand::FetchHandshake {
@@ -362,7 +367,9 @@ impl ConnectorWorker {
     fn fail(&mut self, request_id: &RequestId, error: Error) {
         warn!(%request_id, %error, "KV load failed");
         self.stats.failed_loads += 1;
-        self.finished.failed_recving.push(FailedRecv { request_id: request_id.clone(), reason: error.to_string() });
+        self.finished
+            .failed_recving
+            .push(FailedRecv { request_id: request_id.clone(), reason: error.to_string() });
     }
 
     /// The next network command for the driver.
@@ -430,7 +437,10 @@ impl ConnectorWorker {
         if p.compat_hash != layout.compat_hash(&self.config.compat_tag) || p.block_len != layout.block_len {
             return Err(Error::new(
                 ErrorKind::Incompatible,
-                format!("engine {engine_id} has an incompatible KV layout or model (block_len {})", p.block_len),
+                format!(
+                    "engine {engine_id} has an incompatible KV layout or model (block_len {})",
+                    p.block_len
+                ),
             ));
         }
         if p.region_bases.len() != layout.num_regions() as usize || p.num_blocks == 0 {
@@ -456,7 +466,8 @@ impl ConnectorWorker {
             }
             other => other?,
         };
-        let list = crate::transfer::BlockList { num_blocks: p.num_blocks, ..layout.block_list(p.region_bases) };
+        let list =
+            crate::transfer::BlockList { num_blocks: p.num_blocks, ..layout.block_list(p.region_bases) };
         let dlist = match self.agent.prep_dlist(&DlistOwner::Remote(agent.clone()), &list) {
             Ok(d) => d,
             Err(e) => {
@@ -489,7 +500,10 @@ impl ConnectorWorker {
             self.handle_handshake(
                 now,
                 &engine_id,
-                Err(Error::new(ErrorKind::Timeout, format!("handshake with engine {engine_id} took over {timeout:?}"))),
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("handshake with engine {engine_id} took over {timeout:?}"),
+                )),
             );
         }
     }
