@@ -638,3 +638,6 @@ impl FinishedAggregator {
         self.sending.len() + self.recving.len()
     }
 }
+
+#[cfg(test)]
+mod tests;
