@@ -1,5 +1,5 @@
 //! The conformance suite: plain `check_*` functions that any pair of
-//! [`TransferAgent`](kvx_core::TransferAgent)s must pass.
+//! [`TransferAgent`]s must pass.
 //!
 //! Each check takes a [`Harness`]: two agents (the *initiator* posts transfers, the *target*'s
 //! memory is read and written), a way to allocate memory they can register, and a way to drive
