@@ -298,7 +298,8 @@ impl LoopbackAgent {
     }
 
     fn next_id(st: &mut AgentState) -> u64 {
-        st.next_id += 1;
+        // One id space for registrations, lists and transfers; 2^64 ids do not run out.
+        st.next_id = st.next_id.wrapping_add(1);
         st.next_id
     }
 }
