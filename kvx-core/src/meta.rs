@@ -83,6 +83,15 @@ impl Finished {
     }
 }
 
-impl WireMessage for Finished {
+/// A rank's [`Finished`] on its way to rank 0.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankReport {
+    /// The sending rank.
+    pub rank: u32,
+    /// What finished on it.
+    pub finished: Finished,
+}
+
+impl WireMessage for RankReport {
     const KIND: MessageKind = MessageKind::FinishedReport;
 }
