@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion, Notification,
-    RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
+    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 use nixl_sys as nixl;
 
@@ -104,13 +104,17 @@ impl NixlAgent {
         };
 
         let guard = lifecycle_lock();
-        let agent = nixl::Agent::new_configured(name.as_str(), &nixl_config).nixl(ErrorKind::Backend, "creating agent")?;
+        let agent = nixl::Agent::new_configured(name.as_str(), &nixl_config)
+            .nixl(ErrorKind::Backend, "creating agent")?;
         // From here on, an early return drops `agent` before `guard`: destruction stays serialised.
         let (_plugin_mems, params) = agent
             .get_plugin_params(UCX_PLUGIN)
             .nixl(ErrorKind::NotAvailable, "NIXL's UCX plugin (set NIXL_PLUGIN_DIR)")?;
-        let backend = agent.create_backend(UCX_PLUGIN, &params).nixl(ErrorKind::NotAvailable, "creating the UCX backend")?;
-        let (mems, _params) = agent.get_backend_params(&backend).nixl(ErrorKind::Backend, "querying the UCX backend")?;
+        let backend = agent
+            .create_backend(UCX_PLUGIN, &params)
+            .nixl(ErrorKind::NotAvailable, "creating the UCX backend")?;
+        let (mems, _params) =
+            agent.get_backend_params(&backend).nixl(ErrorKind::Backend, "querying the UCX backend")?;
         let kinds: Vec<nixl::MemType> = mems.iter().filter_map(std::result::Result::ok).collect();
         drop(guard);
 
@@ -142,7 +146,11 @@ impl NixlAgent {
     }
 
     fn require(&self, capability: bool, what: &str) -> Result<()> {
-        if capability { Ok(()) } else { Err(error(ErrorKind::Unsupported, format!("{what} is not supported by NIXL's UCX backend here"))) }
+        if capability {
+            Ok(())
+        } else {
+            Err(error(ErrorKind::Unsupported, format!("{what} is not supported by NIXL's UCX backend here")))
+        }
     }
 }
 
@@ -178,7 +186,11 @@ impl TransferAgent for NixlAgent {
         }
         let descriptor = RegionDescriptor::new(region)?;
         let mut state = self.lock();
-        let handle = state.nixl.agent.register_memory(&descriptor, None).nixl(ErrorKind::Backend, "registering memory")?;
+        let handle = state
+            .nixl
+            .agent
+            .register_memory(&descriptor, None)
+            .nixl(ErrorKind::Backend, "registering memory")?;
         let id = RegistrationId(state.next_id());
         state.registrations.insert(id, Registration { handle, region, _memory: memory });
         Ok(id)
@@ -217,7 +229,10 @@ impl TransferAgent for NixlAgent {
         let envelope = Envelope::decode(metadata)?;
         let name = AgentName::new(envelope.name.as_str());
         if name == self.name {
-            return Err(error(ErrorKind::InvalidPeerData, format!("peer metadata carries this agent's own name {name}")));
+            return Err(error(
+                ErrorKind::InvalidPeerData,
+                format!("peer metadata carries this agent's own name {name}"),
+            ));
         }
         let mut state = self.lock();
         if state.remotes.contains_key(&name) {
@@ -251,13 +266,19 @@ impl TransferAgent for NixlAgent {
         state.refresh_pending();
         for xfer in state.xfers.values_mut().filter(|x| &x.remote == agent) {
             if xfer.state == XferState::Pending {
-                xfer.state = XferState::Failed(format!("remote {agent} was forgotten while the transfer was in flight"));
+                xfer.state = XferState::Failed(format!(
+                    "remote {agent} was forgotten while the transfer was in flight"
+                ));
             }
             // Releasing the request cancels it if it is still in flight.
             xfer.request = None;
         }
         state.dlists.retain(|_, d| d.owner != DlistOwner::Remote(agent.clone()));
-        state.nixl.agent.invalidate_remote_md(agent.as_str()).nixl(ErrorKind::Backend, "invalidating remote metadata")
+        state
+            .nixl
+            .agent
+            .invalidate_remote_md(agent.as_str())
+            .nixl(ErrorKind::Backend, "invalidating remote metadata")
     }
 
     fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
@@ -291,17 +312,19 @@ impl TransferAgent for NixlAgent {
         };
         let mut registrations = Vec::new();
         for (index, region) in blocks.regions().enumerate() {
-            let region = region.ok_or_else(|| error(bad, format!("region {index} wraps the address space")))?;
-            let (id, _) = owned
-                .iter()
-                .find(|(_, registered)| registered.contains(&region))
-                .ok_or_else(|| error(bad, format!("region {index} ({region:?}) is not inside registered memory")))?;
+            let region =
+                region.ok_or_else(|| error(bad, format!("region {index} wraps the address space")))?;
+            let (id, _) =
+                owned.iter().find(|(_, registered)| registered.contains(&region)).ok_or_else(|| {
+                    error(bad, format!("region {index} ({region:?}) is not inside registered memory"))
+                })?;
             if let Some(id) = id.filter(|id| !registrations.contains(id)) {
                 registrations.push(id);
             }
         }
 
-        let mut descs = nixl::XferDescList::new(mem_type(blocks.kind)).nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
+            .nixl(ErrorKind::Backend, "creating a descriptor list")?;
         for &base in &blocks.bases {
             for block in 0..u64::from(blocks.num_blocks) {
                 // In range: the whole region was checked above, so this cannot overflow.
@@ -360,19 +383,30 @@ impl TransferAgent for NixlAgent {
         }
         let mut guard = self.lock();
         let state = &mut *guard;
-        let local_list = state.dlists.get(&local).ok_or_else(|| error(ErrorKind::NotFound, format!("{local} is not prepared")))?;
-        let remote_list =
-            state.dlists.get(&remote).ok_or_else(|| error(ErrorKind::NotFound, format!("{remote} is not prepared")))?;
+        let local_list = state
+            .dlists
+            .get(&local)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{local} is not prepared")))?;
+        let remote_list = state
+            .dlists
+            .get(&remote)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{remote} is not prepared")))?;
         if local_list.owner != DlistOwner::Local {
             return Err(error(ErrorKind::InvalidArgument, format!("{local} is not a local descriptor list")));
         }
         let DlistOwner::Remote(remote_agent) = &remote_list.owner else {
-            return Err(error(ErrorKind::InvalidArgument, format!("{remote} is not a remote descriptor list")));
+            return Err(error(
+                ErrorKind::InvalidArgument,
+                format!("{remote} is not a remote descriptor list"),
+            ));
         };
         if local_list.block_len != remote_list.block_len {
             return Err(error(
                 ErrorKind::InvalidPeerData,
-                format!("local blocks of {} bytes, remote blocks of {}", local_list.block_len, remote_list.block_len),
+                format!(
+                    "local blocks of {} bytes, remote blocks of {}",
+                    local_list.block_len, remote_list.block_len
+                ),
             ));
         }
         let local_indices = indices(local_descs, local_list.len, ErrorKind::InvalidArgument, "local")?;
@@ -380,7 +414,8 @@ impl TransferAgent for NixlAgent {
 
         let options = match notify {
             Some(msg) => {
-                let mut options = nixl::OptArgs::new().nixl(ErrorKind::Backend, "creating transfer options")?;
+                let mut options =
+                    nixl::OptArgs::new().nixl(ErrorKind::Backend, "creating transfer options")?;
                 options.set_has_notification(true).nixl(ErrorKind::Backend, "attaching a notification")?;
                 options.set_notification_message(msg).nixl(ErrorKind::Backend, "attaching a notification")?;
                 Some(options)
@@ -398,7 +433,8 @@ impl TransferAgent for NixlAgent {
                 options.as_ref(),
             )
             .nixl(ErrorKind::Backend, "making a transfer request")?;
-        let in_flight = agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
+        let in_flight =
+            agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
         let xfer = Xfer {
             state: if in_flight { XferState::Pending } else { XferState::Done },
             local,
@@ -413,7 +449,10 @@ impl TransferAgent for NixlAgent {
     fn poll(&self, xfer: XferId) -> Result<XferState> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        let entry = state.xfers.get_mut(&xfer).ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
+        let entry = state
+            .xfers
+            .get_mut(&xfer)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
         entry.refresh(&state.nixl.agent);
         Ok(entry.state.clone())
     }
@@ -421,7 +460,10 @@ impl TransferAgent for NixlAgent {
     fn release(&self, xfer: XferId) -> Result<()> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        let entry = state.xfers.get_mut(&xfer).ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
+        let entry = state
+            .xfers
+            .get_mut(&xfer)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
         entry.refresh(&state.nixl.agent);
         // Dropping the request releases it in NIXL, which cancels it if it is still in flight.
         state.xfers.remove(&xfer);
@@ -434,7 +476,11 @@ impl TransferAgent for NixlAgent {
         if !state.remotes.contains_key(agent) {
             return Err(error(ErrorKind::NotFound, format!("remote {agent} is not loaded")));
         }
-        state.nixl.agent.send_notification(agent.as_str(), msg, None).nixl(ErrorKind::Backend, "sending a notification")
+        state
+            .nixl
+            .agent
+            .send_notification(agent.as_str(), msg, None)
+            .nixl(ErrorKind::Backend, "sending a notification")
     }
 
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
@@ -635,7 +681,8 @@ fn nixl_op(op: XferOp) -> nixl::XferOp {
 }
 
 fn to_usize(value: u64) -> Result<usize> {
-    usize::try_from(value).map_err(|_| error(ErrorKind::InvalidArgument, format!("{value} does not fit an address")))
+    usize::try_from(value)
+        .map_err(|_| error(ErrorKind::InvalidArgument, format!("{value} does not fit an address")))
 }
 
 /// Checks descriptor indices against a list of `len` and converts them to NIXL's `int`s.
@@ -644,10 +691,9 @@ fn indices(descs: &[u32], len: u32, bad: ErrorKind, side: &str) -> Result<Vec<i3
         .iter()
         .map(|&i| {
             // `len` fits an i32 (checked when the list was prepared), so any `i < len` does too.
-            i32::try_from(i)
-                .ok()
-                .filter(|_| i < len)
-                .ok_or_else(|| error(bad, format!("{side} descriptor {i} is out of range of a list of {len}")))
+            i32::try_from(i).ok().filter(|_| i < len).ok_or_else(|| {
+                error(bad, format!("{side} descriptor {i} is out of range of a list of {len}"))
+            })
         })
         .collect()
 }

@@ -33,7 +33,9 @@ impl Envelope {
 
     pub(crate) fn encode(&self) -> Result<Vec<u8>> {
         rmp_serde::to_vec(self).map_err(|e| {
-            Error::new(ErrorKind::Wire, format!("encoding metadata: {e}")).with_backend(crate::BACKEND).with_source(e)
+            Error::new(ErrorKind::Wire, format!("encoding metadata: {e}"))
+                .with_backend(crate::BACKEND)
+                .with_source(e)
         })
     }
 
@@ -46,7 +48,10 @@ impl Envelope {
             error(ErrorKind::InvalidPeerData, format!("metadata is not a kvx-nixl blob: {e}")).with_source(e)
         })?;
         if envelope.magic != MAGIC {
-            return Err(error(ErrorKind::Incompatible, format!("metadata of backend {:?}, not {MAGIC}", envelope.magic)));
+            return Err(error(
+                ErrorKind::Incompatible,
+                format!("metadata of backend {:?}, not {MAGIC}", envelope.magic),
+            ));
         }
         if envelope.version != VERSION {
             return Err(error(
@@ -84,7 +89,10 @@ mod tests {
         newer.version = 2;
         assert_eq!(Envelope::decode(&newer.encode().unwrap()).unwrap_err().kind(), ErrorKind::Incompatible);
         let wrapping = Envelope::new("a".into(), vec![MemRegion::dram(u64::MAX, 2)], vec![1]);
-        assert_eq!(Envelope::decode(&wrapping.encode().unwrap()).unwrap_err().kind(), ErrorKind::InvalidPeerData);
+        assert_eq!(
+            Envelope::decode(&wrapping.encode().unwrap()).unwrap_err().kind(),
+            ErrorKind::InvalidPeerData
+        );
         let nul = Envelope::new("a\0b".into(), vec![], vec![1]);
         assert_eq!(Envelope::decode(&nul.encode().unwrap()).unwrap_err().kind(), ErrorKind::InvalidPeerData);
     }

@@ -295,3 +295,45 @@ fn a_missing_library_is_an_error_not_an_abort() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// GPU memory registered as NIXL VRAM and read into host memory. Needs a GPU: without one it says
+/// SKIP (the `cuda` feature only has to build here).
+#[cfg(feature = "cuda")]
+#[test]
+fn vram_blocks_are_read_into_host_memory() {
+    use kvx_nixl::CudaMemory;
+    use std::io::Write;
+    if !nixl_or_skip("vram_blocks_are_read_into_host_memory") {
+        return;
+    }
+    let gpu = match CudaMemory::new(0, 1 << 20) {
+        Ok(gpu) => Arc::new(gpu),
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "\n*** SKIP vram_blocks_are_read_into_host_memory: no GPU: {e}\n"
+            );
+            return;
+        }
+    };
+    let data = pattern(42, gpu.len());
+    gpu.write(0, &data).unwrap();
+    let prefill = NixlAgent::new("prefill-gpu", &NixlConfig::default()).unwrap();
+    assert!(prefill.capabilities().vram);
+    prefill.register(gpu.clone()).unwrap();
+    let decode = Side::new("decode-host", 43);
+    let peer = decode.agent.load_remote(&prefill.local_metadata().unwrap()).unwrap();
+    let remote_blocks = BlockList {
+        kind: MemKind::Vram,
+        device: gpu.region().device,
+        bases: vec![gpu.region().addr],
+        num_blocks: 256,
+        block_len: BLOCK,
+    };
+    let local = decode.agent.prep_dlist(&DlistOwner::Local, &decode.blocks()).unwrap();
+    let remote = decode.agent.prep_dlist(&DlistOwner::Remote(peer), &remote_blocks).unwrap();
+    let xfer = decode.agent.post(XferOp::Read, local, &[0, 5], remote, &[200, 7], Some(b"gpu")).unwrap();
+    assert_eq!(wait_xfer(&decode.agent, &prefill, xfer), XferState::Done);
+    assert_eq!(decode.block(0), data[200 * BLOCK as usize..201 * BLOCK as usize]);
+    assert_eq!(decode.block(5), data[7 * BLOCK as usize..8 * BLOCK as usize]);
+}
