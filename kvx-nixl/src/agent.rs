@@ -486,15 +486,19 @@ impl TransferAgent for NixlAgent {
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
         let mut guard = self.lock();
         let state = &mut *guard;
+        state.refresh_pending();
         out.append(&mut state.received);
         fetch_notifications(&state.nixl.agent, out)
     }
 
     fn progress(&self) -> Result<()> {
-        // NIXL has no separate progress call: fetching notifications progresses the backend.
-        // Keep what arrives for the next `drain_notifications`.
+        // NIXL has no separate progress call. Checking a transfer's status progresses it (and
+        // NIXL's UCX backend sends a transfer's notification from there once the data is in
+        // place); fetching notifications progresses the rest. Keep what arrives for the next
+        // `drain_notifications`.
         let mut guard = self.lock();
         let state = &mut *guard;
+        state.refresh_pending();
         fetch_notifications(&state.nixl.agent, &mut state.received)
     }
 }
