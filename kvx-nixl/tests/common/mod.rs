@@ -2,6 +2,8 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Tests fail loudly by unwrapping.
 
+pub mod xproc;
+
 use std::io::Write;
 use std::time::{Duration, Instant};
 
