@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use common::pattern;
 use common::xproc::{DONE, Target, TargetParams, run_target_if_child, shuffled};
 use kvx_core::{
-    AgentName, BlockList, DlistId, DlistOwner, HostMemory, KvMemory, MemKind, TransferAgent, XferOp, XferState,
+    AgentName, BlockList, DlistId, DlistOwner, HostMemory, KvMemory, MemKind, TransferAgent, XferOp,
+    XferState,
 };
 use kvx_nixl::{NixlAgent, NixlConfig};
 
@@ -31,6 +32,9 @@ const SEED: u64 = 0xbe7c;
 fn blocks(base: u64, num_blocks: u32) -> BlockList {
     BlockList { kind: MemKind::Dram, device: 0, bases: vec![base], num_blocks, block_len: BLOCK as u64 }
 }
+
+/// One way of running the transfers: (progress thread, source blocks, destination blocks, iterations).
+type Mode = fn(bool, &[u32], &[u32], usize) -> Stats;
 
 struct Stats {
     median: f64,
@@ -90,7 +94,10 @@ impl Initiator {
         for i in 0..=iters {
             let msg = format!("iter-{i}");
             let t = Instant::now();
-            let x = self.agent.post(XferOp::Read, self.local, dst, self.remote, src, Some(msg.as_bytes())).unwrap();
+            let x = self
+                .agent
+                .post(XferOp::Read, self.local, dst, self.remote, src, Some(msg.as_bytes()))
+                .unwrap();
             let deadline = t + Duration::from_secs(30);
             loop {
                 match self.agent.poll(x).unwrap() {
@@ -117,7 +124,12 @@ impl Initiator {
         let got = self.pool.to_vec();
         for (&d, &s) in dst.iter().zip(src) {
             let (d, s) = (d as usize * BLOCK, s as usize * BLOCK);
-            assert!(got[d..d + BLOCK] == expected[s..s + BLOCK], "block {} -> {} differs", s / BLOCK, d / BLOCK);
+            assert!(
+                got[d..d + BLOCK] == expected[s..s + BLOCK],
+                "block {} -> {} differs",
+                s / BLOCK,
+                d / BLOCK
+            );
         }
     }
 }
@@ -158,13 +170,15 @@ fn main() {
     let src: Vec<u32> = shuffled(TARGET_BLOCKS, 7).into_iter().take(READS as usize).collect();
     let dst = shuffled(READS, 11);
 
-    println!("1000 scattered 64 KiB READs (65.5 MB) per transfer, {iters} timed transfers per mode, GB/s = 1e9 B/s");
+    println!(
+        "1000 scattered 64 KiB READs (65.5 MB) per transfer, {iters} timed transfers per mode, GB/s = 1e9 B/s"
+    );
     let memcpy = memcpy_baseline(&src, &dst, iters);
     println!(
         "{:<34} median {:>6.2}  min {:>6.2}  max {:>6.2}",
         "memcpy, one thread, same blocks", memcpy.median, memcpy.min, memcpy.max
     );
-    let modes: [(&str, fn(bool, &[u32], &[u32], usize) -> Stats, bool); 4] = [
+    let modes: [(&str, Mode, bool); 4] = [
         ("NIXL two processes", two_processes, false),
         ("NIXL two processes, progress thr", two_processes, true),
         ("NIXL one process, two agents", one_process, false),

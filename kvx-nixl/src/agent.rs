@@ -68,10 +68,20 @@ impl NixlConfig {
 ///
 /// # Lifetimes
 /// A registration owns its `Arc<dyn KvMemory>` and deregisters before releasing it. Deregistering
-/// releases the local descriptor lists over that memory, and is refused while a transfer over them
-/// is still in flight. Forgetting a remote releases its descriptor lists and invalidates its NIXL
-/// metadata. Dropping the agent waits (up to two seconds) for transfers in flight, then releases
-/// transfers, lists, remotes and registrations in that order, and only then destroys the NIXL agent.
+/// releases the local descriptor lists over that memory, and is refused (`State`) while a transfer
+/// over them is still in flight. NIXL cannot reliably cancel a transfer: releasing one in flight
+/// detaches it, and the agent completes it in the background (in every `poll`, `progress` and
+/// `drain_notifications`), still counting it as using its memory and its remote. Forgetting a
+/// remote is refused while transfers to it are in flight; otherwise it releases the remote's lists
+/// and invalidates its NIXL metadata. Dropping the agent waits (up to two seconds) for transfers in
+/// flight, then releases transfers, lists, remotes and registrations in that order, and only then
+/// destroys the NIXL agent.
+///
+/// # Notifications
+/// NIXL's UCX backend sends a transfer's notification when the initiator observes the transfer
+/// complete, so the initiator must keep calling `poll`, `progress` or `drain_notifications` until
+/// then (kvx's decode side polls anyway). `local_metadata` lists the registrations made so far: a
+/// peer must load it again (forget, then load) to see memory registered later.
 pub struct NixlAgent {
     name: AgentName,
     capabilities: Capabilities,
@@ -130,6 +140,7 @@ impl NixlAgent {
         let state = State {
             next_id: 1,
             xfers: HashMap::new(),
+            detached: Vec::new(),
             dlists: HashMap::new(),
             remotes: HashMap::new(),
             registrations: BTreeMap::new(),
@@ -203,10 +214,11 @@ impl TransferAgent for NixlAgent {
             return Err(error(ErrorKind::NotFound, format!("{registration} is not registered")));
         }
         state.refresh_pending();
-        let busy = state.xfers.values().any(|x| {
-            x.state == XferState::Pending
-                && state.dlists.get(&x.local).is_some_and(|d| d.registrations.contains(&registration))
-        });
+        let over_registration = |local: &DlistId| {
+            state.dlists.get(local).is_some_and(|d| d.registrations.contains(&registration))
+        };
+        let busy = state.xfers.values().any(|x| x.state == XferState::Pending && over_registration(&x.local))
+            || state.detached.iter().any(|x| over_registration(&x.local));
         if busy {
             return Err(error(ErrorKind::State, format!("{registration} is in use by a transfer in flight")));
         }
@@ -260,17 +272,23 @@ impl TransferAgent for NixlAgent {
     fn forget_remote(&self, agent: &AgentName) -> Result<()> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        if state.remotes.remove(agent).is_none() {
+        if !state.remotes.contains_key(agent) {
             return Err(error(ErrorKind::NotFound, format!("remote {agent} is not loaded")));
         }
+        // A request in flight uses the remote's metadata (its keys) inside NIXL: invalidating that
+        // under it is not safe, and NIXL cannot reliably cancel.
         state.refresh_pending();
+        let in_flight =
+            state.xfers.values().filter(|x| &x.remote == agent && x.state == XferState::Pending).count()
+                + state.detached.iter().filter(|x| &x.remote == agent).count();
+        if in_flight > 0 {
+            return Err(error(
+                ErrorKind::State,
+                format!("{in_flight} transfer(s) to {agent} in flight: poll them until Done or Failed first"),
+            ));
+        }
+        state.remotes.remove(agent);
         for xfer in state.xfers.values_mut().filter(|x| &x.remote == agent) {
-            if xfer.state == XferState::Pending {
-                xfer.state = XferState::Failed(format!(
-                    "remote {agent} was forgotten while the transfer was in flight"
-                ));
-            }
-            // Releasing the request cancels it if it is still in flight.
             xfer.request = None;
         }
         state.dlists.retain(|_, d| d.owner != DlistOwner::Remote(agent.clone()));
@@ -465,8 +483,14 @@ impl TransferAgent for NixlAgent {
             .get_mut(&xfer)
             .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
         entry.refresh(&state.nixl.agent);
-        // Dropping the request releases it in NIXL, which cancels it if it is still in flight.
-        state.xfers.remove(&xfer);
+        let Some(entry) = state.xfers.remove(&xfer) else { return Ok(()) };
+        // NIXL cannot reliably cancel a transfer in flight, and releasing its request early would
+        // let the memory go while the transport still writes it: keep the request, complete it in
+        // the background (every `poll`, `progress` and `drain_notifications` checks it), and count
+        // it as using its memory and its remote until then.
+        if let (XferState::Pending, Some(request)) = (entry.state, entry.request) {
+            state.detached.push(Detached { request, local: entry.local, remote: entry.remote });
+        }
         Ok(())
     }
 
@@ -508,6 +532,8 @@ impl TransferAgent for NixlAgent {
 struct State {
     next_id: u64,
     xfers: HashMap<XferId, Xfer>,
+    /// Released while in flight: completed in the background, then dropped.
+    detached: Vec<Detached>,
     dlists: HashMap<DlistId, Dlist>,
     remotes: HashMap<AgentName, Remote>,
     registrations: BTreeMap<RegistrationId, Registration>,
@@ -523,11 +549,18 @@ impl State {
         id
     }
 
-    /// Updates every transfer still pending.
+    /// Updates every transfer still pending, and drops detached ones that have finished.
     fn refresh_pending(&mut self) {
+        let agent = &self.nixl.agent;
         for xfer in self.xfers.values_mut() {
-            xfer.refresh(&self.nixl.agent);
+            xfer.refresh(agent);
         }
+        self.detached
+            .retain(|x| matches!(agent.get_xfer_status(&x.request), Ok(nixl::XferStatus::InProgress)));
+    }
+
+    fn any_in_flight(&self) -> bool {
+        !self.detached.is_empty() || self.xfers.values().any(|x| x.state == XferState::Pending)
     }
 }
 
@@ -537,7 +570,7 @@ impl Drop for State {
         let deadline = Instant::now() + TEARDOWN_WAIT;
         loop {
             self.refresh_pending();
-            if !self.xfers.values().any(|x| x.state == XferState::Pending) || Instant::now() >= deadline {
+            if !self.any_in_flight() || Instant::now() >= deadline {
                 break;
             }
             let mut ignored = Vec::new();
@@ -546,7 +579,11 @@ impl Drop for State {
             }
             std::thread::yield_now();
         }
+        if self.any_in_flight() {
+            tracing::warn!("dropping a NIXL agent with transfers still in flight after {TEARDOWN_WAIT:?}");
+        }
         self.xfers.clear();
+        self.detached.clear();
         self.dlists.clear();
         for name in self.remotes.keys() {
             if let Err(e) = self.nixl.agent.invalidate_remote_md(name.as_str()) {
@@ -607,6 +644,13 @@ struct Dlist {
     block_len: u64,
     /// The local registrations the list lies in (empty for a remote list).
     registrations: Vec<RegistrationId>,
+}
+
+/// A transfer released while in flight.
+struct Detached {
+    request: nixl::XferRequest,
+    local: DlistId,
+    remote: AgentName,
 }
 
 struct Xfer {

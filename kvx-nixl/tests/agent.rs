@@ -337,3 +337,42 @@ fn vram_blocks_are_read_into_host_memory() {
     assert_eq!(decode.block(0), data[200 * BLOCK as usize..201 * BLOCK as usize]);
     assert_eq!(decode.block(5), data[7 * BLOCK as usize..8 * BLOCK as usize]);
 }
+
+/// A transfer in flight keeps its memory and its remote: deregistering and forgetting are refused;
+/// releasing it detaches it, and the agent completes it in the background.
+#[test]
+fn transfers_in_flight_pin_their_memory_and_remote() {
+    if !nixl_or_skip("transfers_in_flight_pin_their_memory_and_remote") {
+        return;
+    }
+    let decode = NixlAgent::new("decode", &NixlConfig::default()).unwrap();
+    let pool = Arc::new(HostMemory::new(REGIONS * BLOCKS as usize * BLOCK as usize).unwrap());
+    let registration = decode.register(pool.clone()).unwrap();
+    let decode = Side { agent: decode, pool };
+    let prefill = Side::new("prefill", 50);
+    let (peer, local, remote) = connect(&decode, &prefill);
+    // The first transfer needs the target to progress (connection setup): it stays in flight
+    // until `prefill` is serviced.
+    let xfer = decode.agent.post(XferOp::Read, local, &[0, 1, 2, 3], remote, &[9, 8, 7, 6], None).unwrap();
+    if decode.agent.poll(xfer).unwrap() != XferState::Pending {
+        eprintln!("transfer completed at once; nothing in flight to check");
+        return;
+    }
+    assert_eq!(decode.agent.forget_remote(&peer).unwrap_err().kind(), ErrorKind::State);
+    assert_eq!(decode.agent.deregister(registration).unwrap_err().kind(), ErrorKind::State);
+    decode.agent.release(xfer).unwrap();
+    assert_eq!(decode.agent.poll(xfer).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(decode.agent.deregister(registration).unwrap_err().kind(), ErrorKind::State);
+
+    // Serviced, the detached transfer completes, and then the memory and remote are free to go.
+    let deadline = std::time::Instant::now() + common::DEADLINE;
+    while decode.agent.forget_remote(&peer).is_err() {
+        prefill.agent.progress().unwrap();
+        decode.agent.progress().unwrap();
+        assert!(std::time::Instant::now() < deadline, "detached transfer never completed");
+    }
+    for (d, s) in [(0, 9), (1, 8), (2, 7), (3, 6)] {
+        assert_eq!(decode.block(d), prefill.block(s));
+    }
+    decode.agent.deregister(registration).unwrap();
+}
