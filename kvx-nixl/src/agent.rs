@@ -527,7 +527,9 @@ impl TransferAgent for NixlAgent {
     }
 }
 
-/// Everything behind the agent's mutex. Field order is drop order; [`State`]'s `Drop` first
+/// Everything behind the agent's mutex. nixl-sys marks its agent and request handles `Send` and
+/// `Sync` without saying why; kvx-nixl does not rely on that for correctness: every NIXL call and
+/// every drop of a NIXL handle happens with this mutex held (or, in `Drop`, with exclusive access). Field order is drop order; [`State`]'s `Drop` first
 /// empties the tables in dependency order, and the NIXL agent itself goes last.
 struct State {
     next_id: u64,
