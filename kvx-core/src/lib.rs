@@ -2,14 +2,37 @@
 #![deny(unsafe_code)] // Only `memory` (the KvMemory contract and HostMemory) opts out, with reasons.
 
 pub mod error;
+pub mod exchange;
+pub mod group;
 pub mod ids;
+pub mod layout;
 pub mod memory;
+pub mod meta;
+pub mod params;
+pub mod scheduler;
 pub mod transfer;
+pub mod wire;
+pub mod worker;
 
 pub use error::{Error, ErrorKind, Result};
+pub use exchange::MetadataExchange;
+pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
+pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{HostMemory, KvMemory, MemKind, MemRegion};
+pub use meta::{ConnectorMetadata, FailedRecv, Finished, RecvRequest};
+pub use params::{RemoteCoordinates, TransferParams};
+pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
-    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp,
-    XferState,
+    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,
+    XferOp, XferState,
 };
+pub use worker::{ConnectorWorker, FinishedAggregator, WorkerCommand, WorkerConfig, WorkerStats};
+
+/// mockall mocks of the three traits (feature `mock`).
+#[cfg(any(test, feature = "mock"))]
+pub mod mock {
+    pub use crate::exchange::MockMetadataExchange;
+    pub use crate::group::MockParallelGroup;
+    pub use crate::transfer::MockTransferAgent;
+}
