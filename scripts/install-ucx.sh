@@ -4,12 +4,11 @@
 # Idempotent: does nothing when everything is present. Needs root (or sudo) only when installing.
 set -euo pipefail
 
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=()
-pkg-config --atleast-version=1.13 ucx 2>/dev/null || missing+=(libucx-dev)
-command -v ucx_perftest >/dev/null 2>&1 || missing+=(ucx-utils)
-command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
-# bindgen loads libclang at build time.
-if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so'; then missing+=(libclang-dev); fi
+for pkg in libucx-dev ucx-utils libclang-dev pkg-config; do
+    installed "$pkg" || missing+=("$pkg")
+done
 
 if [ ${#missing[@]} -eq 0 ]; then
     echo "install-ucx: UCX $(pkg-config --modversion ucx), ucx_perftest, libclang and pkg-config present"
@@ -21,6 +20,6 @@ sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -q
-$sudo apt-get install -y -q libucx-dev ucx-utils libclang-dev pkg-config
+$sudo apt-get install -y -q "${missing[@]}"
 pkg-config --atleast-version=1.13 ucx || { echo "install-ucx: UCX >= 1.13 still not found" >&2; exit 1; }
 echo "install-ucx: UCX $(pkg-config --modversion ucx) installed"
