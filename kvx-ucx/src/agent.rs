@@ -538,6 +538,15 @@ impl Inner {
     /// notifications, endpoint closes). Returns the number of worker events.
     fn progress_all(&mut self) -> u32 {
         let events = self.progress_worker();
+        // Posted transfers move on too (their flushes and notifications go out) even when the
+        // owner only calls progress().
+        if self.xfers.values().any(|x| !x.is_terminal()) {
+            let mut xfers = std::mem::take(&mut self.xfers);
+            for xfer in xfers.values_mut().filter(|x| !x.is_terminal()) {
+                self.advance(xfer);
+            }
+            self.xfers = xfers;
+        }
         if !self.orphans.is_empty() {
             let mut orphans = std::mem::take(&mut self.orphans);
             for xfer in &mut orphans {
