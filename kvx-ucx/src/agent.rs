@@ -725,6 +725,20 @@ impl Xfer {
     }
 }
 
+impl Inner {
+    /// Forgets every UCX handle and everything UCX may still reference (see `Drop`).
+    fn leak_all(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.closing));
+        std::mem::forget(std::mem::take(&mut self.orphans));
+        std::mem::forget(std::mem::take(&mut self.sends));
+        std::mem::forget(std::mem::take(&mut self.peers));
+        std::mem::forget(std::mem::take(&mut self.regs));
+        let empty = Box::new(Inbox { queue: Mutex::new(Vec::new()), rejected: AtomicU64::new(0) });
+        std::mem::forget(std::mem::replace(&mut self.inbox, empty));
+        std::mem::forget(Arc::clone(&self.context));
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // Give running transfers a bounded chance to finish (no new notifications are sent).
@@ -734,24 +748,27 @@ impl Drop for Inner {
         }
         self.orphans.append(&mut xfers);
         let drained = self.progress_for(TEARDOWN_BOUND, |s| s.orphans.is_empty() && s.sends.is_empty());
-        if !drained {
-            tracing::warn!("UCX agent {}: dropping with transfers still running", self.name);
-        }
-        for mut x in std::mem::take(&mut self.orphans) {
-            x.requests.clear();
-            x.send = None;
-            x.holds_refs = false;
-        }
-        self.sends.clear();
-
-        // Endpoints (each after its rkeys), bounded wait for the closes.
-        self.dlists.clear();
-        let keys: Vec<u64> = self.peers.keys().copied().collect();
-        for key in keys {
-            self.destroy_peer(key);
-        }
-        if !self.progress_for(TEARDOWN_BOUND, |s| s.closing.is_empty()) {
-            tracing::warn!("UCX agent {}: endpoints still closing at teardown", self.name);
+        let closed = drained && {
+            // Endpoints, each after its rkeys; then a bounded wait for the closes.
+            self.dlists.clear();
+            let keys: Vec<u64> = self.peers.keys().copied().collect();
+            for key in keys {
+                self.destroy_peer(key);
+            }
+            self.progress_for(TEARDOWN_BOUND, |s| s.closing.is_empty())
+        };
+        if !closed {
+            // A peer that never answers (dead, or never progressing) leaves transfers running and
+            // connection-setup messages queued, and UCX 1.13 aborts the process when
+            // ucp_worker_destroy purges those (assertion in ucp_request_send_state_ff). Leak
+            // instead: the worker, the context, and everything UCX may still reference.
+            tracing::error!(
+                "UCX agent {}: peers did not answer within {TEARDOWN_BOUND:?}; leaking its UCX worker, \
+                 context and registered memory rather than letting UCX abort the process",
+                self.name
+            );
+            self.leak_all();
+            return;
         }
         self.closing.clear();
 
