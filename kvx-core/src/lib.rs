@@ -1,15 +1,44 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_code)] // Only `memory` (the KvMemory contract and HostMemory) opts out, with reasons.
 
+#[cfg(feature = "net")]
+pub mod driver;
 pub mod error;
+pub mod exchange;
+pub mod group;
 pub mod ids;
+pub mod layout;
 pub mod memory;
+pub mod meta;
+#[cfg(feature = "net")]
+pub mod net;
+pub mod params;
+pub mod scheduler;
 pub mod transfer;
+pub mod wire;
+pub mod worker;
 
+#[cfg(feature = "net")]
+pub use driver::WorkerDriver;
 pub use error::{Error, ErrorKind, Result};
+pub use exchange::MetadataExchange;
+pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
+pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{HostMemory, KvMemory, MemKind, MemRegion};
+pub use meta::{ConnectorMetadata, FailedRecv, Finished, RankReport, RecvRequest};
+pub use params::{RemoteCoordinates, TransferParams};
+pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
-    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp,
-    XferState,
+    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,
+    XferOp, XferState,
 };
+pub use worker::{ConnectorWorker, FinishedAggregator, WorkerCommand, WorkerConfig, WorkerStats};
+
+/// mockall mocks of the three traits (feature `mock`).
+#[cfg(any(test, feature = "mock"))]
+pub mod mock {
+    pub use crate::exchange::MockMetadataExchange;
+    pub use crate::group::MockParallelGroup;
+    pub use crate::transfer::MockTransferAgent;
+}

@@ -102,8 +102,9 @@ impl HostMemory {
             .map_err(|e| Error::invalid_argument(format!("HostMemory of {len} bytes: {e}")))?;
         // SAFETY: the layout has a non-zero size (checked above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| Error::new(crate::ErrorKind::Backend, format!("out of memory allocating {len} bytes")))?;
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            Error::new(crate::ErrorKind::Backend, format!("out of memory allocating {len} bytes"))
+        })?;
         Ok(HostMemory { ptr, layout })
     }
 

@@ -171,6 +171,7 @@ pub struct Notification {
 /// 3. [`post`](Self::post) transfers, [`poll`](Self::poll) them until `Done` or `Failed`, then
 ///    [`release`](Self::release) them.
 /// 4. [`drain_notifications`](Self::drain_notifications) every step.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// This agent's name.
     fn name(&self) -> &AgentName;
@@ -220,14 +221,15 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// in place.
     ///
     /// Requires [`Capabilities::read`] or [`Capabilities::write`].
-    fn post(
+    #[allow(clippy::needless_lifetimes)] // mockall needs the lifetime named.
+    fn post<'a>(
         &self,
         op: XferOp,
         local: DlistId,
         local_descs: &[u32],
         remote: DlistId,
         remote_descs: &[u32],
-        notify: Option<&[u8]>,
+        notify: Option<&'a [u8]>,
     ) -> Result<XferId>;
 
     /// Where a transfer stands; drives the transport's progress. An unknown id is `NotFound`.
@@ -255,7 +257,13 @@ mod tests {
 
     #[test]
     fn block_list_numbers_descriptors_region_major() {
-        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![1000, 5000], num_blocks: 4, block_len: 10 };
+        let l = BlockList {
+            kind: MemKind::Dram,
+            device: 0,
+            bases: vec![1000, 5000],
+            num_blocks: 4,
+            block_len: 10,
+        };
         assert_eq!(l.len(), 8);
         assert_eq!(l.desc(0).unwrap().addr, 1000);
         assert_eq!(l.desc(3).unwrap().addr, 1030);
@@ -268,7 +276,13 @@ mod tests {
 
     #[test]
     fn block_list_rejects_overflow() {
-        let l = BlockList { kind: MemKind::Dram, device: 0, bases: vec![u64::MAX - 5], num_blocks: 2, block_len: 4 };
+        let l = BlockList {
+            kind: MemKind::Dram,
+            device: 0,
+            bases: vec![u64::MAX - 5],
+            num_blocks: 2,
+            block_len: 4,
+        };
         assert_eq!(l.desc(1), None);
         assert_eq!(l.regions().next(), Some(None));
         let empty = BlockList { num_blocks: 0, ..l };

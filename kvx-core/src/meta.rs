@@ -1,0 +1,97 @@
+//! What the scheduler hands the workers each step, and what the workers hand back.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{BlockId, RequestId};
+use crate::params::RemoteCoordinates;
+use crate::wire::{MessageKind, WireMessage};
+
+/// One request whose KV the decode workers load from a prefill engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecvRequest {
+    /// The request.
+    pub request_id: RequestId,
+    /// Local blocks to fill. Empty: nothing to read, only tell the prefill engine to free.
+    pub local_block_ids: Vec<BlockId>,
+    /// The prefill engine's blocks; when longer than `local_block_ids`, only the last
+    /// `local_block_ids.len()` are read (the rest hit the local prefix cache).
+    pub remote_block_ids: Vec<BlockId>,
+    /// Where the prefill engine is.
+    pub remote: RemoteCoordinates,
+}
+
+impl RecvRequest {
+    /// Whether this entry only notifies the prefill engine (nothing to read).
+    pub fn is_notify_only(&self) -> bool {
+        self.local_block_ids.is_empty()
+    }
+}
+
+/// The scheduler's output for the workers of one engine step. Serialisable: in a real engine it
+/// crosses from the scheduler process to the worker processes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectorMetadata {
+    /// Decode side: requests to load now.
+    pub reqs_to_recv: Vec<RecvRequest>,
+    /// Prefill side: requests whose blocks are now held for a remote reader.
+    pub reqs_to_send: Vec<RequestId>,
+}
+
+impl ConnectorMetadata {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty()
+    }
+}
+
+impl WireMessage for ConnectorMetadata {
+    const KIND: MessageKind = MessageKind::ConnectorMetadata;
+}
+
+/// A load that failed, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedRecv {
+    /// The request.
+    pub request_id: RequestId,
+    /// What went wrong (the error's display).
+    pub reason: String,
+}
+
+/// Requests that finished moving KV since the last report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finished {
+    /// Prefill side: the reader is done (or the hold expired); the blocks may be freed.
+    pub sending: Vec<RequestId>,
+    /// Decode side: the KV is in place; the request may run.
+    pub recving: Vec<RequestId>,
+    /// Decode side: the load failed; the request must fail or recompute its prefill. Its local
+    /// blocks are no longer written to and may be freed.
+    pub failed_recving: Vec<FailedRecv>,
+}
+
+impl Finished {
+    /// Whether nothing finished.
+    pub fn is_empty(&self) -> bool {
+        self.sending.is_empty() && self.recving.is_empty() && self.failed_recving.is_empty()
+    }
+
+    /// Appends `other`.
+    pub fn extend(&mut self, other: Finished) {
+        self.sending.extend(other.sending);
+        self.recving.extend(other.recving);
+        self.failed_recving.extend(other.failed_recving);
+    }
+}
+
+/// A rank's [`Finished`] on its way to rank 0.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankReport {
+    /// The sending rank.
+    pub rank: u32,
+    /// What finished on it.
+    pub finished: Finished,
+}
+
+impl WireMessage for RankReport {
+    const KIND: MessageKind = MessageKind::FinishedReport;
+}

@@ -1,0 +1,507 @@
+//! The scheduler side of the connector: which requests load KV remotely, which prefill requests
+//! keep their blocks, and the per-step [`ConnectorMetadata`]. Pure logic: no I/O, no clock.
+
+use std::collections::{HashMap, HashSet};
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, EngineId, RequestId};
+#[cfg(test)]
+use crate::meta::FailedRecv;
+use crate::meta::{ConnectorMetadata, Finished, RecvRequest};
+use crate::params::{RemoteCoordinates, TransferParams};
+
+/// Configuration of one engine's scheduler-side connector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// This engine.
+    pub engine_id: EngineId,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Host of this engine's side channel, handed to decode engines.
+    pub side_channel_host: String,
+    /// Base port of this engine's side channel (rank `r` listens on `port + r`).
+    pub side_channel_port: u16,
+}
+
+/// Why the engine finished a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// Stopped at its length cap (a prefill request for remote decode stops after one token).
+    LengthCapped,
+    /// Stopped on a stop token or string.
+    Stopped,
+    /// Aborted by the client or the engine.
+    Aborted,
+    /// Failed.
+    Error,
+}
+
+/// What [`ConnectorScheduler::get_num_new_matched_tokens`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MatchedTokens {
+    /// Tokens that will be loaded from the remote engine beyond those computed locally.
+    pub count: usize,
+    /// Whether they load asynchronously (the request waits for the workers' `recving` report).
+    pub load_async: bool,
+}
+
+/// What [`ConnectorScheduler::request_finished`] answers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FinishOutcome {
+    /// Keep the request's blocks until a `Finished` report names it.
+    pub delay_free: bool,
+    /// Params to return to the client (prefill side: what the decode engine needs).
+    pub params: Option<TransferParams>,
+}
+
+#[derive(Debug, Clone)]
+struct PendingRecv {
+    remote: RemoteCoordinates,
+    /// The remote blocks covering the prompt's tokens up to what will be loaded.
+    remote_block_ids: Vec<BlockId>,
+    /// Empty until blocks are allocated; stays empty for notify-only requests.
+    local_block_ids: Vec<BlockId>,
+}
+
+/// The scheduler side of the connector, one per engine.
+///
+/// # Calling order, per engine step
+/// 1. For each waiting request: [`get_num_new_matched_tokens`](Self::get_num_new_matched_tokens),
+///    then, once its blocks are allocated, [`update_state_after_alloc`](Self::update_state_after_alloc).
+/// 2. [`request_finished`](Self::request_finished) for each request that finished or was aborted.
+/// 3. [`build_connector_meta`](Self::build_connector_meta) once, handed to every worker.
+/// 4. [`update_finished`](Self::update_finished) with the workers' (rank 0's) report.
+#[derive(Debug)]
+pub struct ConnectorScheduler {
+    config: SchedulerConfig,
+    /// Decode side: recorded this step, sent with the next metadata.
+    pending_recv: HashMap<RequestId, PendingRecv>,
+    /// Decode side: handed to the workers, READ not yet reported finished.
+    recving: HashSet<RequestId>,
+    /// Prefill side: blocks held for a reader, not yet reported sent.
+    sending: HashSet<RequestId>,
+    /// Prefill side: held since the last metadata.
+    new_sending: Vec<RequestId>,
+}
+
+impl ConnectorScheduler {
+    /// A scheduler-side connector. `block_size` must be non-zero.
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        if config.block_size == 0 {
+            return Err(Error::invalid_argument("block_size must be non-zero"));
+        }
+        Ok(ConnectorScheduler {
+            config,
+            pending_recv: HashMap::new(),
+            recving: HashSet::new(),
+            sending: HashSet::new(),
+            new_sending: Vec::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    fn block_size(&self) -> usize {
+        self.config.block_size as usize
+    }
+
+    /// How many of the prompt's tokens, beyond the `num_computed_tokens` the local prefix cache
+    /// holds, load from the remote engine.
+    ///
+    /// Only requests with `do_remote_prefill` and complete remote coordinates load anything. The
+    /// remote engine sends full blocks only: the count is the prompt rounded down to a block,
+    /// capped by the blocks it offers, minus the computed tokens. When that is 0 but the remote
+    /// holds blocks, the request is still recorded so that the prefill engine is told to free.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        request_id: &RequestId,
+        prompt_len: usize,
+        params: Option<&TransferParams>,
+        num_computed_tokens: usize,
+    ) -> Result<MatchedTokens> {
+        let Some(params) = params.filter(|p| p.do_remote_prefill) else {
+            return Ok(MatchedTokens::default());
+        };
+        let bs = self.block_size();
+        if num_computed_tokens % bs != 0 {
+            return Err(Error::invalid_argument(format!(
+                "request {request_id}: {num_computed_tokens} computed tokens is not a multiple of block size {bs}"
+            )));
+        }
+        let Some(remote) = params.coordinates() else {
+            warn!(%request_id, "do_remote_prefill without complete remote coordinates: computing locally");
+            return Ok(MatchedTokens::default());
+        };
+        let remote_ids = params.remote_blocks();
+        let loadable_blocks = (prompt_len / bs).min(remote_ids.len());
+        let count = (loadable_blocks * bs).saturating_sub(num_computed_tokens);
+        if count > 0 {
+            return Ok(MatchedTokens { count, load_async: true });
+        }
+        if !remote_ids.is_empty() {
+            debug!(%request_id, "full local prefix hit: notify the prefill engine only");
+            self.pending_recv.insert(
+                request_id.clone(),
+                PendingRecv { remote, remote_block_ids: Vec::new(), local_block_ids: Vec::new() },
+            );
+        }
+        Ok(MatchedTokens::default())
+    }
+
+    /// Records the blocks allocated for a request's remote tokens. `new_block_ids` are the blocks
+    /// newly allocated for it (not prefix-cached), in token order; the first
+    /// `num_external_tokens / block_size` of them receive the remote blocks.
+    ///
+    /// A request triggers at most one load: `do_remote_prefill` is turned off here.
+    pub fn update_state_after_alloc(
+        &mut self,
+        request_id: &RequestId,
+        prompt_len: usize,
+        params: Option<&mut TransferParams>,
+        new_block_ids: &[BlockId],
+        num_external_tokens: usize,
+    ) -> Result<()> {
+        let Some(params) = params.filter(|p| p.do_remote_prefill) else {
+            return Ok(());
+        };
+        params.do_remote_prefill = false;
+        if num_external_tokens == 0 {
+            // Nothing to read; a notify-only record from get_num_new_matched_tokens stays.
+            return Ok(());
+        }
+        let bs = self.block_size();
+        let Some(remote) = params.coordinates() else {
+            warn!(%request_id, "invalid kv_transfer_params (incomplete remote coordinates): no transfer");
+            return Ok(());
+        };
+        let needed = num_external_tokens / bs;
+        if num_external_tokens % bs != 0 || needed > new_block_ids.len() {
+            return Err(Error::invalid_argument(format!(
+                "request {request_id}: {num_external_tokens} external tokens need whole blocks; {} allocated",
+                new_block_ids.len()
+            )));
+        }
+        let remote_ids = params.remote_blocks();
+        if needed > (prompt_len / bs).min(remote_ids.len()) {
+            return Err(Error::invalid_argument(format!(
+                "request {request_id}: {needed} blocks to load but the remote offers {} for a {prompt_len}-token prompt",
+                remote_ids.len()
+            )));
+        }
+        // The remote blocks up to the end of what loads; the worker reads their last `needed`.
+        let loadable = (prompt_len / bs).min(remote_ids.len());
+        self.pending_recv.insert(
+            request_id.clone(),
+            PendingRecv {
+                remote,
+                remote_block_ids: remote_ids[..loadable].to_vec(),
+                local_block_ids: new_block_ids[..needed].to_vec(),
+            },
+        );
+        Ok(())
+    }
+
+    /// The metadata for this step's workers; clears what it hands over.
+    pub fn build_connector_meta(&mut self) -> ConnectorMetadata {
+        let mut reqs_to_recv: Vec<RecvRequest> = self
+            .pending_recv
+            .drain()
+            .map(|(request_id, p)| RecvRequest {
+                request_id,
+                local_block_ids: p.local_block_ids,
+                remote_block_ids: p.remote_block_ids,
+                remote: p.remote,
+            })
+            .collect();
+        reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        for r in &reqs_to_recv {
+            if !r.is_notify_only() {
+                self.recving.insert(r.request_id.clone());
+            }
+        }
+        ConnectorMetadata { reqs_to_recv, reqs_to_send: std::mem::take(&mut self.new_sending) }
+    }
+
+    /// A request finished or was aborted. `block_ids` are its blocks in token order.
+    ///
+    /// - Prefill side (`do_remote_decode`, finished by the length cap): keep the full computed
+    ///   blocks for the decode engine (a trailing partial block is not sent) and return the params
+    ///   it needs.
+    /// - Decode side, aborted before its load was handed to the workers: the load is dropped (no
+    ///   READ into freed blocks) but the prefill engine is still told to free.
+    /// - Decode side, aborted while its READ is in flight: keep the blocks until the workers report
+    ///   the load finished or failed.
+    pub fn request_finished(
+        &mut self,
+        request_id: &RequestId,
+        params: Option<&TransferParams>,
+        reason: FinishReason,
+        num_computed_tokens: usize,
+        block_ids: &[BlockId],
+    ) -> FinishOutcome {
+        if let Some(pending) = self.pending_recv.get_mut(request_id) {
+            pending.local_block_ids.clear();
+            pending.remote_block_ids.clear();
+            return FinishOutcome::default();
+        }
+        if self.recving.contains(request_id) {
+            return FinishOutcome { delay_free: true, params: None };
+        }
+        if !params.is_some_and(|p| p.do_remote_decode) || reason != FinishReason::LengthCapped {
+            return FinishOutcome::default();
+        }
+        let full_blocks = (num_computed_tokens / self.block_size()).min(block_ids.len());
+        let computed = block_ids[..full_blocks].to_vec();
+        let delay_free = !computed.is_empty();
+        if delay_free {
+            self.sending.insert(request_id.clone());
+            self.new_sending.push(request_id.clone());
+        }
+        FinishOutcome {
+            delay_free,
+            params: Some(TransferParams::for_decode(
+                computed,
+                self.config.engine_id.clone(),
+                self.config.side_channel_host.clone(),
+                self.config.side_channel_port,
+            )),
+        }
+    }
+
+    /// Takes the workers' report: loads that ended, holds that were released.
+    pub fn update_finished(&mut self, finished: &Finished) {
+        for id in &finished.sending {
+            self.sending.remove(id);
+        }
+        for id in finished.recving.iter().chain(finished.failed_recving.iter().map(|f| &f.request_id)) {
+            self.recving.remove(id);
+        }
+    }
+
+    /// Whether the scheduler tracks nothing (every load reported, every hold released).
+    pub fn is_idle(&self) -> bool {
+        self.pending_recv.is_empty() && self.recving.is_empty() && self.sending.is_empty()
+    }
+
+    /// Requests whose loads are in flight.
+    pub fn num_recving(&self) -> usize {
+        self.recving.len()
+    }
+
+    /// Requests whose blocks are held for a reader.
+    pub fn num_sending(&self) -> usize {
+        self.sending.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BS: usize = 16;
+
+    fn sched() -> ConnectorScheduler {
+        ConnectorScheduler::new(SchedulerConfig {
+            engine_id: "prefill".into(),
+            block_size: BS as u32,
+            side_channel_host: "10.0.0.1".into(),
+            side_channel_port: 5600,
+        })
+        .unwrap()
+    }
+
+    fn decode_params(blocks: Vec<BlockId>) -> TransferParams {
+        TransferParams::for_decode(blocks, "prefill".into(), "10.0.0.1".into(), 5600)
+    }
+
+    fn id(s: &str) -> RequestId {
+        RequestId::new(s)
+    }
+
+    #[test]
+    fn remote_prefill_counts_full_blocks_minus_computed() {
+        let mut s = sched();
+        let p = decode_params(vec![10, 11, 12]);
+        let m = s.get_num_new_matched_tokens(&id("r"), 3 * BS + 5, Some(&p), 0).unwrap();
+        assert_eq!(m, MatchedTokens { count: 3 * BS, load_async: true });
+        let m = s.get_num_new_matched_tokens(&id("r"), 3 * BS + 5, Some(&p), BS).unwrap();
+        assert_eq!(m, MatchedTokens { count: 2 * BS, load_async: true });
+        // Capped by the blocks the remote offers, not only by the prompt.
+        let m = s.get_num_new_matched_tokens(&id("r"), 10 * BS, Some(&p), 0).unwrap();
+        assert_eq!(m.count, 3 * BS);
+        assert!(s.build_connector_meta().is_empty());
+    }
+
+    #[test]
+    fn no_remote_prefill_or_no_params_loads_nothing() {
+        let mut s = sched();
+        assert_eq!(s.get_num_new_matched_tokens(&id("r"), 100, None, 0).unwrap(), MatchedTokens::default());
+        let p = TransferParams { do_remote_decode: true, ..Default::default() };
+        assert_eq!(
+            s.get_num_new_matched_tokens(&id("r"), 100, Some(&p), 0).unwrap(),
+            MatchedTokens::default()
+        );
+    }
+
+    #[test]
+    fn unaligned_computed_tokens_is_an_error_not_a_panic() {
+        let mut s = sched();
+        let p = decode_params(vec![1, 2]);
+        let e = s.get_num_new_matched_tokens(&id("r"), 40, Some(&p), 3).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn incomplete_coordinates_promise_no_load_and_transfer_nothing() {
+        for strip in 0..3 {
+            let mut s = sched();
+            let mut p = decode_params(vec![1, 2]);
+            match strip {
+                0 => p.remote_host = None,
+                1 => p.remote_engine_id = None,
+                _ => p.remote_port = None,
+            }
+            let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
+            assert_eq!(m, MatchedTokens::default(), "case {strip}");
+            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).unwrap();
+            assert!(!p.do_remote_prefill, "at most one transfer");
+            assert!(s.build_connector_meta().reqs_to_recv.is_empty());
+        }
+    }
+
+    #[test]
+    fn alloc_records_new_blocks_and_turns_remote_prefill_off() {
+        let mut s = sched();
+        let mut p = decode_params(vec![10, 11, 12]);
+        s.get_num_new_matched_tokens(&id("r"), 3 * BS + 1, Some(&p), BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], 2 * BS).unwrap();
+        assert!(!p.do_remote_prefill);
+        // A second allocation for the same request triggers nothing.
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 2 * BS).unwrap();
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        let r = &meta.reqs_to_recv[0];
+        assert_eq!(r.local_block_ids, vec![5, 6]);
+        assert_eq!(r.remote_block_ids, vec![10, 11, 12]);
+        assert_eq!(r.remote.engine_id, "prefill".into());
+        assert_eq!(s.num_recving(), 1);
+        assert!(s.build_connector_meta().is_empty(), "the record is cleared");
+    }
+
+    #[test]
+    fn full_prefix_hit_is_notify_only_and_survives_allocation() {
+        let mut s = sched();
+        let mut p = decode_params(vec![10, 11]);
+        let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), 2 * BS).unwrap();
+        assert_eq!(m, MatchedTokens::default());
+        // The engine allocates a block for its own computation of the tail: not a load target.
+        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert!(meta.reqs_to_recv[0].is_notify_only());
+        assert_eq!(s.num_recving(), 0, "a notify-only request does not wait");
+    }
+
+    #[test]
+    fn empty_remote_blocks_with_a_long_prompt_loads_nothing() {
+        let mut s = sched();
+        let mut p = decode_params(vec![]);
+        let m = s.get_num_new_matched_tokens(&id("r"), 5 * BS, Some(&p), 0).unwrap();
+        assert_eq!(m, MatchedTokens::default());
+        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0).unwrap();
+        assert!(s.build_connector_meta().is_empty(), "nothing held remotely: nothing to free");
+    }
+
+    #[test]
+    fn alloc_with_too_few_blocks_is_an_error() {
+        let mut s = sched();
+        let mut p = decode_params(vec![1, 2]);
+        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 2 * BS).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+        let mut p = decode_params(vec![1]);
+        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).is_err());
+    }
+
+    #[test]
+    fn prefill_keeps_only_full_computed_blocks() {
+        let mut s = sched();
+        let p = TransferParams { do_remote_decode: true, ..Default::default() };
+        // 2 full blocks and a partial one: the partial block is not offered.
+        let out = s.request_finished(&id("a"), Some(&p), FinishReason::LengthCapped, 2 * BS + 5, &[3, 4, 5]);
+        assert!(out.delay_free);
+        let params = out.params.unwrap();
+        assert_eq!(params, decode_params(vec![3, 4]));
+        // Exactly 2 full blocks, a third allocated for the next token: only 2 offered.
+        let out = s.request_finished(&id("b"), Some(&p), FinishReason::LengthCapped, 2 * BS, &[6, 7, 8]);
+        assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![6, 7]));
+        // Zero computed tokens is not "all full".
+        let out = s.request_finished(&id("c"), Some(&p), FinishReason::LengthCapped, 0, &[9]);
+        assert!(!out.delay_free);
+        assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![]));
+        // Shorter than a block: free now.
+        let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &[9]);
+        assert!(!out.delay_free);
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.reqs_to_send, vec![id("a"), id("b")]);
+        assert_eq!(s.num_sending(), 2);
+        s.update_finished(&Finished { sending: vec![id("a"), id("b")], ..Default::default() });
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn only_length_capped_remote_decode_requests_are_held() {
+        let mut s = sched();
+        let p = TransferParams { do_remote_decode: true, ..Default::default() };
+        for reason in [FinishReason::Stopped, FinishReason::Aborted, FinishReason::Error] {
+            assert_eq!(
+                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]),
+                FinishOutcome::default()
+            );
+        }
+        assert_eq!(
+            s.request_finished(&id("a"), None, FinishReason::LengthCapped, 64, &[1, 2, 3, 4]),
+            FinishOutcome::default()
+        );
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn abort_before_metadata_drops_the_read_but_still_notifies() {
+        let mut s = sched();
+        let mut p = decode_params(vec![10, 11]);
+        s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
+        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5, 6]);
+        assert!(!out.delay_free, "no READ will target the blocks: free them now");
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert!(meta.reqs_to_recv[0].is_notify_only());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn abort_during_read_delays_freeing_until_the_load_ends() {
+        let mut s = sched();
+        let mut p = decode_params(vec![10]);
+        s.get_num_new_matched_tokens(&id("r"), BS, Some(&p), 0).unwrap();
+        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], BS).unwrap();
+        s.build_connector_meta();
+        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5]);
+        assert!(out.delay_free);
+        s.update_finished(&Finished {
+            failed_recving: vec![FailedRecv { request_id: id("r"), reason: "x".into() }],
+            ..Default::default()
+        });
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn zero_block_size_is_rejected() {
+        let cfg = SchedulerConfig { block_size: 0, ..sched().config().clone() };
+        assert!(ConnectorScheduler::new(cfg).is_err());
+    }
+}

@@ -1,0 +1,146 @@
+//! Wire formats: MessagePack (`rmp-serde`) inside a versioned envelope.
+//!
+//! Every message that crosses a process boundary is an [`Envelope`]: a magic tag, the wire
+//! version and the message kind, then the body. A peer speaking another version is refused with
+//! [`ErrorKind::Incompatible`] before its body is looked at.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::ids::{AgentName, EngineId};
+
+/// The wire-format version. Bump it on any incompatible change of a message.
+pub const WIRE_VERSION: u16 = 1;
+
+const MAGIC: [u8; 4] = *b"KVX1";
+
+/// The kinds of kvx messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MessageKind {
+    /// A worker's [`HandshakePayload`].
+    Handshake,
+    /// The scheduler's per-step `ConnectorMetadata`.
+    ConnectorMetadata,
+    /// A rank's finished ids, sent to rank 0.
+    FinishedReport,
+    /// A request for a worker's handshake payload over the side channel.
+    MetadataRequest,
+}
+
+/// A message type that travels inside an [`Envelope`].
+pub trait WireMessage: Serialize + DeserializeOwned {
+    /// Its kind tag.
+    const KIND: MessageKind;
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    #[serde(with = "serde_bytes")]
+    magic: Vec<u8>,
+    version: u16,
+    kind: MessageKind,
+    #[serde(with = "serde_bytes")]
+    body: Vec<u8>,
+}
+
+/// Encodes a message in its envelope.
+pub fn encode<T: WireMessage>(msg: &T) -> Result<Vec<u8>> {
+    let body = rmp_serde::to_vec_named(msg).map_err(|e| wire_error("encode", e))?;
+    let env = Envelope { magic: MAGIC.to_vec(), version: WIRE_VERSION, kind: T::KIND, body };
+    rmp_serde::to_vec_named(&env).map_err(|e| wire_error("encode", e))
+}
+
+/// Decodes a message from bytes that came from a peer: checks magic, version and kind first.
+pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
+    let env: Envelope = rmp_serde::from_slice(bytes).map_err(|e| wire_error("decode envelope", e))?;
+    if env.magic != MAGIC {
+        return Err(Error::new(ErrorKind::Wire, "not a kvx message (bad magic)"));
+    }
+    if env.version != WIRE_VERSION {
+        return Err(Error::new(
+            ErrorKind::Incompatible,
+            format!("peer speaks wire version {}, this build speaks {WIRE_VERSION}", env.version),
+        ));
+    }
+    if env.kind != T::KIND {
+        return Err(Error::new(
+            ErrorKind::Wire,
+            format!("expected a {:?} message, got {:?}", T::KIND, env.kind),
+        ));
+    }
+    rmp_serde::from_slice(&env.body).map_err(|e| wire_error("decode body", e))
+}
+
+fn wire_error(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::new(ErrorKind::Wire, format!("{what}: {e}")).with_source(e)
+}
+
+/// What a worker publishes on its side channel for peers to handshake with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandshakePayload {
+    /// The engine this worker belongs to.
+    pub engine_id: EngineId,
+    /// The worker's tensor-parallel rank.
+    pub rank: u32,
+    /// The engine's tensor-parallel size.
+    pub world_size: u32,
+    /// The transfer agent's name.
+    pub agent_name: AgentName,
+    /// The transfer agent's metadata (`TransferAgent::local_metadata`).
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
+    /// Base address of every region, in layout order.
+    pub region_bases: Vec<u64>,
+    /// Blocks per region.
+    pub num_blocks: u32,
+    /// Bytes per block of one region.
+    pub block_len: u64,
+    /// `KvCacheLayout::compat_hash` of the worker's layout and model tag.
+    pub compat_hash: u64,
+}
+
+impl WireMessage for HandshakePayload {
+    const KIND: MessageKind = MessageKind::Handshake;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload() -> HandshakePayload {
+        HandshakePayload {
+            engine_id: "p".into(),
+            rank: 1,
+            world_size: 2,
+            agent_name: "a".into(),
+            agent_metadata: vec![1, 2, 3],
+            region_bases: vec![4096, 8192],
+            num_blocks: 10,
+            block_len: 256,
+            compat_hash: 42,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let bytes = encode(&payload()).unwrap();
+        assert_eq!(decode::<HandshakePayload>(&bytes).unwrap(), payload());
+    }
+
+    #[test]
+    fn refuses_other_versions_garbage_and_wrong_kinds() {
+        let body = rmp_serde::to_vec_named(&payload()).unwrap();
+        let env =
+            Envelope { magic: MAGIC.to_vec(), version: WIRE_VERSION + 1, kind: MessageKind::Handshake, body };
+        let err = decode::<HandshakePayload>(&rmp_serde::to_vec_named(&env).unwrap()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Incompatible);
+
+        assert_eq!(decode::<HandshakePayload>(b"\xff\x00garbage").unwrap_err().kind(), ErrorKind::Wire);
+        assert_eq!(decode::<HandshakePayload>(&[]).unwrap_err().kind(), ErrorKind::Wire);
+
+        let mut bytes = encode(&payload()).unwrap();
+        bytes.truncate(bytes.len() - 3);
+        assert_eq!(decode::<HandshakePayload>(&bytes).unwrap_err().kind(), ErrorKind::Wire);
+    }
+}

@@ -1,0 +1,420 @@
+//! Every worker path against a mockall agent: what is posted, what is refused, what is reported.
+
+use super::*;
+use crate::memory::HostMemory;
+use crate::mock::MockTransferAgent;
+use crate::transfer::Capabilities;
+use mockall::predicate::*;
+use std::sync::Mutex;
+
+const BS: u32 = 4;
+const NB: u32 = 8;
+
+fn caps() -> Capabilities {
+    Capabilities { backend: "mock", dram: true, vram: false, read: true, write: true, notifications: true }
+}
+
+/// One post as the mock saw it.
+#[derive(Debug, Clone, PartialEq)]
+struct Posted {
+    local: Vec<u32>,
+    remote: Vec<u32>,
+    remote_dlist: DlistId,
+    notify: Option<Vec<u8>>,
+}
+
+/// A mock agent that accepts registration, loads any metadata as "peer", and records posts.
+fn agent(
+    posts: Arc<Mutex<Vec<Posted>>>,
+    mut configure: impl FnMut(&mut MockTransferAgent),
+) -> MockTransferAgent {
+    let mut a = MockTransferAgent::new();
+    configure(&mut a);
+    a.expect_capabilities().return_const(caps());
+    a.expect_name().return_const(AgentName::new("me"));
+    a.expect_register().returning(|_| Ok(RegistrationId(1)));
+    a.expect_local_metadata().returning(|| Ok(b"my-agent-md".to_vec()));
+    a.expect_prep_dlist().returning(|owner, _| {
+        Ok(match owner {
+            DlistOwner::Local => DlistId(100),
+            DlistOwner::Remote(_) => DlistId(200),
+        })
+    });
+    a.expect_load_remote().returning(|_| Ok(AgentName::new("peer")));
+    a.expect_post().returning(move |op, _local, l, remote, r, n| {
+        assert_eq!(op, XferOp::Read);
+        let mut posts = posts.lock().unwrap();
+        posts.push(Posted {
+            local: l.to_vec(),
+            remote: r.to_vec(),
+            remote_dlist: remote,
+            notify: n.map(<[u8]>::to_vec),
+        });
+        Ok(XferId(posts.len() as u64))
+    });
+    a.expect_release().returning(|_| Ok(()));
+    a.expect_drain_notifications().returning(|_| Ok(()));
+    a
+}
+
+fn caches(windows: &[Option<u32>]) -> Vec<LayerCache> {
+    windows
+        .iter()
+        .map(|&window| LayerCache {
+            memory: Arc::new(HostMemory::new((2 * NB * BS * 2) as usize).unwrap()),
+            shape: vec![2, u64::from(NB), u64::from(BS), 1, 2],
+            elem_size: 1,
+            window,
+        })
+        .collect()
+}
+
+fn config(rank: u32) -> WorkerConfig {
+    WorkerConfig::new("decode".into(), rank, 2, BS)
+}
+
+fn worker_with(agent: MockTransferAgent, rank: u32, windows: &[Option<u32>]) -> ConnectorWorker {
+    let mut w = ConnectorWorker::new(config(rank), Arc::new(agent)).unwrap();
+    w.register_kv_caches(&caches(windows)).unwrap();
+    w
+}
+
+/// The payload a compatible prefill rank would publish.
+fn peer_payload(rank: u32, windows: &[Option<u32>], edit: impl FnOnce(&mut HandshakePayload)) -> Vec<u8> {
+    let (layout, _) = KvCacheLayout::detect(&caches(windows), BS).unwrap();
+    let mut p = HandshakePayload {
+        engine_id: "prefill".into(),
+        rank,
+        world_size: 2,
+        agent_name: "peer".into(),
+        agent_metadata: b"peer-md".to_vec(),
+        region_bases: (0..layout.num_regions()).map(|r| 0x10_0000 * u64::from(r + 1)).collect(),
+        num_blocks: 16,
+        block_len: layout.block_len,
+        compat_hash: layout.compat_hash(""),
+    };
+    edit(&mut p);
+    wire::encode(&p).unwrap()
+}
+
+fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
+    RecvRequest {
+        request_id: id.into(),
+        local_block_ids: local,
+        remote_block_ids: remote,
+        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+    }
+}
+
+fn meta(reqs: Vec<RecvRequest>) -> ConnectorMetadata {
+    ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] }
+}
+
+use crate::ids::BlockId;
+
+/// Starts `reqs` and completes the handshake with a compatible peer.
+fn start_and_handshake(w: &mut ConnectorWorker, now: Instant, reqs: Vec<RecvRequest>) {
+    w.start_load_kv(now, &meta(reqs));
+    let cmd = w.poll_command().expect("a handshake is requested");
+    let rank = w.config().rank;
+    assert_eq!(
+        cmd,
+        WorkerCommand::FetchHandshake {
+            engine_id: "prefill".into(),
+            host: "h".into(),
+            port: 5600 + rank as u16
+        }
+    );
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(rank, &[None, None], |_| {})));
+}
+
+#[test]
+fn needs_read_and_notifications() {
+    let mut a = MockTransferAgent::new();
+    a.expect_capabilities().return_const(Capabilities { read: false, ..caps() });
+    let e = ConnectorWorker::new(config(0), Arc::new(a)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+}
+
+#[test]
+fn registration_publishes_a_complete_payload_once() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let mut w = ConnectorWorker::new(config(1), Arc::new(agent(posts, |_| {}))).unwrap();
+    let c = caches(&[None, None]);
+    let bytes = w.register_kv_caches(&c).unwrap();
+    let p: HandshakePayload = wire::decode(&bytes).unwrap();
+    assert_eq!((p.engine_id.as_str(), p.rank, p.world_size), ("decode", 1, 2));
+    assert_eq!(p.agent_metadata, b"my-agent-md");
+    assert_eq!(p.num_blocks, NB);
+    assert_eq!(p.block_len, u64::from(BS) * 2);
+    assert_eq!(p.region_bases.len(), 4);
+    assert_eq!(p.region_bases[0], c[0].memory.region().addr);
+    assert_eq!(w.handshake_payload(), Some(bytes.as_slice()));
+    assert_eq!(w.register_kv_caches(&c).unwrap_err().kind(), ErrorKind::State);
+}
+
+#[test]
+fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let mut w = worker_with(agent(posts.clone(), |_| {}), 1, &[None, None]);
+    let now = Instant::now();
+    // Partial prefix hit: 2 local blocks, 3 remote: read the last 2 remote blocks.
+    w.start_load_kv(now, &meta(vec![recv("a", vec![1, 2], vec![9, 10, 11])]));
+    assert!(posts.lock().unwrap().is_empty(), "nothing is posted before the handshake");
+    // A second request for the same peer waits on the same handshake.
+    w.start_load_kv(now, &meta(vec![recv("b", vec![3], vec![12])]));
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { port: 5601, .. })));
+    assert_eq!(w.poll_command(), None, "one handshake per peer");
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+    let posts = posts.lock().unwrap();
+    assert_eq!(posts.len(), 2);
+    // Regions K0 V0 K1 V1; local num_blocks 8, remote 16.
+    assert_eq!(posts[0].local, vec![1, 2, 9, 10, 17, 18, 25, 26]);
+    assert_eq!(posts[0].remote, vec![10, 11, 26, 27, 42, 43, 58, 59]);
+    assert_eq!(posts[0].remote_dlist, DlistId(200));
+    assert_eq!(posts[0].notify.as_deref(), Some(&b"a"[..]));
+    assert_eq!(posts[1].local, vec![3, 11, 19, 27]);
+    assert_eq!(w.stats().handshakes, 1);
+}
+
+#[test]
+fn windowed_layers_read_only_their_last_blocks() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let windows = [None, Some(1)];
+    let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &windows);
+    w.start_load_kv(Instant::now(), &meta(vec![recv("a", vec![1, 2], vec![3, 4])]));
+    w.poll_command();
+    w.handle_handshake(Instant::now(), &"prefill".into(), Ok(peer_payload(0, &windows, |_| {})));
+    let posts = posts.lock().unwrap();
+    assert_eq!(posts[0].local, vec![1, 2, 9, 10, 18, 26]);
+    assert_eq!(posts[0].remote, vec![3, 4, 19, 20, 36, 52]);
+}
+
+#[test]
+fn full_prefix_hit_notifies_without_reading() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let a = agent(posts.clone(), |a| {
+        a.expect_notify().with(eq(AgentName::new("peer")), eq(&b"a"[..])).times(1).returning(|_, _| Ok(()));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    start_and_handshake(&mut w, Instant::now(), vec![recv("a", vec![], vec![3, 4])]);
+    assert!(posts.lock().unwrap().is_empty());
+    assert!(w.get_finished(Instant::now()).is_empty(), "the request is not waiting");
+    assert_eq!(w.stats().notify_only, 1);
+}
+
+#[test]
+fn completed_and_failed_transfers_are_reported_per_request() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let a = agent(posts, |a| {
+        a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
+        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
+        a.expect_poll().with(eq(XferId(3))).returning(|_| Ok(XferState::Pending));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("ok", vec![1], vec![1]), recv("bad", vec![2], vec![2])]);
+    w.start_load_kv(now, &meta(vec![recv("slow", vec![3], vec![3])]));
+    let f = w.get_finished(now + Duration::from_millis(7));
+    assert_eq!(f.recving, vec![RequestId::new("ok")]);
+    assert_eq!(f.failed_recving.len(), 1);
+    assert_eq!(f.failed_recving[0].request_id, "bad".into());
+    assert!(f.failed_recving[0].reason.contains("link down"));
+    assert_eq!(w.num_in_flight(), 1, "the worker goes on with the others");
+    assert_eq!(w.stats().transfer_latencies, vec![Duration::from_millis(7)]);
+    assert_eq!(w.stats().bytes_read, 4 * u64::from(BS) * 2);
+}
+
+#[test]
+fn a_failed_handshake_fails_exactly_the_waiting_requests_and_is_retried() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &[None, None]);
+    let now = Instant::now();
+    w.start_load_kv(now, &meta(vec![recv("a", vec![1], vec![1]), recv("b", vec![2], vec![2])]));
+    w.poll_command();
+    w.handle_handshake(now, &"prefill".into(), Err(Error::new(ErrorKind::Io, "connection refused")));
+    let f = w.get_finished(now);
+    let failed: Vec<_> = f.failed_recving.iter().map(|f| f.request_id.as_str()).collect();
+    assert_eq!(failed, ["a", "b"]);
+    assert!(f.failed_recving[0].reason.contains("connection refused"));
+    // The next request handshakes again and succeeds.
+    start_and_handshake(&mut w, now, vec![recv("c", vec![3], vec![3])]);
+    assert_eq!(posts.lock().unwrap().len(), 1);
+    assert_eq!(w.stats().handshake_failures, 1);
+}
+
+#[test]
+fn a_handshake_that_never_answers_times_out() {
+    let mut w = worker_with(agent(Arc::default(), |_| {}), 0, &[None, None]);
+    let now = Instant::now();
+    w.start_load_kv(now, &meta(vec![recv("a", vec![1], vec![1])]));
+    assert!(w.get_finished(now + Duration::from_secs(4)).is_empty());
+    assert_eq!(w.next_deadline(), Some(now + Duration::from_secs(5)));
+    let f = w.get_finished(now + Duration::from_secs(5));
+    assert_eq!(f.failed_recving.len(), 1);
+    assert!(f.failed_recving[0].reason.contains("timed out"), "{}", f.failed_recving[0].reason);
+    // A result arriving after the timeout is ignored.
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |_| {})));
+    assert!(w.is_idle());
+}
+
+#[test]
+fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
+    let cases: Vec<(&str, RecvRequest)> = vec![
+        ("remote id past the remote pool", recv("r", vec![1], vec![16])),
+        ("local id past the local pool", recv("r", vec![8], vec![1])),
+        ("more local than remote blocks", recv("r", vec![1, 2], vec![1])),
+        ("duplicate local block", recv("r", vec![1, 1], vec![1, 2])),
+        (
+            "our own engine id",
+            RecvRequest {
+                remote: RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 1 },
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+        (
+            "port overflow",
+            RecvRequest {
+                remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: u16::MAX },
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+    ];
+    for (what, req) in cases {
+        let posts = Arc::new(Mutex::new(vec![]));
+        let mut w = worker_with(agent(posts.clone(), |_| {}), 1, &[None, None]);
+        w.start_load_kv(Instant::now(), &meta(vec![req]));
+        if w.poll_command().is_some() {
+            w.handle_handshake(Instant::now(), &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+        }
+        let f = w.get_finished(Instant::now());
+        assert_eq!(f.failed_recving.len(), 1, "{what}");
+        assert!(posts.lock().unwrap().is_empty(), "{what}: nothing may be posted");
+    }
+}
+
+#[test]
+fn bad_handshake_payloads_are_refused() {
+    let (layout, _) = KvCacheLayout::detect(&caches(&[None, None]), BS).unwrap();
+    let cases: Vec<(&str, Vec<u8>, ErrorKind)> = vec![
+        ("garbage", b"not a payload".to_vec(), ErrorKind::Handshake),
+        ("other engine", peer_payload(0, &[None, None], |p| p.engine_id = "x".into()), ErrorKind::Handshake),
+        ("other rank", peer_payload(1, &[None, None], |_| {}), ErrorKind::Incompatible),
+        ("other TP size", peer_payload(0, &[None, None], |p| p.world_size = 4), ErrorKind::Incompatible),
+        ("other layout", peer_payload(0, &[None, None], |p| p.compat_hash ^= 1), ErrorKind::Incompatible),
+        (
+            "other block length",
+            peer_payload(0, &[None, None], |p| p.block_len = layout.block_len * 2),
+            ErrorKind::Incompatible,
+        ),
+        (
+            "missing regions",
+            peer_payload(0, &[None, None], |p| p.region_bases.pop().map(drop).unwrap_or(())),
+            ErrorKind::Handshake,
+        ),
+        ("empty pool", peer_payload(0, &[None, None], |p| p.num_blocks = 0), ErrorKind::Handshake),
+    ];
+    for (what, payload, kind) in cases {
+        let posts = Arc::new(Mutex::new(vec![]));
+        let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &[None, None]);
+        w.start_load_kv(Instant::now(), &meta(vec![recv("r", vec![1], vec![1])]));
+        w.poll_command();
+        w.handle_handshake(Instant::now(), &"prefill".into(), Ok(payload));
+        let f = w.get_finished(Instant::now());
+        assert_eq!(f.failed_recving.len(), 1, "{what}");
+        assert!(
+            f.failed_recving[0].reason.starts_with(&kind.to_string()),
+            "{what}: {}",
+            f.failed_recving[0].reason
+        );
+        assert!(posts.lock().unwrap().is_empty(), "{what}");
+        assert_eq!(w.stats().handshake_failures, 1, "{what}");
+    }
+}
+
+#[test]
+fn a_restarted_peer_with_the_same_agent_name_is_reloaded() {
+    let loads = Arc::new(Mutex::new(0));
+    let l = loads.clone();
+    let a = {
+        let mut a = MockTransferAgent::new();
+        a.expect_load_remote().returning(move |_| {
+            let mut n = l.lock().unwrap();
+            *n += 1;
+            if *n == 1 {
+                Err(Error::new(ErrorKind::State, "already loaded"))
+            } else {
+                Ok(AgentName::new("peer"))
+            }
+        });
+        a.expect_forget_remote().with(eq(AgentName::new("peer"))).times(1).returning(|_| Ok(()));
+        agent(Arc::default(), |m| *m = std::mem::replace(&mut a, MockTransferAgent::new()))
+    };
+    let mut w = worker_with(a, 0, &[None, None]);
+    start_and_handshake(&mut w, Instant::now(), vec![recv("a", vec![1], vec![1])]);
+    assert_eq!(*loads.lock().unwrap(), 2);
+    assert_eq!(w.stats().handshakes, 1);
+}
+
+fn notif(msg: &[u8]) -> Notification {
+    Notification { from: "peer".into(), msg: msg.to_vec() }
+}
+
+#[test]
+fn holds_end_on_notification_or_expiry() {
+    let queue =
+        Arc::new(Mutex::new(vec![notif(b"early"), notif(b"held"), notif(b"\xff\xfe"), notif(b"held")]));
+    let q = queue.clone();
+    let mut a = MockTransferAgent::new();
+    a.expect_drain_notifications().returning(move |out| {
+        out.append(&mut q.lock().unwrap());
+        Ok(())
+    });
+    let a = agent(Arc::default(), |m| *m = std::mem::replace(&mut a, MockTransferAgent::new()));
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    let send = |ids: &[&str]| ConnectorMetadata {
+        reqs_to_recv: vec![],
+        reqs_to_send: ids.iter().map(|s| RequestId::new(*s)).collect(),
+    };
+    w.start_load_kv(now, &send(&["held", "forgotten"]));
+    let f = w.get_finished(now);
+    assert_eq!(f.sending, vec![RequestId::new("held")]);
+    // The early notification completes its hold as soon as the hold arrives.
+    w.start_load_kv(now, &send(&["early"]));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("early")]);
+    // A hold no reader claims is released after the hold timeout.
+    assert!(w.get_finished(now + Duration::from_secs(119)).is_empty());
+    assert_eq!(w.get_finished(now + Duration::from_secs(120)).sending, vec![RequestId::new("forgotten")]);
+    let s = w.stats();
+    assert_eq!((s.notifications, s.stray_notifications, s.expired_holds), (2, 2, 1));
+    assert!(w.is_idle());
+}
+
+#[test]
+fn loads_before_registration_fail() {
+    let mut w = ConnectorWorker::new(config(0), Arc::new(agent(Arc::default(), |_| {}))).unwrap();
+    w.start_load_kv(Instant::now(), &meta(vec![recv("a", vec![1], vec![1])]));
+    assert_eq!(w.get_finished(Instant::now()).failed_recving.len(), 1);
+}
+
+#[test]
+fn rank0_reports_an_id_once_every_rank_has_it() {
+    let mut agg = FinishedAggregator::new(2);
+    let r = |recving: &[&str], sending: &[&str], failed: &[&str]| Finished {
+        recving: recving.iter().map(|s| RequestId::new(*s)).collect(),
+        sending: sending.iter().map(|s| RequestId::new(*s)).collect(),
+        failed_recving: failed
+            .iter()
+            .map(|s| FailedRecv { request_id: RequestId::new(*s), reason: "boom".into() })
+            .collect(),
+    };
+    let out = agg.aggregate([r(&["a", "b"], &["s"], &[]), r(&["a"], &[], &["b"])]);
+    assert_eq!(out.recving, vec![RequestId::new("a")]);
+    assert_eq!(out.failed_recving, vec![FailedRecv { request_id: "b".into(), reason: "boom".into() }]);
+    assert!(out.sending.is_empty());
+    assert_eq!(agg.num_partial(), 1);
+    let out = agg.aggregate([r(&[], &[], &[]), r(&[], &["s"], &[])]);
+    assert_eq!(out.sending, vec![RequestId::new("s")]);
+    assert_eq!(agg.num_partial(), 0);
+}
