@@ -484,10 +484,8 @@ impl Inner {
         let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
         let mut addr_len = 0usize;
         // SAFETY: live worker; out-pointers valid.
-        check(
-            unsafe { sys::ucp_worker_get_address(worker.as_ptr(), &mut addr, &mut addr_len) },
-            "ucp_worker_get_address",
-        )?;
+        let status = unsafe { sys::ucp_worker_get_address(worker.as_ptr(), &mut addr, &mut addr_len) };
+        check(status, "ucp_worker_get_address")?;
         // SAFETY: UCX returned `addr_len` readable bytes at `addr`; copied, then released once.
         inner.address = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), addr_len) }.to_vec();
         // SAFETY: the address came from this worker and is released once.
@@ -507,10 +505,8 @@ impl Inner {
         am.arg = ptr::from_ref::<Inbox>(&inner.inbox).cast_mut().cast();
         // SAFETY: live worker; the callback's argument (the boxed inbox, which never moves) lives
         // until after the worker is destroyed (Inner::drop destroys the worker before fields drop).
-        check(
-            unsafe { sys::ucp_worker_set_am_recv_handler(worker.as_ptr(), &am) },
-            "ucp_worker_set_am_recv_handler",
-        )?;
+        let status = unsafe { sys::ucp_worker_set_am_recv_handler(worker.as_ptr(), &am) };
+        check(status, "ucp_worker_set_am_recv_handler")?;
         Ok(inner)
     }
 

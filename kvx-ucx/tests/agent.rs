@@ -1,5 +1,6 @@
 //! UCX-specific behaviour beyond the conformance suite: one-sidedness, the progress thread,
 //! transfers outliving their handles, and errors.
+#![allow(clippy::unwrap_used)] // Test helpers outside #[test] fns panic on failure, like asserts.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

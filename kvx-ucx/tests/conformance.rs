@@ -1,6 +1,7 @@
 //! The whole kvx conformance suite for UcxAgent: two agents in one process, over UCX's default
 //! transports, over TCP only, with UCX-allocated target memory, with progress threads, and through
 //! `Arc<dyn TransferAgent>`.
+#![allow(clippy::unwrap_used)] // Test helpers outside #[test] fns panic on failure, like asserts.
 
 use std::sync::Arc;
 
