@@ -1,1 +1,1 @@
-pub mod two_process;
+pub(crate) mod two_process;

@@ -14,32 +14,32 @@ use kvx_core::{
 };
 use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
 
-pub const BLOCK: usize = 64 << 10;
+pub(crate) const BLOCK: usize = 64 << 10;
 /// Blocks the target exports; each round reads `READS` of them, scattered.
-pub const REMOTE_BLOCKS: usize = 2000;
-pub const READS: usize = 1000;
-pub const ROLE_ENV: &str = "KVX_UCX_ROLE";
+pub(crate) const REMOTE_BLOCKS: usize = 2000;
+pub(crate) const READS: usize = 1000;
+pub(crate) const ROLE_ENV: &str = "KVX_UCX_ROLE";
 const TLS_ENV: &str = "KVX_UCX_TLS";
 const MEM_ENV: &str = "KVX_UCX_MEM";
 const DONE: &[u8] = b"kvx-two-process-done";
 const DEADLINE: Duration = Duration::from_secs(120);
 
 /// Word `w` of block `b` of the target's pattern.
-pub fn word(b: usize, w: usize) -> u64 {
+pub(crate) fn word(b: usize, w: usize) -> u64 {
     ((b as u64) << 32 | w as u64) ^ 0x5a5a_0000_a5a5
 }
 
-pub fn block_bytes(b: usize) -> Vec<u8> {
+pub(crate) fn block_bytes(b: usize) -> Vec<u8> {
     (0..BLOCK / 8).flat_map(|w| word(b, w).to_le_bytes()).collect()
 }
 
 /// The remote block read into slot `i` in round `round` (scattered, different every round).
-pub fn remote_block(i: usize, round: usize) -> usize {
+pub(crate) fn remote_block(i: usize, round: usize) -> usize {
     (i * 7919 + round * 101) % REMOTE_BLOCKS
 }
 
 /// The local slot of read `i`: a permutation of 0..READS (gcd(7, 1000) = 1).
-pub fn local_slot(i: usize) -> usize {
+pub(crate) fn local_slot(i: usize) -> usize {
     (i * 7 + 3) % READS
 }
 
@@ -53,14 +53,14 @@ fn config(tls: Option<&str>) -> UcxConfig {
 /// Target memory: allocated by UCX (`pool`, truly one-sided) or a heap buffer (`heap`, served by
 /// the target's progress thread).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TargetMem {
+pub(crate) enum TargetMem {
     Pool,
     Heap,
 }
 
 /// The target role: call first thing in `main` / the role test; returns unless this process is
 /// a target.
-pub fn run_target_if_requested() {
+pub(crate) fn run_target_if_requested() {
     if std::env::var(ROLE_ENV).as_deref() != Ok("target") {
         return;
     }
@@ -116,16 +116,16 @@ pub fn run_target_if_requested() {
 }
 
 /// A running target process.
-pub struct Target {
+pub(crate) struct Target {
     child: Child,
     lines: Receiver<String>,
-    pub metadata: Vec<u8>,
-    pub base: u64,
+    pub(crate) metadata: Vec<u8>,
+    pub(crate) base: u64,
 }
 
 impl Target {
     /// Starts this executable as a target; `args` select the role test (libtest) or nothing.
-    pub fn spawn(args: &[&str], tls: Option<&str>, mem: TargetMem) -> Self {
+    pub(crate) fn spawn(args: &[&str], tls: Option<&str>, mem: TargetMem) -> Self {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args(args).env(ROLE_ENV, "target").stdout(Stdio::piped()).stdin(Stdio::null());
         cmd.env(MEM_ENV, if mem == TargetMem::Heap { "heap" } else { "pool" });
@@ -153,7 +153,7 @@ impl Target {
     }
 
     /// The rest of the first stdout line starting with `prefix` (bounded wait).
-    pub fn wait_line(&mut self, prefix: &str) -> String {
+    pub(crate) fn wait_line(&mut self, prefix: &str) -> String {
         let deadline = Instant::now() + DEADLINE;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -173,7 +173,7 @@ impl Target {
     }
 
     /// Waits (bounded) for the target to report the final notification and exit successfully.
-    pub fn finish(mut self, reader: &str) {
+    pub(crate) fn finish(mut self, reader: &str) {
         assert_eq!(self.wait_line("KVX-NOTIFIED "), reader);
         let deadline = Instant::now() + DEADLINE;
         loop {
@@ -197,15 +197,15 @@ impl Drop for Target {
 }
 
 /// The reading side, in this process.
-pub struct Reader {
-    pub agent: UcxAgent,
-    pub local: Arc<HostMemory>,
+pub(crate) struct Reader {
+    pub(crate) agent: UcxAgent,
+    pub(crate) local: Arc<HostMemory>,
     local_list: DlistId,
     remote_list: DlistId,
 }
 
 impl Reader {
-    pub fn new(name: &str, tls: Option<&str>, target: &Target) -> Self {
+    pub(crate) fn new(name: &str, tls: Option<&str>, target: &Target) -> Self {
         let agent = UcxAgent::with_config(name, &config(tls)).unwrap();
         let local = Arc::new(HostMemory::new(READS * BLOCK).unwrap());
         agent.register(local.clone()).unwrap();
@@ -224,7 +224,7 @@ impl Reader {
     }
 
     /// Posts the round's `READS` scattered reads at once and polls until done; returns the time.
-    pub fn read_round(&self, round: usize, notify: bool) -> Duration {
+    pub(crate) fn read_round(&self, round: usize, notify: bool) -> Duration {
         let local: Vec<u32> = (0..READS).map(|i| local_slot(i) as u32).collect();
         let remote: Vec<u32> = (0..READS).map(|i| remote_block(i, round) as u32).collect();
         let start = Instant::now();
@@ -249,7 +249,7 @@ impl Reader {
     }
 
     /// Checks every byte of the round's reads; returns the number of blocks checked.
-    pub fn verify(&self, round: usize) -> usize {
+    pub(crate) fn verify(&self, round: usize) -> usize {
         let mut block = vec![0u8; BLOCK];
         for i in 0..READS {
             self.local.read(local_slot(i) * BLOCK, &mut block).unwrap();
@@ -263,7 +263,7 @@ impl Reader {
     }
 
     /// Clears the local slots so a round cannot pass on stale data.
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.local.fill(0, READS * BLOCK, 0).unwrap();
     }
 }
