@@ -1,5 +1,5 @@
 //! The conformance suite: plain `check_*` functions that any pair of
-//! [`TransferAgent`](kvx_core::TransferAgent)s must pass.
+//! [`TransferAgent`]s must pass.
 //!
 //! Each check takes a [`Harness`]: two agents (the *initiator* posts transfers, the *target*'s
 //! memory is read and written), a way to allocate memory they can register, and a way to drive
@@ -256,7 +256,23 @@ pub fn check_metadata_round_trip<H: Harness + ?Sized>(h: &H) {
         "forget unknown",
     );
     drop(loaded);
+
+    // Metadata describes the registrations of the moment: after the peer deregisters one, newly
+    // loaded metadata no longer lets a list cover it.
+    let other = ok(h.alloc(Side::Target, 8192), "alloc");
+    let other_reg = Registered::new(tgt, &other);
     drop(reg);
+    let loaded = Loaded::new(ini, &ok(tgt.local_metadata(), "local_metadata"));
+    let owner = DlistOwner::Remote(loaded.name.clone());
+    expect_kind(
+        ini.prep_dlist(&owner, &whole(&buf, 2)),
+        &[ErrorKind::InvalidPeerData],
+        "remote list over memory the peer deregistered before its metadata was taken",
+    );
+    let dl = ok(ini.prep_dlist(&owner, &whole(&other, 2)), "remote list over the peer's other registration");
+    ok(ini.release_dlist(dl), "release_dlist");
+    drop(loaded);
+    drop(other_reg);
 }
 
 /// Malformed metadata is an error, never a panic, and leaves nothing half-loaded behind.
@@ -585,6 +601,11 @@ pub fn check_forget_remote<H: Harness + ?Sized>(h: &H) {
         let (l, r): (Vec<u32>, Vec<u32>) = pairs.iter().copied().unzip();
         let local = f.local_dlist.unwrap_or(DlistId(u64::MAX));
         expect_err(ini.post(op, local, &l, stale, &r, None), "post to a forgotten remote");
+        expect_kind(
+            ini.release_dlist(stale),
+            &[ErrorKind::NotFound],
+            "forget_remote releases the remote's lists",
+        );
     }
     let owner = DlistOwner::Remote(f.target_name.clone());
     expect_kind(
