@@ -44,3 +44,9 @@ mod tests {
         assert_eq!(e.backend(), Some(BACKEND));
     }
 }
+
+/// The workspace README's example of an engine using kvx-core with a backend, compiled and run as
+/// a doctest here (the crate that has both).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
