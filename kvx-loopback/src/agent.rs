@@ -1,0 +1,668 @@
+//! [`LoopbackAgent`]: a [`TransferAgent`] whose transport is a memcpy between agents of one
+//! [`Fabric`](crate::Fabric).
+//!
+//! Locking: an agent's `state`, its `inbox`, its `faults`, the fabric's table and the fabric's
+//! faults are separate mutexes. A thread holds at most one agent's `state` at a time (a progress
+//! pass releases its own before taking a peer's), and takes a faults or inbox lock only briefly,
+//! never while holding a peer's lock: no lock-order cycle, so no deadlock, also with two agents
+//! transferring to each other from two threads.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvx_core::{
+    AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory, MemKind, MemRegion,
+    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+};
+
+use crate::copy::{Pinned, PinnedSet, copy_checked};
+use crate::fabric::FabricInner;
+use crate::faults::{FaultPlan, Faults, TransferFate};
+use crate::metadata::{AgentMetadata, RemoteRegion};
+use crate::{BACKEND, lock};
+
+const CAPABILITIES: Capabilities =
+    Capabilities { backend: BACKEND, dram: true, vram: false, read: true, write: true, notifications: true };
+
+/// How an agent is progressed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentOptions {
+    progress_thread: Option<Duration>,
+}
+
+impl AgentOptions {
+    /// Explicit progress (the default): transfers move only inside `progress`, `poll` and
+    /// `drain_notifications`, one pass per call. Deterministic.
+    pub fn explicit() -> Self {
+        AgentOptions { progress_thread: None }
+    }
+
+    /// A background thread performs the transfers: it runs a pass as soon as a transfer is posted
+    /// and, while delayed transfers wait, every `retry` (bounded below by 10 µs). `progress`,
+    /// `poll` and `drain_notifications` then only wake it. The thread is stopped and joined when the
+    /// agent is dropped.
+    pub fn progress_thread(retry: Duration) -> Self {
+        AgentOptions { progress_thread: Some(retry.max(Duration::from_micros(10))) }
+    }
+}
+
+/// An in-process [`TransferAgent`] over real host memory: READ and WRITE copy the bytes between
+/// the registered memory of two agents of one [`Fabric`](crate::Fabric).
+///
+/// Create it with [`Fabric::agent`](crate::Fabric::agent). See the crate documentation for the
+/// progress model and [`Faults`] for fault injection.
+pub struct LoopbackAgent {
+    shared: Arc<AgentShared>,
+    thread: Option<ProgressThread>,
+}
+
+/// The part of an agent that its peers (through the fabric) and its progress thread reach.
+pub(crate) struct AgentShared {
+    name: AgentName,
+    instance: u64,
+    fabric: Arc<FabricInner>,
+    state: Mutex<AgentState>,
+    inbox: Mutex<Vec<Notification>>,
+    faults: Mutex<FaultPlan>,
+}
+
+#[derive(Debug, Default)]
+struct AgentState {
+    next_id: u64,
+    registrations: HashMap<u64, Registration>,
+    remotes: HashMap<AgentName, Remote>,
+    dlists: HashMap<u64, Dlist>,
+    xfers: HashMap<u64, Xfer>,
+}
+
+#[derive(Debug)]
+struct Registration {
+    region: MemRegion,
+    memory: Arc<dyn KvMemory>,
+}
+
+#[derive(Debug)]
+struct Remote {
+    instance: u64,
+    regions: Vec<RemoteRegion>,
+}
+
+#[derive(Debug)]
+struct Dlist {
+    owner: DlistOwner,
+    blocks: BlockList,
+}
+
+#[derive(Debug)]
+struct Xfer {
+    stage: Stage,
+    job: Option<Job>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for a progress pass; it is skipped while `passes_left > 0`.
+    Queued {
+        passes_left: u32,
+    },
+    /// A pass has taken the job and is copying.
+    Copying,
+    Done,
+    Failed(String),
+}
+
+/// What a transfer does, resolved and validated at post time.
+#[derive(Debug)]
+struct Job {
+    op: XferOp,
+    peer: AgentName,
+    peer_instance: u64,
+    /// (local address, remote address) of each block.
+    spans: Vec<(u64, u64)>,
+    block_len: u64,
+    notify: Option<Vec<u8>>,
+    /// Injected failure: the ordinal of the transfer that the fault names.
+    fail: Option<u64>,
+}
+
+impl AgentShared {
+    pub(crate) fn new(name: AgentName, instance: u64, fabric: Arc<FabricInner>) -> Self {
+        AgentShared {
+            name,
+            instance,
+            fabric,
+            state: Mutex::new(AgentState::default()),
+            inbox: Mutex::new(Vec::new()),
+            faults: Mutex::new(FaultPlan::default()),
+        }
+    }
+
+    fn state(&self) -> Result<std::sync::MutexGuard<'_, AgentState>> {
+        lock(&self.state, "agent state")
+    }
+
+    fn refuses_handshakes(&self) -> Result<bool> {
+        Ok(lock(&self.faults, "agent faults")?.refuses_handshakes())
+    }
+
+    /// One progress pass: runs every queued transfer whose delay is over. Returns how many
+    /// transfers are still queued (delayed) afterwards.
+    fn pass(&self) -> Result<usize> {
+        let (jobs, local, still_queued) = {
+            let mut st = self.state()?;
+            let mut jobs = Vec::new();
+            let mut still_queued = 0;
+            for (&id, xfer) in st.xfers.iter_mut() {
+                if let Stage::Queued { passes_left } = &mut xfer.stage {
+                    if *passes_left > 0 {
+                        *passes_left -= 1;
+                        still_queued += 1;
+                    } else if let Some(job) = xfer.job.take() {
+                        xfer.stage = Stage::Copying;
+                        jobs.push((id, job));
+                    }
+                }
+            }
+            let local = if jobs.is_empty() { PinnedSet::default() } else { pin(&st.registrations) };
+            (jobs, local, still_queued)
+        };
+        if jobs.is_empty() {
+            return Ok(still_queued);
+        }
+        let outcomes: Vec<(u64, Stage)> =
+            jobs.into_iter().map(|(id, job)| (id, self.run(&local, job))).collect();
+        let mut st = self.state()?;
+        for (id, stage) in outcomes {
+            // A transfer released while it was copying is simply gone.
+            if let Some(xfer) = st.xfers.get_mut(&id) {
+                xfer.stage = stage;
+            }
+        }
+        Ok(still_queued)
+    }
+
+    /// Performs one transfer: checks both sides' memory is still registered, copies every block,
+    /// then delivers the notification. Holds no lock of this agent.
+    fn run(&self, local: &PinnedSet, job: Job) -> Stage {
+        if let Some(n) = job.fail {
+            return Stage::Failed(format!("injected fault: transfer #{n} fails"));
+        }
+        let peer = match self.fabric.lookup(&job.peer, job.peer_instance) {
+            Ok(Some(peer)) => peer,
+            Ok(None) => return Stage::Failed(format!("peer {} is gone (dropped or restarted)", job.peer)),
+            Err(e) => return Stage::Failed(e.to_string()),
+        };
+        // Pin the peer's registrations as they are now: a range deregistered since the post fails
+        // the transfer, and the pinned `Arc`s keep the memory alive while we copy.
+        let remote = match peer.state() {
+            Ok(st) => pin(&st.registrations),
+            Err(e) => return Stage::Failed(e.to_string()),
+        };
+        let len = job.block_len;
+        let (local_missing, remote_missing) = job.spans.iter().fold((false, false), |(l, r), &(la, ra)| {
+            (l || !local.holds(la, len), r || !remote.holds(ra, len))
+        });
+        if local_missing || remote_missing {
+            let side = if local_missing { "local" } else { "remote" };
+            return Stage::Failed(format!("{side} memory of the transfer is no longer registered"));
+        }
+        for &(la, ra) in &job.spans {
+            let copied = match job.op {
+                XferOp::Read => copy_checked(&remote, ra, local, la, len),
+                XferOp::Write => copy_checked(local, la, &remote, ra, len),
+            };
+            if !copied {
+                // Unreachable after the checks above; kept so a bug fails the transfer, not memory.
+                return Stage::Failed("a block left registered memory during the copy".to_owned());
+            }
+        }
+        if let Some(msg) = job.notify {
+            if let Err(e) = self.deliver(&peer, msg) {
+                return Stage::Failed(format!("data copied, notification failed: {e}"));
+            }
+        }
+        Stage::Done
+    }
+
+    /// Puts a notification from this agent into `peer`'s inbox, as the faults say.
+    fn deliver(&self, peer: &AgentShared, msg: Vec<u8>) -> Result<()> {
+        let mine = lock(&self.faults, "agent faults")?.next_notification();
+        let fabric = lock(&self.fabric.faults, "fabric faults")?.next_notification();
+        let copies = mine.combine(fabric).copies();
+        if copies == 0 {
+            tracing::debug!(from = %self.name, to = %peer.name, "loopback: injected fault drops a notification");
+            return Ok(());
+        }
+        let mut inbox = lock(&peer.inbox, "agent inbox")?;
+        for _ in 1..copies {
+            inbox.push(Notification { from: self.name.clone(), msg: msg.clone() });
+        }
+        inbox.push(Notification { from: self.name.clone(), msg });
+        Ok(())
+    }
+}
+
+fn pin(registrations: &HashMap<u64, Registration>) -> PinnedSet {
+    PinnedSet::new(
+        registrations.values().map(|r| Pinned { region: r.region, memory: r.memory.clone() }).collect(),
+    )
+}
+
+impl Drop for AgentShared {
+    fn drop(&mut self) {
+        self.fabric.remove(&self.name, self.instance);
+    }
+}
+
+impl fmt::Debug for AgentShared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentShared").field("name", &self.name).field("instance", &self.instance).finish()
+    }
+}
+
+fn err(kind: ErrorKind, msg: impl Into<String>) -> Error {
+    Error::new(kind, msg).with_backend(BACKEND)
+}
+
+impl LoopbackAgent {
+    pub(crate) fn start(shared: Arc<AgentShared>, options: AgentOptions) -> Result<Self> {
+        let thread = match options.progress_thread {
+            Some(retry) => Some(ProgressThread::spawn(shared.clone(), retry)?),
+            None => None,
+        };
+        Ok(LoopbackAgent { shared, thread })
+    }
+
+    /// Sets faults for this agent, replacing earlier ones and restarting their counts.
+    /// [`Faults::none`] clears them.
+    pub fn set_faults(&self, faults: Faults) -> Result<()> {
+        lock(&self.shared.faults, "agent faults")?.set(faults);
+        Ok(())
+    }
+
+    /// Whether a background thread progresses this agent.
+    pub fn has_progress_thread(&self) -> bool {
+        self.thread.is_some()
+    }
+
+    /// Drives transfers: one pass now, or a wake-up of the progress thread.
+    fn drive(&self) -> Result<()> {
+        match &self.thread {
+            Some(t) => t.wake(),
+            None => self.shared.pass().map(|_| ()),
+        }
+    }
+
+    fn next_id(st: &mut AgentState) -> u64 {
+        st.next_id += 1;
+        st.next_id
+    }
+}
+
+impl TransferAgent for LoopbackAgent {
+    fn name(&self) -> &AgentName {
+        &self.shared.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
+        let region = memory.region();
+        if region.kind != MemKind::Dram {
+            return Err(err(
+                ErrorKind::Unsupported,
+                format!("loopback registers host memory only, not {region:?}"),
+            ));
+        }
+        if region.len == 0 || region.end().is_none() {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("invalid region {:#x}+{}", region.addr, region.len),
+            ));
+        }
+        let mut st = self.shared.state()?;
+        let id = Self::next_id(&mut st);
+        st.registrations.insert(id, Registration { region, memory });
+        Ok(RegistrationId(id))
+    }
+
+    fn deregister(&self, registration: RegistrationId) -> Result<()> {
+        let removed = self.shared.state()?.registrations.remove(&registration.0);
+        // The memory's Arc drops here, outside the lock: transfers in flight hold their own.
+        match removed {
+            Some(_) => Ok(()),
+            None => Err(err(ErrorKind::NotFound, format!("no registration {registration}"))),
+        }
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>> {
+        let mut regions: Vec<RemoteRegion> = self
+            .shared
+            .state()?
+            .registrations
+            .iter()
+            .map(|(&id, r)| RemoteRegion { id, addr: r.region.addr, len: r.region.len })
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        AgentMetadata::new(self.shared.fabric.id, self.shared.instance, self.shared.name.clone(), regions)
+            .encode()
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
+        let handshake = |msg: String| err(ErrorKind::Handshake, msg);
+        if self.shared.refuses_handshakes()?
+            || lock(&self.shared.fabric.faults, "fabric faults")?.refuses_handshakes()
+        {
+            return Err(handshake(format!("injected fault: {} refuses handshakes", self.shared.name)));
+        }
+        let md = AgentMetadata::decode(metadata)?;
+        if md.fabric != self.shared.fabric.id {
+            return Err(handshake(format!("agent {} lives on another fabric: unreachable", md.name)));
+        }
+        let peer = self.shared.fabric.lookup(&md.name, md.instance)?.ok_or_else(|| {
+            handshake(format!("agent {} is gone (dropped or restarted): stale metadata", md.name))
+        })?;
+        if peer.refuses_handshakes()? {
+            return Err(handshake(format!("injected fault: {} refuses handshakes", md.name)));
+        }
+        drop(peer);
+        let mut st = self.shared.state()?;
+        if st.remotes.contains_key(&md.name) {
+            return Err(err(
+                ErrorKind::State,
+                format!("agent {} is already loaded: forget it first", md.name),
+            ));
+        }
+        st.remotes.insert(md.name.clone(), Remote { instance: md.instance, regions: md.regions });
+        Ok(md.name)
+    }
+
+    fn forget_remote(&self, agent: &AgentName) -> Result<()> {
+        let mut st = self.shared.state()?;
+        if st.remotes.remove(agent).is_none() {
+            return Err(err(ErrorKind::NotFound, format!("agent {agent} is not loaded")));
+        }
+        st.dlists.retain(|_, d| !matches!(&d.owner, DlistOwner::Remote(a) if a == agent));
+        for xfer in st.xfers.values_mut() {
+            if matches!(xfer.stage, Stage::Queued { .. })
+                && xfer.job.as_ref().is_some_and(|j| &j.peer == agent)
+            {
+                xfer.stage = Stage::Failed(format!("agent {agent} was forgotten before the transfer ran"));
+                xfer.job = None;
+            }
+        }
+        Ok(())
+    }
+
+    fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
+        let bad_kind = match owner {
+            DlistOwner::Local => ErrorKind::InvalidArgument,
+            DlistOwner::Remote(_) => ErrorKind::InvalidPeerData,
+        };
+        if blocks.block_len == 0 {
+            return Err(err(bad_kind, "descriptor list with zero-length blocks"));
+        }
+        let mut st = self.shared.state()?;
+        let registered: Vec<MemRegion> = match owner {
+            DlistOwner::Local => st.registrations.values().map(|r| r.region).collect(),
+            DlistOwner::Remote(agent) => st
+                .remotes
+                .get(agent)
+                .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
+                .regions
+                .iter()
+                .map(RemoteRegion::region)
+                .collect(),
+        };
+        for (i, region) in blocks.regions().enumerate() {
+            let inside = region.is_some_and(|region| registered.iter().any(|r| r.contains(&region)));
+            if !inside {
+                return Err(err(
+                    bad_kind,
+                    format!(
+                        "region {i} of the list ({:?} {:#x}, {} blocks of {} bytes) is not inside one registration of {}",
+                        blocks.kind,
+                        blocks.bases.get(i).copied().unwrap_or_default(),
+                        blocks.num_blocks,
+                        blocks.block_len,
+                        match owner {
+                            DlistOwner::Local => "this agent".to_owned(),
+                            DlistOwner::Remote(a) => format!("agent {a}"),
+                        }
+                    ),
+                ));
+            }
+        }
+        let id = Self::next_id(&mut st);
+        st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone() });
+        Ok(DlistId(id))
+    }
+
+    fn release_dlist(&self, dlist: DlistId) -> Result<()> {
+        match self.shared.state()?.dlists.remove(&dlist.0) {
+            Some(_) => Ok(()),
+            None => Err(err(ErrorKind::NotFound, format!("no descriptor list {dlist}"))),
+        }
+    }
+
+    fn post(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        local_descs: &[u32],
+        remote: DlistId,
+        remote_descs: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        let mut st = self.shared.state()?;
+        let l = st
+            .dlists
+            .get(&local.0)
+            .ok_or_else(|| err(ErrorKind::NotFound, format!("no local list {local}")))?;
+        let r = st
+            .dlists
+            .get(&remote.0)
+            .ok_or_else(|| err(ErrorKind::NotFound, format!("no remote list {remote}")))?;
+        if l.owner != DlistOwner::Local {
+            return Err(err(ErrorKind::InvalidArgument, format!("{local} is not a local list")));
+        }
+        let DlistOwner::Remote(peer) = &r.owner else {
+            return Err(err(ErrorKind::InvalidArgument, format!("{remote} is not a remote list")));
+        };
+        let peer_instance = st
+            .remotes
+            .get(peer)
+            .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {peer} is not loaded")))?
+            .instance;
+        if local_descs.len() != remote_descs.len() {
+            return Err(err(
+                ErrorKind::InvalidPeerData,
+                format!("{} local and {} remote descriptors", local_descs.len(), remote_descs.len()),
+            ));
+        }
+        if l.blocks.block_len != r.blocks.block_len {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "local blocks of {} bytes, remote blocks of {}",
+                    l.blocks.block_len, r.blocks.block_len
+                ),
+            ));
+        }
+        let mut spans = Vec::with_capacity(local_descs.len());
+        for (&li, &ri) in local_descs.iter().zip(remote_descs) {
+            let ld = l.blocks.desc(li).ok_or_else(|| {
+                err(
+                    ErrorKind::InvalidArgument,
+                    format!("local descriptor {li} out of range ({} in list)", l.blocks.len()),
+                )
+            })?;
+            let rd = r.blocks.desc(ri).ok_or_else(|| {
+                err(
+                    ErrorKind::InvalidPeerData,
+                    format!("remote descriptor {ri} out of range ({} in list)", r.blocks.len()),
+                )
+            })?;
+            spans.push((ld.addr, rd.addr));
+        }
+        // Everything is valid: count the transfer for the faults and queue it.
+        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer();
+        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer();
+        let TransferFate { fail, delay_passes } = mine.combine(fabric);
+        let job = Job {
+            op,
+            peer: peer.clone(),
+            peer_instance,
+            spans,
+            block_len: l.blocks.block_len,
+            notify: notify.map(<[u8]>::to_vec),
+            fail,
+        };
+        let id = Self::next_id(&mut st);
+        st.xfers.insert(id, Xfer { stage: Stage::Queued { passes_left: delay_passes }, job: Some(job) });
+        drop(st);
+        if let Some(t) = &self.thread {
+            t.wake()?;
+        }
+        Ok(XferId(id))
+    }
+
+    fn poll(&self, xfer: XferId) -> Result<XferState> {
+        self.drive()?;
+        let st = self.shared.state()?;
+        let x =
+            st.xfers.get(&xfer.0).ok_or_else(|| err(ErrorKind::NotFound, format!("no transfer {xfer}")))?;
+        Ok(match &x.stage {
+            Stage::Queued { .. } | Stage::Copying => XferState::Pending,
+            Stage::Done => XferState::Done,
+            Stage::Failed(reason) => XferState::Failed(reason.clone()),
+        })
+    }
+
+    fn release(&self, xfer: XferId) -> Result<()> {
+        match self.shared.state()?.xfers.remove(&xfer.0) {
+            Some(_) => Ok(()),
+            None => Err(err(ErrorKind::NotFound, format!("no transfer {xfer}"))),
+        }
+    }
+
+    fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
+        let instance = self
+            .shared
+            .state()?
+            .remotes
+            .get(agent)
+            .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
+            .instance;
+        let peer = self.shared.fabric.lookup(agent, instance)?.ok_or_else(|| {
+            err(ErrorKind::Transfer, format!("agent {agent} is gone (dropped or restarted)"))
+        })?;
+        self.shared.deliver(&peer, msg.to_vec())
+    }
+
+    fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
+        self.drive()?;
+        out.append(&mut *lock(&self.shared.inbox, "agent inbox")?);
+        Ok(())
+    }
+
+    fn progress(&self) -> Result<()> {
+        self.drive()
+    }
+}
+
+impl fmt::Debug for LoopbackAgent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackAgent")
+            .field("name", &self.shared.name)
+            .field("instance", &self.shared.instance)
+            .field("progress_thread", &self.thread.is_some())
+            .finish()
+    }
+}
+
+/// The optional background progress thread of one agent.
+#[derive(Debug)]
+struct ProgressThread {
+    wake: Arc<Wake>,
+    handle: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct Wake {
+    flags: Mutex<WakeFlags>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct WakeFlags {
+    stop: bool,
+    kicked: bool,
+}
+
+/// How long an idle progress thread sleeps between checks when nothing wakes it.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+
+impl ProgressThread {
+    fn spawn(shared: Arc<AgentShared>, retry: Duration) -> Result<Self> {
+        let wake = Arc::new(Wake::default());
+        let thread_wake = wake.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("kvx-loopback-{}", shared.name))
+            .spawn(move || progress_loop(&shared, &thread_wake, retry))
+            .map_err(|e| err(ErrorKind::Io, format!("spawning the progress thread: {e}")).with_source(e))?;
+        Ok(ProgressThread { wake, handle: Some(handle) })
+    }
+
+    fn wake(&self) -> Result<()> {
+        lock(&self.wake.flags, "progress thread flags")?.kicked = true;
+        self.wake.cv.notify_one();
+        Ok(())
+    }
+}
+
+fn progress_loop(shared: &AgentShared, wake: &Wake, retry: Duration) {
+    let mut queued = 0;
+    loop {
+        {
+            let Ok(mut flags) = wake.flags.lock() else { return };
+            if !flags.stop && !flags.kicked {
+                let wait = if queued > 0 { retry } else { IDLE_WAIT };
+                flags = match wake.cv.wait_timeout(flags, wait) {
+                    Ok((flags, _)) => flags,
+                    Err(_) => return,
+                };
+            }
+            if flags.stop {
+                return;
+            }
+            flags.kicked = false;
+        }
+        match shared.pass() {
+            Ok(n) => queued = n,
+            Err(e) => {
+                // Only a poisoned lock fails a pass, and it stays poisoned: stop rather than spin.
+                tracing::error!(agent = %shared.name, error = %e, "loopback progress thread stops");
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for ProgressThread {
+    fn drop(&mut self) {
+        let mut flags = self.wake.flags.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        flags.stop = true;
+        drop(flags);
+        self.wake.cv.notify_one();
+        if let Some(handle) = self.handle.take() {
+            // The thread never panics by design; if it did, there is nothing left to clean up.
+            let _ = handle.join();
+        }
+    }
+}

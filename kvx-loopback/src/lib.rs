@@ -1,0 +1,27 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_code)] // Only `copy` (the loopback memcpy) opts out, with reasons.
+
+mod agent;
+mod copy;
+mod fabric;
+mod faults;
+mod metadata;
+
+pub use agent::{AgentOptions, LoopbackAgent};
+pub use fabric::Fabric;
+pub use faults::Faults;
+
+use std::sync::{Mutex, MutexGuard};
+
+use kvx_core::{Error, ErrorKind, Result};
+
+/// The backend name in capabilities and errors.
+pub const BACKEND: &str = "loopback";
+
+/// Locks `mutex`; a lock poisoned by a panicking thread is a `State` error, not a panic.
+fn lock<'a, T>(mutex: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
+    mutex.lock().map_err(|_| {
+        Error::new(ErrorKind::State, format!("the {what} lock is poisoned: a thread panicked holding it"))
+            .with_backend(BACKEND)
+    })
+}
