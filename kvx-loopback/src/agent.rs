@@ -7,7 +7,7 @@
 //! never while holding a peer's lock: no lock-order cycle, so no deadlock, also with two agents
 //! transferring to each other from two threads.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -75,7 +75,8 @@ struct AgentState {
     registrations: HashMap<u64, Registration>,
     remotes: HashMap<AgentName, Remote>,
     dlists: HashMap<u64, Dlist>,
-    xfers: HashMap<u64, Xfer>,
+    /// Ordered by id, so a pass runs transfers (and sends their notifications) in post order.
+    xfers: BTreeMap<u64, Xfer>,
 }
 
 #[derive(Debug)]

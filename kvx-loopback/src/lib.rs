@@ -25,3 +25,22 @@ fn lock<'a, T>(mutex: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
             .with_backend(BACKEND)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poisoned_lock_is_a_state_error() {
+        let m = std::sync::Arc::new(Mutex::new(0));
+        let held = m.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = held.lock();
+            panic!("poison the lock");
+        })
+        .join();
+        let e = lock(&m, "test").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::State);
+        assert_eq!(e.backend(), Some(BACKEND));
+    }
+}

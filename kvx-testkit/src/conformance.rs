@@ -1,5 +1,5 @@
 //! The conformance suite: plain `check_*` functions that any pair of
-//! [`TransferAgent`](kvx_core::TransferAgent)s must pass.
+//! [`TransferAgent`]s must pass.
 //!
 //! Each check takes a [`Harness`]: two agents (the *initiator* posts transfers, the *target*'s
 //! memory is read and written), a way to allocate memory they can register, and a way to drive
@@ -585,6 +585,11 @@ pub fn check_forget_remote<H: Harness + ?Sized>(h: &H) {
         let (l, r): (Vec<u32>, Vec<u32>) = pairs.iter().copied().unzip();
         let local = f.local_dlist.unwrap_or(DlistId(u64::MAX));
         expect_err(ini.post(op, local, &l, stale, &r, None), "post to a forgotten remote");
+        expect_kind(
+            ini.release_dlist(stale),
+            &[ErrorKind::NotFound],
+            "forget_remote releases the remote's lists",
+        );
     }
     let owner = DlistOwner::Remote(f.target_name.clone());
     expect_kind(
