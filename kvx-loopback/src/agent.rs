@@ -55,8 +55,9 @@ impl AgentOptions {
 /// Create it with [`Fabric::agent`](crate::Fabric::agent). See the crate documentation for the
 /// progress model and [`Faults`] for fault injection.
 pub struct LoopbackAgent {
-    shared: Arc<AgentShared>,
+    // Dropped first: the progress thread is stopped and joined before the agent goes away.
     thread: Option<ProgressThread>,
+    shared: Arc<AgentShared>,
 }
 
 /// The part of an agent that its peers (through the fabric) and its progress thread reach.
@@ -274,7 +275,7 @@ impl LoopbackAgent {
             Some(retry) => Some(ProgressThread::spawn(shared.clone(), retry)?),
             None => None,
         };
-        Ok(LoopbackAgent { shared, thread })
+        Ok(LoopbackAgent { thread, shared })
     }
 
     /// Sets faults for this agent, replacing earlier ones and restarting their counts.
@@ -298,7 +299,8 @@ impl LoopbackAgent {
     }
 
     fn next_id(st: &mut AgentState) -> u64 {
-        st.next_id += 1;
+        // One id space for registrations, lists and transfers; 2^64 ids do not run out.
+        st.next_id = st.next_id.wrapping_add(1);
         st.next_id
     }
 }

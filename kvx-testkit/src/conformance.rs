@@ -256,7 +256,23 @@ pub fn check_metadata_round_trip<H: Harness + ?Sized>(h: &H) {
         "forget unknown",
     );
     drop(loaded);
+
+    // Metadata describes the registrations of the moment: after the peer deregisters one, newly
+    // loaded metadata no longer lets a list cover it.
+    let other = ok(h.alloc(Side::Target, 8192), "alloc");
+    let other_reg = Registered::new(tgt, &other);
     drop(reg);
+    let loaded = Loaded::new(ini, &ok(tgt.local_metadata(), "local_metadata"));
+    let owner = DlistOwner::Remote(loaded.name.clone());
+    expect_kind(
+        ini.prep_dlist(&owner, &whole(&buf, 2)),
+        &[ErrorKind::InvalidPeerData],
+        "remote list over memory the peer deregistered before its metadata was taken",
+    );
+    let dl = ok(ini.prep_dlist(&owner, &whole(&other, 2)), "remote list over the peer's other registration");
+    ok(ini.release_dlist(dl), "release_dlist");
+    drop(loaded);
+    drop(other_reg);
 }
 
 /// Malformed metadata is an error, never a panic, and leaves nothing half-loaded behind.

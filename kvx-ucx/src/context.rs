@@ -1,0 +1,151 @@
+//! The UCP context (one per agent) and its configuration.
+
+use std::ffi::CString;
+use std::ptr::{self, NonNull};
+use std::time::Duration;
+
+use kvx_core::{ErrorKind, Result};
+use kvx_ucx_sys as sys;
+
+use crate::status::{check, check_as, error};
+
+/// How a [`UcxAgent`](crate::UcxAgent) sets up UCX.
+///
+/// UCX reads its `UCX_*` environment variables when the agent is created; the options here are
+/// applied on top of them for this agent only (`ucp_config_modify`), so two agents in one process
+/// can use different transports.
+#[derive(Debug, Clone, Default)]
+pub struct UcxConfig {
+    options: Vec<(String, String)>,
+    progress_thread: Option<ProgressThreadConfig>,
+}
+
+impl UcxConfig {
+    /// Restricts the transports UCX may use, as `UCX_TLS` does: e.g. `"tcp"`, `"sm,self"`, `"^cma"`.
+    pub fn with_transports(self, transports: impl Into<String>) -> Self {
+        self.with_option("TLS", transports)
+    }
+
+    /// Sets any UCP configuration option (the name without the `UCX_` prefix, as
+    /// `ucx_info -c` lists it). Applied in order; an unknown name or bad value fails agent creation.
+    pub fn with_option(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.options.push((name.into(), value.into()));
+        self
+    }
+
+    /// Starts a progress thread with the agent (see [`ProgressThreadConfig`]).
+    pub fn with_progress_thread(mut self, config: ProgressThreadConfig) -> Self {
+        self.progress_thread = Some(config);
+        self
+    }
+
+    /// The UCP options set on top of the environment, in order.
+    pub fn options(&self) -> &[(String, String)] {
+        &self.options
+    }
+
+    /// The progress thread's settings, when one is configured.
+    pub fn progress_thread(&self) -> Option<&ProgressThreadConfig> {
+        self.progress_thread.as_ref()
+    }
+}
+
+/// Settings of an agent's progress thread.
+///
+/// On UCX 1.13, memory that UCX did not allocate itself is read and written through messages that
+/// the *target* must progress, so an agent that only serves memory (a prefill engine between
+/// steps) needs either a progress thread or regular calls to
+/// [`TransferAgent::progress`](kvx_core::TransferAgent::progress). Memory from
+/// [`UcxAgent::alloc_memory`](crate::UcxAgent::alloc_memory) is read truly one-sidedly over shared
+/// memory and needs neither (notifications still arrive only when the target progresses).
+///
+/// The thread progresses the worker while there is work, yields for a few idle rounds, then sleeps
+/// up to `idle_sleep` between rounds, so an idle agent costs little CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgressThreadConfig {
+    /// Longest sleep between progress rounds once the worker is idle.
+    pub idle_sleep: Duration,
+    /// Idle rounds (with a yield between them) before the thread starts sleeping.
+    pub idle_spins: u32,
+}
+
+impl Default for ProgressThreadConfig {
+    fn default() -> Self {
+        ProgressThreadConfig { idle_sleep: Duration::from_micros(200), idle_spins: 64 }
+    }
+}
+
+/// An initialised UCP context. Shared (through `Arc`) by the agent's worker and by every
+/// [`UcxMemory`](crate::UcxMemory) mapped in it, so it is cleaned up after all of them.
+#[derive(Debug)]
+pub(crate) struct Context {
+    raw: NonNull<sys::ucp_context>,
+}
+
+// SAFETY: the context is created with `mt_workers_shared = 1`, which makes UCP protect the
+// context-level calls (memory map/unmap, rkey pack, worker creation) with its own lock, so they may
+// be made from any thread, concurrently.
+unsafe impl Send for Context {}
+// SAFETY: as for Send: every `&Context` call is a thread-safe context-level UCP call.
+unsafe impl Sync for Context {}
+
+/// A `ucp_config_t` released on drop.
+struct ConfigGuard(*mut sys::ucp_config_t);
+
+impl Drop for ConfigGuard {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from a successful ucp_config_read and is released once.
+        unsafe { sys::ucp_config_release(self.0) };
+    }
+}
+
+impl Context {
+    /// Reads UCX's configuration (environment), applies `config`'s options and initialises a
+    /// context with RMA and active messages.
+    pub(crate) fn new(config: &UcxConfig, name: &str) -> Result<Self> {
+        let mut raw_config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null env prefix and file name mean the defaults; the out-pointer is valid.
+        check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw_config) }, "ucp_config_read")?;
+        let ucp_config = ConfigGuard(raw_config);
+        for (key, value) in &config.options {
+            let c_key = CString::new(key.as_str()).map_err(|_| {
+                error(ErrorKind::InvalidArgument, format!("UCX option name {key:?} has a NUL"))
+            })?;
+            let c_value = CString::new(value.as_str())
+                .map_err(|_| error(ErrorKind::InvalidArgument, format!("UCX option {key} has a NUL")))?;
+            // SAFETY: the config is live; both strings are NUL-terminated and outlive the call.
+            let status = unsafe { sys::ucp_config_modify(ucp_config.0, c_key.as_ptr(), c_value.as_ptr()) };
+            check_as(ErrorKind::InvalidArgument, status, &format!("ucp_config_modify({key}={value})"))?;
+        }
+
+        let c_name = CString::new(name.replace('\0', "?")).unwrap_or_default();
+        // SAFETY: ucp_params_t is a plain C struct for which all-zero is "no fields set".
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(
+            sys::UCP_PARAM_FIELD_FEATURES
+                | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                | sys::UCP_PARAM_FIELD_NAME,
+        );
+        params.features = u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM);
+        params.mt_workers_shared = 1;
+        params.name = c_name.as_ptr();
+        let mut raw: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: params and config are valid for the call (UCP copies the name); out-pointer valid.
+        check(unsafe { sys::ucp_init(&params, ucp_config.0, &mut raw) }, "ucp_init")?;
+        let raw =
+            NonNull::new(raw).ok_or_else(|| error(ErrorKind::Backend, "ucp_init returned no context"))?;
+        Ok(Context { raw })
+    }
+
+    pub(crate) fn raw(&self) -> sys::ucp_context_h {
+        self.raw.as_ptr()
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the context was initialised once; every worker and mapping holds an `Arc` to it,
+        // so by now all of them are gone.
+        unsafe { sys::ucp_cleanup(self.raw.as_ptr()) };
+    }
+}

@@ -1,0 +1,206 @@
+//! UCX-specific behaviour beyond the conformance suite: one-sidedness, the progress thread,
+//! transfers outliving their handles, and errors.
+#![allow(clippy::unwrap_used)] // Test helpers outside #[test] fns panic on failure, like asserts.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, TransferAgent, XferId, XferOp,
+    XferState,
+};
+use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
+
+const BLOCK: usize = 64 << 10;
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn list(base: u64, num_blocks: u32) -> BlockList {
+    BlockList { kind: MemKind::Dram, device: 0, bases: vec![base], num_blocks, block_len: BLOCK as u64 }
+}
+
+/// Byte `i` of block `b` of a pattern that differs per block and per offset.
+fn pattern(b: usize, i: usize) -> u8 {
+    (b.wrapping_mul(131) ^ i.wrapping_mul(7) ^ (i >> 8)) as u8
+}
+
+fn fill_blocks(write: impl Fn(usize, &[u8]), blocks: usize) {
+    for b in 0..blocks {
+        let data: Vec<u8> = (0..BLOCK).map(|i| pattern(b, i)).collect();
+        write(b * BLOCK, &data);
+    }
+}
+
+/// Polls only the initiator until the transfer settles: the target is never progressed here.
+fn wait_initiator_only(agent: &UcxAgent, x: XferId) -> XferState {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let state = agent.poll(x).unwrap();
+        if state != XferState::Pending {
+            return state;
+        }
+        assert!(Instant::now() < deadline, "transfer still pending after {DEADLINE:?}");
+    }
+}
+
+struct Reader {
+    agent: UcxAgent,
+    local: Arc<HostMemory>,
+    local_list: DlistId,
+    remote_list: DlistId,
+}
+
+fn reader(name: &str, config: &UcxConfig, target: &UcxAgent, remote_base: u64, blocks: u32) -> Reader {
+    let agent = UcxAgent::with_config(name, config).unwrap();
+    let local = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    agent.register(local.clone()).unwrap();
+    agent.load_remote(&target.local_metadata().unwrap()).unwrap();
+    let local_list = agent.prep_dlist(&DlistOwner::Local, &list(local.region().addr, blocks)).unwrap();
+    let remote_list =
+        agent.prep_dlist(&DlistOwner::Remote(target.name().clone()), &list(remote_base, blocks)).unwrap();
+    Reader { agent, local, local_list, remote_list }
+}
+
+fn verify_reversed(local: &HostMemory, blocks: usize) {
+    let got = local.to_vec();
+    for (slot, chunk) in got.chunks(BLOCK).enumerate() {
+        let b = blocks - 1 - slot;
+        assert!(
+            chunk.iter().enumerate().all(|(i, &v)| v == pattern(b, i)),
+            "block {b} in slot {slot} differs"
+        );
+    }
+}
+
+/// The fast path: memory UCX allocated is read over shared memory while its owner never
+/// progresses (no thread, no calls).
+#[test]
+fn read_of_ucx_allocated_memory_needs_no_target_progress() {
+    let target = UcxAgent::new("idle-target").unwrap();
+    let blocks = 32u32;
+    let pool = target.alloc_memory(blocks as usize * BLOCK).unwrap();
+    fill_blocks(|off, d| pool.write(off, d).unwrap(), blocks as usize);
+    target.register(pool.clone()).unwrap();
+    let r = reader("reader", &UcxConfig::default(), &target, pool.as_ptr() as u64, blocks);
+    let local: Vec<u32> = (0..blocks).collect();
+    let remote: Vec<u32> = (0..blocks).rev().collect();
+    let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, None).unwrap();
+    assert_eq!(wait_initiator_only(&r.agent, x), XferState::Done);
+    verify_reversed(&r.local, blocks as usize);
+}
+
+/// Heap memory over TCP is emulated with messages: the target's progress thread serves it while
+/// the test only polls the initiator.
+#[test]
+fn progress_thread_serves_heap_memory_over_tcp() {
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let served = tcp.clone().with_progress_thread(ProgressThreadConfig::default());
+    let target = UcxAgent::with_config("served-target", &served).unwrap();
+    let blocks = 16u32;
+    let heap = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    fill_blocks(|off, d| heap.write(off, d).unwrap(), blocks as usize);
+    target.register(heap.clone()).unwrap();
+    let r = reader("tcp-reader", &tcp, &target, heap.region().addr, blocks);
+    let local: Vec<u32> = (0..blocks).collect();
+    let remote: Vec<u32> = (0..blocks).rev().collect();
+    let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, Some(b"done")).unwrap();
+    assert_eq!(wait_initiator_only(&r.agent, x), XferState::Done);
+    verify_reversed(&r.local, blocks as usize);
+    // The progress thread received the notification too; draining hands it out.
+    let deadline = Instant::now() + DEADLINE;
+    let mut notes = Vec::new();
+    while notes.is_empty() {
+        target.drain_notifications(&mut notes).unwrap();
+        assert!(Instant::now() < deadline, "no notification");
+    }
+    assert_eq!(notes[0].from.as_str(), "tcp-reader");
+    assert_eq!(notes[0].msg, b"done");
+}
+
+/// Released, deregistered and forgotten while running: the transfer keeps its memory, rkeys and
+/// endpoint until UCX is done, sends no notification, and dropping everything leaks nothing.
+#[test]
+fn handles_outlive_running_transfers() {
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let target = UcxAgent::with_config("slow-target", &tcp).unwrap();
+    let blocks = 64u32;
+    let heap = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    target.register(heap.clone()).unwrap();
+    let r = reader("impatient", &tcp, &target, heap.region().addr, blocks);
+    let idx: Vec<u32> = (0..blocks).collect();
+    // The target does not progress yet, so over TCP the READ cannot finish.
+    let x = r.agent.post(XferOp::Read, r.local_list, &idx, r.remote_list, &idx, Some(b"never")).unwrap();
+    assert_eq!(r.agent.poll(x).unwrap(), XferState::Pending);
+    r.agent.release(x).unwrap();
+    assert_eq!(r.agent.poll(x).unwrap_err().kind(), ErrorKind::NotFound);
+    r.agent.forget_remote(target.name()).unwrap();
+    let regs_before = Arc::strong_count(&r.local);
+    // Let both sides run: the orphaned READ completes; no notification is sent for it.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut notes = Vec::new();
+    while Instant::now() < deadline {
+        target.drain_notifications(&mut notes).unwrap();
+        r.agent.progress().unwrap();
+    }
+    assert!(notes.is_empty(), "a released transfer sent {notes:?}");
+    assert_eq!(Arc::strong_count(&r.local), regs_before);
+    drop(r.agent);
+    assert_eq!(Arc::strong_count(&r.local), 1, "the agent released the memory on drop");
+    drop(target);
+    assert_eq!(Arc::strong_count(&heap), 1);
+}
+
+/// A peer that never answers: dropping is bounded and does not abort. UCX 1.13 would abort in
+/// ucp_worker_destroy, so the agent leaks its UCX state (and keeps the memory) instead.
+#[test]
+fn dropping_an_agent_with_a_pending_transfer_is_bounded() {
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let target = UcxAgent::with_config("never-served", &tcp).unwrap();
+    let heap = Arc::new(HostMemory::new(4 * BLOCK).unwrap());
+    target.register(heap.clone()).unwrap();
+    let r = reader("dropper", &tcp, &target, heap.region().addr, 4);
+    let x = r.agent.post(XferOp::Read, r.local_list, &[0, 1], r.remote_list, &[2, 3], None).unwrap();
+    assert_eq!(r.agent.poll(x).unwrap(), XferState::Pending);
+    let start = Instant::now();
+    drop(r.agent);
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(Arc::strong_count(&r.local), 2, "leaked with the worker that may still write to it");
+}
+
+#[test]
+fn ucx_errors_carry_backend_and_status() {
+    let e =
+        UcxAgent::with_config("bad", &UcxConfig::default().with_option("RNDV_THRESH", "lots")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(e.backend(), Some("ucx"));
+    assert!(e.code().is_some_and(|c| c < 0), "{e}");
+    assert!(e.to_string().contains("RNDV_THRESH"), "{e}");
+
+    let agent = UcxAgent::new("errors").unwrap();
+    assert_eq!(agent.alloc_memory(0).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let e = agent.load_remote(b"not metadata").unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidPeerData, Some("ucx")));
+    let own = agent.local_metadata().unwrap();
+    assert_eq!(agent.load_remote(&own).unwrap_err().kind(), ErrorKind::InvalidPeerData);
+    assert_eq!(agent.notify(&"nobody".into(), b"x").unwrap_err().kind(), ErrorKind::NotFound);
+    let other = UcxAgent::new("other").unwrap();
+    agent.load_remote(&other.local_metadata().unwrap()).unwrap();
+    let big = vec![0u8; kvx_ucx::MAX_NOTIFICATION_LEN + 1];
+    assert_eq!(agent.notify(other.name(), &big).unwrap_err().kind(), ErrorKind::InvalidArgument);
+}
+
+#[test]
+fn ucx_memory_is_registered_once_and_freed_last() {
+    let agent = UcxAgent::new("pool-owner").unwrap();
+    let pool = agent.alloc_memory(3 * BLOCK + 5).unwrap();
+    assert_eq!(pool.len(), 3 * BLOCK + 5);
+    assert!(pool.to_vec().iter().all(|&b| b == 0));
+    pool.fill(10, 5, 9).unwrap();
+    assert!(pool.write(pool.len() - 1, &[1, 2]).is_err());
+    let reg = agent.register(pool.clone()).unwrap();
+    drop(agent); // the agent deregisters; the pool (and its context) stay alive
+    let mut out = [0u8; 6];
+    pool.read(9, &mut out).unwrap();
+    assert_eq!(out, [0, 9, 9, 9, 9, 9]);
+    let _ = reg;
+    assert_eq!(Arc::strong_count(&pool), 1);
+}

@@ -1,0 +1,110 @@
+//! The whole kvx conformance suite for UcxAgent: two agents in one process, over UCX's default
+//! transports, over TCP only, with UCX-allocated target memory, with progress threads, and through
+//! `Arc<dyn TransferAgent>`.
+#![allow(clippy::unwrap_used)] // Test helpers outside #[test] fns panic on failure, like asserts.
+
+use std::sync::Arc;
+
+use kvx_core::{KvMemory, MemRegion, Result, TransferAgent};
+use kvx_testkit::conformance::{ByteAccess, Harness, Pair, Side, TestBuffer, check_all};
+use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig, UcxMemory};
+
+fn pair(tag: &str, config: &UcxConfig) -> (Arc<UcxAgent>, Arc<UcxAgent>) {
+    let initiator = UcxAgent::with_config(format!("decode-{tag}"), config).unwrap();
+    let target = UcxAgent::with_config(format!("prefill-{tag}"), config).unwrap();
+    (Arc::new(initiator), Arc::new(target))
+}
+
+#[test]
+fn conformance_default_transports() {
+    let (i, t) = pair("default", &UcxConfig::default());
+    check_all(&Pair::new(i, t));
+}
+
+#[test]
+fn conformance_tcp_only() {
+    let (i, t) = pair("tcp", &UcxConfig::default().with_transports("tcp"));
+    check_all(&Pair::new(i, t));
+}
+
+#[test]
+fn conformance_with_progress_threads() {
+    let config = UcxConfig::default().with_progress_thread(ProgressThreadConfig::default());
+    let (i, t) = pair("threads", &config);
+    assert!(i.has_progress_thread());
+    check_all(&Pair::new(i, t));
+}
+
+#[test]
+fn conformance_through_dyn_agent() {
+    let (i, t) = pair("dyn", &UcxConfig::default());
+    let (i, t): (Arc<dyn TransferAgent>, Arc<dyn TransferAgent>) = (i, t);
+    check_all(&Pair::new(i, t));
+}
+
+/// UCX-allocated memory as suite memory (the orphan rule keeps `ByteAccess` off `UcxMemory`
+/// itself here).
+#[derive(Debug)]
+struct Pool(Arc<UcxMemory>);
+
+// SAFETY: delegates to UcxMemory, which upholds the contract; the Arc keeps it alive.
+unsafe impl KvMemory for Pool {
+    fn region(&self) -> MemRegion {
+        self.0.region()
+    }
+}
+
+impl ByteAccess for Pool {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.0.write(offset, src)
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.0.read(offset, dst)
+    }
+}
+
+/// Both agents' memory allocated by UCX (`UCP_MEM_MAP_ALLOCATE`): the one-sided fast path.
+struct UcxPoolHarness {
+    initiator: UcxAgent,
+    target: UcxAgent,
+}
+
+impl Harness for UcxPoolHarness {
+    type Agent = UcxAgent;
+
+    fn initiator(&self) -> &UcxAgent {
+        &self.initiator
+    }
+
+    fn target(&self) -> &UcxAgent {
+        &self.target
+    }
+
+    fn alloc(&self, side: Side, len: usize) -> Result<TestBuffer> {
+        let agent = match side {
+            Side::Initiator => &self.initiator,
+            Side::Target => &self.target,
+        };
+        Ok(TestBuffer::new(Arc::new(Pool(agent.alloc_memory(len)?))))
+    }
+}
+
+#[test]
+fn conformance_ucx_allocated_memory() {
+    let h = UcxPoolHarness {
+        initiator: UcxAgent::new("decode-pool").unwrap(),
+        target: UcxAgent::new("prefill-pool").unwrap(),
+    };
+    check_all(&h);
+}
+
+#[test]
+fn conformance_ucx_allocated_memory_tcp_only() {
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let h = UcxPoolHarness {
+        initiator: UcxAgent::with_config("decode-pool-tcp", &tcp).unwrap(),
+        target: UcxAgent::with_config("prefill-pool-tcp", &tcp).unwrap(),
+    };
+    check_all(&h);
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs every kvx test: installs what the tests need when it is missing (UCX, libclang and
+# pkg-config from Debian; the NIXL wheel in .venv-nixl), sets the environment the native
+# libraries need, then runs lint, the whole test suite, and the demo as a smoke test.
+# A NIXL or UCX test that cannot load its library fails here instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n=== %s\n' "$*"; }
+
+step "installing native dependencies when missing"
+scripts/install-ucx.sh
+scripts/install-nixl.sh
+# shellcheck source=scripts/nixl-env.sh
+source scripts/nixl-env.sh
+export KVX_REQUIRE_NIXL=1 KVX_REQUIRE_UCX=1
+
+step "format and lint"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "tests (unit, conformance, end to end, doc)"
+cargo test --workspace
+
+step "demo smoke run"
+cargo run -q -p kvx-cli -- demo --requests 64
