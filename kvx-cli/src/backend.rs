@@ -12,7 +12,7 @@ use kvx_testkit::sim::SimBackend;
 pub(crate) enum Backend {
     /// In-process memcpy between agents of one process (needs nothing installed).
     Loopback,
-    /// UCX one-sided get/put (not built into this kvx yet).
+    /// UCX one-sided get/put (feature `ucx`), across processes.
     Ucx,
     /// NIXL (not built into this kvx yet).
     Nixl,
@@ -41,7 +41,16 @@ impl Backend {
                     Ok(Arc::new(fabric.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
                 }))
             }
-            Backend::Ucx | Backend::Nixl => Err(Error::new(
+            #[cfg(feature = "ucx")]
+            Backend::Ucx => Ok(SimBackend::new(|engine, rank| {
+                Ok(Arc::new(kvx_ucx::UcxAgent::new(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
+            })),
+            #[cfg(not(feature = "ucx"))]
+            Backend::Ucx => Err(Error::new(
+                ErrorKind::NotAvailable,
+                "this kvx was built without the ucx feature: use --backend loopback",
+            )),
+            Backend::Nixl => Err(Error::new(
                 ErrorKind::NotAvailable,
                 format!("backend {} is not built into this kvx yet: use --backend loopback", self.name()),
             )),

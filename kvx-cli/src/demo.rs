@@ -21,9 +21,6 @@ pub(crate) struct DemoArgs {
     model: ModelArgs,
     #[command(flatten)]
     workload: WorkloadArgs,
-    /// Give up after this many seconds.
-    #[arg(long, default_value_t = 300)]
-    timeout: u64,
 }
 
 /// Runs the demo and returns its summary.
@@ -46,12 +43,12 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
     for (id, prompt) in prompts {
         cluster.submit(id, prompt, args.workload.max_new_tokens)?;
     }
-    cluster.run_until_idle_with(Duration::from_secs(args.timeout), |c| {
+    cluster.run_until_idle_with(Duration::from_secs(args.workload.timeout), |c| {
         let s = c.decode.stats();
         bar.set_position(s.finished + s.failed);
     })?;
     bar.finish_and_clear();
-    let mut summary = Summary::of_decode(&cluster.decode, args.workload.requests, start.elapsed());
+    let mut summary = Summary::of_engine(&cluster.decode, args.workload.requests, start.elapsed());
     for prefill in &cluster.prefills {
         summary.check(prefill);
     }

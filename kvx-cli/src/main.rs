@@ -3,6 +3,7 @@
 
 mod backend;
 mod demo;
+mod roles;
 mod summary;
 mod workload;
 
@@ -23,12 +24,18 @@ struct Cli {
 enum Command {
     /// A prefill engine and a decode engine in one process; every moved byte is checked.
     Demo(demo::DemoArgs),
+    /// The prefill engine as its own process: serves prompts to a `kvx decode` process.
+    Prefill(roles::PrefillArgs),
+    /// The decode engine as its own process: sends prompts to `kvx prefill`, loads their KV.
+    Decode(roles::DecodeArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: kvx_core::Result<Summary> = match &cli.command {
         Command::Demo(args) => demo::run(args),
+        Command::Prefill(args) => roles::prefill(args),
+        Command::Decode(args) => roles::decode(args),
     };
     match result {
         Ok(summary) => {

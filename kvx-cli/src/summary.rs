@@ -23,8 +23,9 @@ pub(crate) struct Summary {
 }
 
 impl Summary {
-    /// The decode engine's view of a run of `requests` requests that took `wall`.
-    pub(crate) fn of_decode(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
+    /// An engine's view of a run of `requests` requests that took `wall` (the decode engine's
+    /// view is the whole story: it moves and checks the bytes).
+    pub(crate) fn of_engine(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
         let workers = decode.worker_stats();
         let mut latencies: Vec<Duration> =
             workers.iter().flat_map(|w| w.transfer_latencies.iter().copied()).collect();
@@ -52,6 +53,17 @@ impl Summary {
         let pool = engine.pool();
         self.leaked += pool.num_blocks() as usize - pool.num_free();
         self.errors.extend(engine.errors().iter().map(|e| format!("{}: {e}", engine.engine_id())));
+    }
+
+    /// Adds another process's leaked blocks and errors.
+    pub(crate) fn add_remote(&mut self, who: &str, leaked: usize, errors: Vec<String>) {
+        self.leaked += leaked;
+        self.errors.extend(errors.into_iter().map(|e| format!("{who}: {e}")));
+    }
+
+    /// Blocks not free at the end.
+    pub(crate) fn leaked(&self) -> usize {
+        self.leaked
     }
 
     /// Whether every request finished, every byte matched and no block leaked.

@@ -80,6 +80,9 @@ pub(crate) struct WorkloadArgs {
     /// Seed of the prompts.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub(crate) timeout: u64,
 }
 
 impl WorkloadArgs {
