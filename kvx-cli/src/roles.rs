@@ -3,7 +3,7 @@
 //! The engines find each other as in a real deployment: the decode workers fetch the prefill
 //! workers' handshake payloads over the ZeroMQ side channel (the port in the params), then READ the
 //! blocks with the chosen backend. In place of a router, the prefill process serves a tiny request
-//! API on a ZeroMQ REP socket: the decode process sends each prompt, the prefill engine runs it
+//! API on a ZeroMQ ROUTER socket (REQ/REP style): the decode process sends each prompt, the prefill engine runs it
 //! with `do_remote_decode` and answers with the request's `kv_transfer_params` (vLLM's JSON), which
 //! the decode process submits with the prompt. Last, the decode process says it is done; the
 //! prefill process answers once every hold is released, with its errors and leaked blocks.
@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
-use zeromq::{RepSocket, ReqSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{ReqSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
 use kvx_testkit::sim::{EngineConfig, SideChannel, SimEngine};
@@ -87,7 +87,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let mut engine = SimEngine::new(engine_config("prefill", &args.host, &args.model), &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
-    let mut socket = RepSocket::new();
+    let mut socket = RouterSocket::new();
     let ep = format!("tcp://{}:{}", args.host, args.api_port);
     let bound = rt.block_on(socket.bind(&ep)).map_err(|e| api_error(&format!("binding {ep}"), e))?;
     // The line a launcher waits for.
@@ -96,7 +96,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
         args.backend.name(),
         args.model.describe()
     );
-    rt.spawn(serve(socket, tx));
+    let server = rt.spawn(serve(socket, tx));
 
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.timeout);
@@ -141,6 +141,10 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
             if let Some(reply) = done.take() {
                 let (leaked, errors) = (summary.leaked(), summary.errors().to_vec());
                 let _ = reply.send(ApiReply::Finished { leaked, errors });
+                // The server stops once that reply is sent; wait for it (bounded) before the
+                // runtime goes with this function.
+                let wait = deadline.saturating_duration_since(Instant::now());
+                let _ = rt.block_on(async { tokio::time::timeout(wait, server).await });
             }
             println!("kvx prefill: served {served} requests");
             return Ok(summary);
@@ -149,11 +153,15 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     }
 }
 
-/// Answers API requests one at a time (REP), handing each to the engine loop.
-async fn serve(mut socket: RepSocket, tx: mpsc::Sender<Pending>) {
+/// Answers API requests one at a time, handing each to the engine loop, until it has sent the
+/// final `Finished` reply. A ROUTER socket (as
+/// kvx-core's side channel uses) answers REQ clients: the reply goes back with the request's
+/// routing frames.
+async fn serve(mut socket: RouterSocket, tx: mpsc::Sender<Pending>) {
     loop {
         let Ok(msg) = socket.recv().await else { continue };
-        let body = msg.into_vec().pop().unwrap_or_default();
+        let mut frames = msg.into_vec();
+        let Some(body) = frames.pop() else { continue };
         let reply = match serde_json::from_slice::<ApiRequest>(&body) {
             Ok(request) => {
                 let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
@@ -164,9 +172,14 @@ async fn serve(mut socket: RepSocket, tx: mpsc::Sender<Pending>) {
             }
             Err(e) => ApiReply::Error(format!("malformed request: {e}")),
         };
-        let body = serde_json::to_vec(&reply).unwrap_or_default();
-        if socket.send(ZmqMessage::from(body)).await.is_err() {
-            continue;
+        let last = matches!(reply, ApiReply::Finished { .. });
+        frames.push(serde_json::to_vec(&reply).unwrap_or_default().into());
+        if let Ok(reply) = ZmqMessage::try_from(frames) {
+            // A client that went away is not the server's failure.
+            let _ = socket.send(reply).await;
+        }
+        if last {
+            return;
         }
     }
 }
@@ -202,23 +215,23 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let rt = runtime()?;
     let limit = Duration::from_secs(args.workload.timeout);
     let deadline = Instant::now() + limit;
-    let mut socket = ReqSocket::new();
-    rt.block_on(async { tokio::time::timeout(limit, socket.connect(&args.prefill)).await })
-        .map_err(|_| api_error("connecting", "timed out"))?
-        .map_err(|e| api_error(&format!("connecting to {}", args.prefill), e))?;
-    let mut ask = |request: &ApiRequest| -> Result<ApiReply> {
+    // One REQ socket per exchange, as kvx-core's side channel does: a fresh connection each time
+    // keeps a lost reply from wedging the REQ state machine.
+    let ask = |request: &ApiRequest| -> Result<ApiReply> {
         let body = serde_json::to_vec(request).map_err(|e| api_error("encoding", e))?;
         let wait = deadline.saturating_duration_since(Instant::now());
         let reply = rt
             .block_on(async {
                 let exchange = async {
+                    let mut socket = ReqSocket::new();
+                    socket.connect(&args.prefill).await?;
                     socket.send(ZmqMessage::from(body)).await?;
                     socket.recv().await
                 };
                 tokio::time::timeout(wait, exchange).await
             })
             .map_err(|_| api_error("waiting for the prefill process", "timed out"))?
-            .map_err(|e| api_error("exchanging", e))?;
+            .map_err(|e| api_error(&format!("exchanging with {}", args.prefill), e))?;
         let body = reply.into_vec().pop().unwrap_or_default();
         serde_json::from_slice(&body).map_err(|e| api_error("decoding the reply", e))
     };
