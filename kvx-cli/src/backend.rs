@@ -1,0 +1,59 @@
+//! The transfer backends the `kvx` command can run on.
+
+use clap::ValueEnum;
+use std::sync::Arc;
+
+use kvx_core::{Error, ErrorKind, Result, TransferAgent};
+use kvx_loopback::Fabric;
+use kvx_testkit::sim::SimBackend;
+
+/// A transfer backend. Backends not built into this binary yet fail with a clear error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Backend {
+    /// In-process memcpy between agents of one process (needs nothing installed).
+    Loopback,
+    /// UCX one-sided get/put (feature `ucx`), across processes.
+    Ucx,
+    /// NIXL (not built into this kvx yet).
+    Nixl,
+}
+
+impl Backend {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Backend::Loopback => "loopback",
+            Backend::Ucx => "ucx",
+            Backend::Nixl => "nixl",
+        }
+    }
+
+    /// Agents for engines of this process. `cross_process`: the peers live in other processes.
+    pub(crate) fn sim_backend(self, cross_process: bool) -> Result<SimBackend> {
+        match self {
+            Backend::Loopback if cross_process => Err(Error::new(
+                ErrorKind::Unsupported,
+                "the loopback backend moves bytes inside one process: use `kvx demo`, or a backend that \
+                 crosses processes (ucx, nixl) for `kvx prefill` / `kvx decode`",
+            )),
+            Backend::Loopback => {
+                let fabric = Fabric::new();
+                Ok(SimBackend::new(move |engine, rank| {
+                    Ok(Arc::new(fabric.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
+                }))
+            }
+            #[cfg(feature = "ucx")]
+            Backend::Ucx => Ok(SimBackend::new(|engine, rank| {
+                Ok(Arc::new(kvx_ucx::UcxAgent::new(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
+            })),
+            #[cfg(not(feature = "ucx"))]
+            Backend::Ucx => Err(Error::new(
+                ErrorKind::NotAvailable,
+                "this kvx was built without the ucx feature: use --backend loopback",
+            )),
+            Backend::Nixl => Err(Error::new(
+                ErrorKind::NotAvailable,
+                format!("backend {} is not built into this kvx yet: use --backend loopback", self.name()),
+            )),
+        }
+    }
+}

@@ -1,0 +1,58 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod backend;
+mod demo;
+mod roles;
+mod summary;
+mod workload;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+use summary::Summary;
+
+/// kvx: move LLM KV-cache blocks between a prefill and a decode engine.
+#[derive(Debug, Parser)]
+#[command(name = "kvx", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// A prefill engine and a decode engine in one process; every moved byte is checked.
+    Demo(demo::DemoArgs),
+    /// The prefill engine as its own process: serves prompts to a `kvx decode` process.
+    Prefill(roles::PrefillArgs),
+    /// The decode engine as its own process: sends prompts to `kvx prefill`, loads their KV.
+    Decode(roles::DecodeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result: kvx_core::Result<Summary> = match &cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Prefill(args) => roles::prefill(args),
+        Command::Decode(args) => roles::decode(args),
+    };
+    match result {
+        Ok(summary) => {
+            print!("{summary}");
+            for e in summary.errors() {
+                eprintln!("kvx: {e}");
+            }
+            if summary.is_correct() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("kvx: FAILED: failed requests, wrong bytes or leaked blocks");
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("kvx: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The run summary the `kvx` command prints, and whether the run was correct.
+
+use std::fmt;
+use std::time::Duration;
+
+use kvx_testkit::sim::SimEngine;
+
+/// What a run moved and checked, from the decode engine's point of view, plus leak checks.
+#[derive(Debug, Default)]
+pub(crate) struct Summary {
+    pub(crate) requests: usize,
+    finished: u64,
+    failed: u64,
+    bytes_moved: u64,
+    wall: Duration,
+    latencies: Vec<Duration>,
+    handshake: Option<Duration>,
+    blocks_verified: u64,
+    bytes_verified: u64,
+    mismatched: u64,
+    errors: Vec<String>,
+    leaked: usize,
+}
+
+impl Summary {
+    /// An engine's view of a run of `requests` requests that took `wall` (the decode engine's
+    /// view is the whole story: it moves and checks the bytes).
+    pub(crate) fn of_engine(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
+        let workers = decode.worker_stats();
+        let mut latencies: Vec<Duration> =
+            workers.iter().flat_map(|w| w.transfer_latencies.iter().copied()).collect();
+        latencies.sort();
+        let stats = decode.stats();
+        let mut s = Summary {
+            requests,
+            finished: stats.finished,
+            failed: stats.failed,
+            bytes_moved: workers.iter().map(|w| w.bytes_read).sum(),
+            wall,
+            latencies,
+            handshake: workers.iter().flat_map(|w| w.handshake_times.iter().copied()).max(),
+            blocks_verified: stats.blocks_verified,
+            bytes_verified: stats.bytes_verified,
+            mismatched: stats.blocks_mismatched,
+            ..Summary::default()
+        };
+        s.check(decode);
+        s
+    }
+
+    /// Adds an engine's errors and leaked blocks.
+    pub(crate) fn check(&mut self, engine: &SimEngine) {
+        let pool = engine.pool();
+        self.leaked += pool.num_blocks() as usize - pool.num_free();
+        self.errors.extend(engine.errors().iter().map(|e| format!("{}: {e}", engine.engine_id())));
+    }
+
+    /// Adds another process's leaked blocks and errors.
+    pub(crate) fn add_remote(&mut self, who: &str, leaked: usize, errors: Vec<String>) {
+        self.leaked += leaked;
+        self.errors.extend(errors.into_iter().map(|e| format!("{who}: {e}")));
+    }
+
+    /// Blocks not free at the end.
+    pub(crate) fn leaked(&self) -> usize {
+        self.leaked
+    }
+
+    /// Whether every request finished, every byte matched and no block leaked.
+    pub(crate) fn is_correct(&self) -> bool {
+        self.failed == 0
+            && self.finished == self.requests as u64
+            && self.mismatched == 0
+            && self.leaked == 0
+            && self.errors.is_empty()
+    }
+
+    /// The errors, for stderr.
+    pub(crate) fn errors(&self) -> &[String] {
+        &self.errors
+    }
+
+    fn percentile(&self, p: f64) -> Option<Duration> {
+        let n = self.latencies.len();
+        (n > 0).then(|| self.latencies[((n - 1) as f64 * p).round() as usize])
+    }
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map_or_else(|| "-".to_owned(), |d| format!("{:.3} ms", d.as_secs_f64() * 1e3))
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = self.wall.as_secs_f64().max(1e-9);
+        let rows = [
+            ("requests", format!("{} ({} finished, {} failed)", self.requests, self.finished, self.failed)),
+            ("bytes moved", mb(self.bytes_moved)),
+            ("wall time", format!("{:.3} s", self.wall.as_secs_f64())),
+            (
+                "throughput",
+                format!("{:.2} GB/s (bytes moved / wall time)", self.bytes_moved as f64 / secs / 1e9),
+            ),
+            ("transfer latency p50", ms(self.percentile(0.5))),
+            ("transfer latency p99", ms(self.percentile(0.99))),
+            ("handshake time", ms(self.handshake)),
+            ("blocks verified", format!("{} ({} checked)", self.blocks_verified, mb(self.bytes_verified))),
+            ("blocks mismatched", self.mismatched.to_string()),
+            ("blocks leaked", self.leaked.to_string()),
+        ];
+        for (name, value) in rows {
+            writeln!(f, "  {name:<22} {value}")?;
+        }
+        Ok(())
+    }
+}

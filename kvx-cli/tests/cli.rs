@@ -1,0 +1,102 @@
+//! The `kvx` binary: the demo, and prefill and decode as two processes.
+
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const KVX: &str = env!("CARGO_BIN_EXE_kvx");
+const LIMIT: Duration = Duration::from_secs(120);
+/// Small sizes: the debug build checks every byte.
+const SIZES: [&str; 8] = ["--layers", "2", "--kv-heads", "4", "--head-dim", "32", "--blocks", "256"];
+
+/// Waits for a child within [`LIMIT`] (killing it after), on a thread, without polling.
+fn wait(child: Child) -> Output {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(LIMIT) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            panic!("kvx (pid {pid}) did not finish within {LIMIT:?}");
+        }
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn demo_checks_every_byte_and_leaks_nothing() {
+    let child = Command::new(KVX)
+        .args(["demo", "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
+    assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
+    assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+}
+
+#[test]
+fn backends_that_cannot_run_a_role_say_so() {
+    for args in [&["demo", "--backend", "nixl"][..], &["prefill", "--backend", "loopback", "--api-port", "0"]]
+    {
+        let out =
+            wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(text(&out.stderr).contains("backend"), "{}", text(&out.stderr));
+    }
+}
+
+/// `kvx prefill` and `kvx decode` as two processes over UCX: the decode process READs every block
+/// out of the prefill process's memory and checks every byte; both exit 0 and leak nothing.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_and_decode_processes_over_ucx() {
+    let mut prefill = Command::new(KVX)
+        .args(["prefill", "--backend", "ucx", "--api-port", "0"])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first line names the request API's endpoint.
+    let mut first = String::new();
+    BufReader::new(prefill.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    let api = first.trim().rsplit(' ').next().unwrap().to_owned();
+    assert!(api.starts_with("tcp://"), "{first}");
+
+    let decode = Command::new(KVX)
+        .args(["decode", "--backend", "ucx", "--prefill", &api, "--requests", "30", "--prompt-len", "1..120"])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let decode = wait(decode);
+    let prefill = wait(prefill);
+    let (d, p) = (text(&decode.stdout), text(&prefill.stdout));
+    assert!(decode.status.success(), "decode:\n{d}\n{}", text(&decode.stderr));
+    assert!(prefill.status.success(), "prefill:\n{p}\n{}", text(&prefill.stderr));
+    assert!(d.contains("30 (30 finished, 0 failed)"), "{d}");
+    assert!(d.contains("blocks mismatched      0") && d.contains("blocks leaked          0"), "{d}");
+    let verified: u64 = d
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("blocks verified"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    assert!(verified > 0, "{d}");
+    assert!(p.contains("served 30 requests") && p.contains("blocks leaked          0"), "{p}");
+}

@@ -1,0 +1,24 @@
+//! The engine simulator: [`SimEngine`] drives the connector exactly as an inference engine does,
+//! over any [`TransferAgent`](kvx_core::TransferAgent) backend, and checks every byte it receives.
+//!
+//! - [`BlockPool`]: paged KV blocks with a prefix cache, reference counts, LRU reuse, and checks
+//!   that nothing leaks ([`BlockPool::is_whole`]) and nothing still needed is freed.
+//! - [`ModelSpec`]: the KV shape (standard or MLA, chunked local-attention windows) and the
+//!   deterministic bytes the "model" writes.
+//! - [`SimEngine`]: requests that wait, load remote KV, run and finish; a scheduler, and per
+//!   tensor-parallel rank a worker with its own agent and KV memory.
+//! - [`Cluster`]: prefill engines, a decode engine and the router between them.
+//! - Side channels: [`InProcessSideChannels`] for in-process tests, or real ZeroMQ ones
+//!   ([`SideChannel::Zmq`]).
+
+mod cluster;
+mod engine;
+mod model;
+mod pool;
+mod side_channel;
+
+pub use cluster::Cluster;
+pub use engine::{EngineConfig, EngineStats, RequestState, SideChannel, SimBackend, SimEngine};
+pub use model::{KvShape, ModelSpec, VOCAB};
+pub use pool::{BlockHash, BlockPool, PoolError};
+pub use side_channel::{BoundSideChannels, InProcessSideChannels, bind_zmq};
