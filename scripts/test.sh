@@ -18,9 +18,17 @@ export KVX_REQUIRE_NIXL=1 KVX_REQUIRE_UCX=1
 step "format and lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# One native backend per kvx binary (see kvx-cli's features): lint and test each build.
+for backend in ucx nixl; do
+    cargo clippy -p kvx-cli --all-targets --features "$backend" -- -D warnings
+done
 
 step "tests (unit, conformance, end to end, doc)"
 cargo test --workspace
+for backend in ucx nixl; do
+    step "kvx binary with the $backend backend (demo and two processes)"
+    cargo test -p kvx-cli --features "$backend"
+done
 
 step "demo smoke run"
 cargo run -q -p kvx-cli -- demo --requests 64

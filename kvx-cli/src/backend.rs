@@ -50,9 +50,19 @@ impl Backend {
                 ErrorKind::NotAvailable,
                 "this kvx was built without the ucx feature: use --backend loopback",
             )),
+            #[cfg(feature = "nixl")]
+            Backend::Nixl => {
+                // Fail here, with NIXL's reason, rather than at the first engine.
+                kvx_nixl::check_library()?;
+                Ok(SimBackend::new(|engine, rank| {
+                    let agent = kvx_nixl::NixlAgent::new(format!("{engine}-{rank}"), &Default::default())?;
+                    Ok(Arc::new(agent) as Arc<dyn TransferAgent>)
+                }))
+            }
+            #[cfg(not(feature = "nixl"))]
             Backend::Nixl => Err(Error::new(
                 ErrorKind::NotAvailable,
-                format!("backend {} is not built into this kvx yet: use --backend loopback", self.name()),
+                "this kvx was built without the nixl feature: use --backend loopback",
             )),
         }
     }

@@ -51,7 +51,9 @@ fn demo_checks_every_byte_and_leaks_nothing() {
 
 #[test]
 fn backends_that_cannot_run_a_role_say_so() {
-    for args in [&["demo", "--backend", "nixl"][..], &["prefill", "--backend", "loopback", "--api-port", "0"]]
+    let missing = if cfg!(feature = "nixl") { "ucx" } else { "nixl" };
+    for args in
+        [&["demo", "--backend", missing][..], &["prefill", "--backend", "loopback", "--api-port", "0"]]
     {
         let out =
             wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
@@ -60,13 +62,42 @@ fn backends_that_cannot_run_a_role_say_so() {
     }
 }
 
-/// `kvx prefill` and `kvx decode` as two processes over UCX: the decode process READs every block
-/// out of the prefill process's memory and checks every byte; both exit 0 and leak nothing.
-#[cfg(feature = "ucx")]
+/// `kvx demo` on a native backend: two engines in one process, every byte checked.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
 #[test]
-fn prefill_and_decode_processes_over_ucx() {
+fn demo_on_the_native_backend() {
+    let child = Command::new(KVX)
+        .args(["demo", "--backend", NATIVE, "--requests", "40", "--prompt-len", "1..100", "--seed", "3"])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains(&format!("{NATIVE} backend")), "{stdout}");
+    assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
+    assert!(
+        stdout.contains("blocks mismatched      0") && stdout.contains("blocks leaked          0"),
+        "{stdout}"
+    );
+}
+
+/// The native backend this test binary was built with.
+#[cfg(feature = "ucx")]
+const NATIVE: &str = "ucx";
+#[cfg(feature = "nixl")]
+const NATIVE: &str = "nixl";
+
+/// `kvx prefill` and `kvx decode` as two processes over the native backend (UCX or NIXL): the
+/// decode process READs every block out of the prefill process's memory and checks every byte;
+/// both exit 0 and leak nothing.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+#[test]
+fn prefill_and_decode_processes() {
     let mut prefill = Command::new(KVX)
-        .args(["prefill", "--backend", "ucx", "--api-port", "0"])
+        .args(["prefill", "--backend", NATIVE, "--api-port", "0"])
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -79,7 +110,17 @@ fn prefill_and_decode_processes_over_ucx() {
     assert!(api.starts_with("tcp://"), "{first}");
 
     let decode = Command::new(KVX)
-        .args(["decode", "--backend", "ucx", "--prefill", &api, "--requests", "30", "--prompt-len", "1..120"])
+        .args([
+            "decode",
+            "--backend",
+            NATIVE,
+            "--prefill",
+            &api,
+            "--requests",
+            "30",
+            "--prompt-len",
+            "1..120",
+        ])
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
