@@ -2,7 +2,6 @@
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -96,6 +95,7 @@ const NATIVE: &str = "nixl";
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 #[test]
 fn prefill_and_decode_processes() {
+    use std::io::{BufRead, BufReader};
     let mut prefill = Command::new(KVX)
         .args(["prefill", "--backend", NATIVE, "--api-port", "0"])
         .args(SIZES)
