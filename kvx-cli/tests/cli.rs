@@ -95,8 +95,22 @@ const NATIVE: &str = "nixl";
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 #[test]
 fn prefill_and_decode_processes() {
+    prefill_and_decode_processes_with(&[]);
+}
+
+/// The same over UCX's TCP transport only (both processes read `UCX_TLS` when their agents
+/// start): the transport a deployment without shared memory or RDMA gets.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_and_decode_processes_over_tcp() {
+    prefill_and_decode_processes_with(&[("UCX_TLS", "tcp")]);
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
     use std::io::{BufRead, BufReader};
     let mut prefill = Command::new(KVX)
+        .envs(env.iter().copied())
         .args(["prefill", "--backend", NATIVE, "--api-port", "0"])
         .args(SIZES)
         .stdout(Stdio::piped())
