@@ -1,0 +1,109 @@
+//! `WorkerDriver` against kvx-core's mockall mocks of `MetadataExchange` and `ParallelGroup`, with
+//! real loopback agents: what the driver publishes and fetches, and how rank 0 aggregates.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
+use kvx_core::{
+    ConnectorMetadata, ConnectorWorker, Finished, HostMemory, LayerCache, RecvRequest, RemoteCoordinates,
+    RequestId, WorkerConfig, WorkerDriver,
+};
+use kvx_loopback::Fabric;
+
+fn layer() -> Vec<LayerCache> {
+    let memory = Arc::new(HostMemory::new(2 * 8 * 64).unwrap());
+    vec![LayerCache { memory, shape: vec![2, 8, 4, 2, 8], elem_size: 1, window: None }]
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+}
+
+#[test]
+fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
+    let rt = runtime();
+    let fabric = Fabric::new();
+
+    // The prefill rank 1 registers and its payload is what the decode rank 1 will fetch.
+    let mut prefill = ConnectorWorker::new(
+        WorkerConfig::new("prefill".into(), 1, 2, 4),
+        Arc::new(fabric.agent("prefill-1").unwrap()),
+    )
+    .unwrap();
+    let payload = prefill.register_kv_caches(&layer()).unwrap();
+
+    let mut exchange = MockMetadataExchange::new();
+    exchange.expect_publish().times(1).returning(|_| Ok(()));
+    let fetched = payload.clone();
+    exchange
+        .expect_fetch()
+        .withf(|host, port, timeout| {
+            host == "10.0.0.1" && *port == 5601 && *timeout == Duration::from_secs(5)
+        })
+        .times(1)
+        .returning(move |_, _, _| Ok(fetched.clone()));
+
+    // Rank 1 of the decode engine, whose group sends its reports to rank 0.
+    let mut group = MockParallelGroup::new();
+    group.expect_world_size().return_const(2u32);
+    group.expect_gather_finished().returning(|_| Ok(None));
+
+    let worker = ConnectorWorker::new(
+        WorkerConfig::new("decode".into(), 1, 2, 4),
+        Arc::new(fabric.agent("decode-1").unwrap()),
+    )
+    .unwrap();
+    let mut driver = WorkerDriver::new(worker, Arc::new(exchange), Arc::new(group), rt.handle().clone());
+    driver.register_kv_caches(&layer()).unwrap();
+
+    let req = RecvRequest {
+        request_id: "r".into(),
+        local_block_ids: vec![2],
+        remote_block_ids: vec![5],
+        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },
+    };
+    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], reqs_to_send: vec![] });
+    // The fetch runs on the runtime; the result is fed at a later call.
+    driver.wait_for_handshakes(Duration::from_secs(5));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while driver.worker().stats().bytes_read == 0 {
+        assert!(Instant::now() < deadline, "the READ did not complete");
+        // Rank 1 reports to rank 0: it returns nothing itself.
+        assert!(driver.get_finished().unwrap().is_empty());
+    }
+    assert_eq!(driver.worker().stats().handshakes, 1);
+}
+
+#[test]
+fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
+    let rt = runtime();
+    let fabric = Fabric::new();
+    let mut exchange = MockMetadataExchange::new();
+    exchange.expect_publish().returning(|_| Ok(()));
+    let mut group = MockParallelGroup::new();
+    group.expect_world_size().return_const(2u32);
+    let other = |ids: &[&str]| Finished {
+        sending: ids.iter().map(|s| RequestId::new(*s)).collect(),
+        ..Default::default()
+    };
+    // Rank 1 reports "a" in the first step, "b" in the second.
+    let mut steps = vec![other(&["b"]), other(&["a"])];
+    group.expect_gather_finished().times(2).returning(move |own| Ok(Some(vec![own, steps.pop().unwrap()])));
+    let worker = ConnectorWorker::new(
+        WorkerConfig { hold_timeout: Duration::ZERO, ..WorkerConfig::new("prefill".into(), 0, 2, 4) },
+        Arc::new(fabric.agent("prefill-0").unwrap()),
+    )
+    .unwrap();
+    let mut driver = WorkerDriver::new(worker, Arc::new(exchange), Arc::new(group), rt.handle().clone());
+    driver.register_kv_caches(&layer()).unwrap();
+    // Holds for "a" and "b" expire at once on this rank (hold timeout zero).
+    let meta = ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: vec!["a".into(), "b".into()] };
+    driver.start_load_kv(&meta);
+    let first = driver.get_finished().unwrap();
+    assert_eq!(first.sending, vec![RequestId::new("a")], "b is not finished on rank 1 yet");
+    assert!(!driver.is_idle());
+    let second = driver.get_finished().unwrap();
+    assert_eq!(second.sending, vec![RequestId::new("b")]);
+    assert!(driver.is_idle());
+}
