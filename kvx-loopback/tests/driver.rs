@@ -1,6 +1,8 @@
 //! `WorkerDriver` against kvx-core's mockall mocks of `MetadataExchange` and `ParallelGroup`, with
 //! real loopback agents: what the driver publishes and fetches, and how rank 0 aggregates.
 
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
