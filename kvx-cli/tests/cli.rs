@@ -31,10 +31,11 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-#[test]
-fn demo_checks_every_byte_and_leaks_nothing() {
+/// Runs `kvx demo` on `backend` with 40 requests and checks that all finished, every byte
+/// matched and nothing leaked.
+fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
     let child = Command::new(KVX)
-        .args(["demo", "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -43,9 +44,15 @@ fn demo_checks_every_byte_and_leaks_nothing() {
     let out = wait(child);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains(&format!("{backend} backend")), "{stdout}");
     assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
     assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
     assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+}
+
+#[test]
+fn demo_checks_every_byte_and_leaks_nothing() {
+    demo_checks_every_byte_and_leaks_nothing_on("loopback");
 }
 
 #[test]
@@ -65,22 +72,7 @@ fn backends_that_cannot_run_a_role_say_so() {
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 #[test]
 fn demo_on_the_native_backend() {
-    let child = Command::new(KVX)
-        .args(["demo", "--backend", NATIVE, "--requests", "40", "--prompt-len", "1..100", "--seed", "3"])
-        .args(SIZES)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child);
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    assert!(stdout.contains(&format!("{NATIVE} backend")), "{stdout}");
-    assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
-    assert!(
-        stdout.contains("blocks mismatched      0") && stdout.contains("blocks leaked          0"),
-        "{stdout}"
-    );
+    demo_checks_every_byte_and_leaks_nothing_on(NATIVE);
 }
 
 /// The native backend this test binary was built with.
