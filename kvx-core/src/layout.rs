@@ -16,6 +16,10 @@ pub enum AttentionKind {
     Standard,
     /// `[num_blocks, block_size, latent_dim]`: one region per layer.
     Mla,
+    /// `[num_blocks, kv_heads, block_size, 2 * head_dim]`: K and V packed into each block (per
+    /// head, the block's K rows then its V rows), so one block of one layer is one contiguous
+    /// page and each layer is one region. vLLM's CPU attention backend (layout "LBHNC").
+    Packed,
 }
 
 impl AttentionKind {
@@ -23,7 +27,7 @@ impl AttentionKind {
     pub fn regions_per_layer(self) -> u32 {
         match self {
             AttentionKind::Standard => 2,
-            AttentionKind::Mla => 1,
+            AttentionKind::Mla | AttentionKind::Packed => 1,
         }
     }
 }
@@ -33,7 +37,7 @@ impl AttentionKind {
 pub struct LayerCache {
     /// The layer's memory; it stays registered (and alive) as long as the worker lives.
     pub memory: Arc<dyn KvMemory>,
-    /// The tensor shape: 5 dimensions (standard attention) or 3 (MLA).
+    /// The tensor shape: 5 dimensions (standard attention), 4 (packed K and V) or 3 (MLA).
     pub shape: Vec<u64>,
     /// Bytes per element.
     pub elem_size: u64,
@@ -65,22 +69,26 @@ pub struct KvCacheLayout {
 
 impl KvCacheLayout {
     /// Detects the layout from the caches of all layers and returns it with the base address of
-    /// every region, ordered `[K0, V0, K1, V1, ..]` (standard) or `[L0, L1, ..]` (MLA).
+    /// every region, ordered `[K0, V0, K1, V1, ..]` (standard) or `[L0, L1, ..]` (MLA, packed).
     pub fn detect(caches: &[LayerCache], block_size: u32) -> Result<(KvCacheLayout, Vec<u64>)> {
         let first = caches.first().ok_or_else(|| Error::invalid_argument("no KV caches to register"))?;
-        let (kind, num_blocks, block_dims) = match first.shape.as_slice() {
-            [2, n, rest @ ..] if rest.len() == 3 => (AttentionKind::Standard, *n, rest),
-            [n, rest @ ..] if rest.len() == 2 => (AttentionKind::Mla, *n, rest),
+        // The kind, the block count, the dimensions of one block, and which of them is the
+        // block's token dimension.
+        let (kind, num_blocks, block_dims, token_dim) = match first.shape.as_slice() {
+            [2, n, rest @ ..] if rest.len() == 3 => (AttentionKind::Standard, *n, rest, 0),
+            [n, rest @ ..] if rest.len() == 3 => (AttentionKind::Packed, *n, rest, 1),
+            [n, rest @ ..] if rest.len() == 2 => (AttentionKind::Mla, *n, rest, 0),
             other => {
                 return Err(Error::invalid_argument(format!(
-                    "unsupported KV cache shape {other:?}: expected [2, blocks, block_size, heads, head_dim] or [blocks, block_size, latent]"
+                    "unsupported KV cache shape {other:?}: expected [2, blocks, block_size, heads, head_dim], \
+                     [blocks, heads, block_size, 2 * head_dim] or [blocks, block_size, latent]"
                 )));
             }
         };
-        if block_dims[0] != u64::from(block_size) {
+        if block_dims[token_dim] != u64::from(block_size) {
             return Err(Error::invalid_argument(format!(
                 "cache block dimension {} differs from block_size {block_size}",
-                block_dims[0]
+                block_dims[token_dim]
             )));
         }
         let num_blocks = u32::try_from(num_blocks)
@@ -157,7 +165,12 @@ impl KvCacheLayout {
     pub fn compat_hash(&self, tag: &str) -> u64 {
         let mut h = Fnv1a::new();
         h.write(&WIRE_VERSION.to_le_bytes());
-        h.write(&[self.kind.regions_per_layer() as u8]);
+        // Standard and MLA hash as their region count did before packed K and V existed.
+        h.write(&[match self.kind {
+            AttentionKind::Standard => 2,
+            AttentionKind::Mla => 1,
+            AttentionKind::Packed => 3,
+        }]);
         h.write(&self.num_layers.to_le_bytes());
         h.write(&self.block_size.to_le_bytes());
         h.write(&self.block_len.to_le_bytes());
@@ -253,6 +266,32 @@ mod tests {
         assert_eq!(l.kind, AttentionKind::Mla);
         assert_eq!(l.block_len, 16 * 576 * 2);
         assert_eq!(bases.len(), 3);
+    }
+
+    #[test]
+    fn detects_packed_kv_with_one_contiguous_page_per_layer_block() {
+        // vLLM CPU: [blocks, kv_heads, block_size, 2 * head_dim], layers back to back in one buffer.
+        let caches = vec![cache(&[10, 2, 128, 128], 2, None); 4];
+        let (l, bases) = KvCacheLayout::detect(&caches, 128).unwrap();
+        assert_eq!(l.kind, AttentionKind::Packed);
+        assert_eq!(l.num_blocks, 10);
+        assert_eq!(l.block_len, 2 * 128 * 128 * 2, "K and V of every head in one page");
+        assert_eq!(l.num_regions(), 4);
+        assert_eq!(bases, caches.iter().map(|c| c.memory.region().addr).collect::<Vec<_>>());
+        let mut ids = Vec::new();
+        l.descriptor_ids(10, &[3, 5], &mut ids);
+        assert_eq!(ids, vec![3, 5, 13, 15, 23, 25, 33, 35]);
+        // The token dimension is the third one: a 4-D cache whose second dimension is the block
+        // size is refused when the third is not.
+        assert!(KvCacheLayout::detect(&[cache(&[10, 128, 2, 128], 2, None)], 128).is_err());
+        // Not compatible with a standard layout of the same page size.
+        let std = KvCacheLayout::detect(&vec![cache(&[2, 10, 128, 2, 64], 2, None); 2], 128).unwrap().0;
+        let packed2 = KvCacheLayout::detect(&caches[..2], 128).unwrap().0;
+        assert_ne!(std.compat_hash("m"), packed2.compat_hash("m"));
+        // Nor with MLA of the same page size and layer count.
+        let mla = KvCacheLayout::detect(&vec![cache(&[10, 128, 256], 2, None); 4], 128).unwrap().0;
+        assert_eq!(mla.block_len, l.block_len);
+        assert_ne!(mla.compat_hash("m"), l.compat_hash("m"));
     }
 
     #[test]

@@ -11,6 +11,10 @@ use crate::wire::{MessageKind, WireMessage};
 pub struct RecvRequest {
     /// The request.
     pub request_id: RequestId,
+    /// The prefill engine's id of the request, when it differs from `request_id` (vLLM gives
+    /// each engine's request its own id); the notification names it.
+    #[serde(default)]
+    pub remote_request_id: Option<RequestId>,
     /// Local blocks to fill. Empty: nothing to read, only tell the prefill engine to free.
     pub local_block_ids: Vec<BlockId>,
     /// The prefill engine's blocks; when longer than `local_block_ids`, only the last
@@ -24,6 +28,11 @@ impl RecvRequest {
     /// Whether this entry only notifies the prefill engine (nothing to read).
     pub fn is_notify_only(&self) -> bool {
         self.local_block_ids.is_empty()
+    }
+
+    /// The id the prefill engine holds the blocks under.
+    pub fn prefill_request_id(&self) -> &RequestId {
+        self.remote_request_id.as_ref().unwrap_or(&self.request_id)
     }
 }
 

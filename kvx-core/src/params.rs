@@ -3,10 +3,13 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{BlockId, EngineId};
+use crate::ids::{BlockId, EngineId, RequestId};
 
 /// vLLM's `kv_transfer_params`. Keys vLLM adds that kvx does not know are kept in `extra`, so a
 /// round trip through kvx loses nothing.
+///
+/// `remote_block_ids` is per KV-cache group in vLLM 0.32 (`[[b0, b1, ..]]`); kvx moves one group
+/// (full attention), reads both that shape and a flat list, and writes the nested shape.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TransferParams {
     /// Decode side: load this request's prompt KV from a remote prefill engine.
@@ -16,8 +19,12 @@ pub struct TransferParams {
     #[serde(default)]
     pub do_remote_decode: bool,
     /// The prefill engine's blocks holding the prompt's full blocks.
-    #[serde(default)]
+    #[serde(default, with = "one_group")]
     pub remote_block_ids: Option<Vec<BlockId>>,
+    /// The prefill engine's id of the request (the decode engine's id differs): named in the
+    /// notification that frees the prefill engine's blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<RequestId>,
     /// The prefill engine.
     #[serde(default)]
     pub remote_engine_id: Option<EngineId>,
@@ -50,6 +57,7 @@ impl TransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
             remote_block_ids: Some(block_ids),
+            remote_request_id: None,
             remote_engine_id: Some(engine_id),
             remote_host: Some(host),
             remote_port: Some(port),
@@ -86,13 +94,44 @@ impl TransferParams {
     }
 }
 
+/// `remote_block_ids` as one KV-cache group: written `[[..]]`, read as `[[..]]` (exactly one
+/// group; an empty outer list is no blocks) or as a flat list.
+mod one_group {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::ids::BlockId;
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Shape {
+        Flat(Vec<BlockId>),
+        Groups(Vec<Vec<BlockId>>),
+    }
+
+    pub(super) fn serialize<S: Serializer>(ids: &Option<Vec<BlockId>>, s: S) -> Result<S::Ok, S::Error> {
+        ids.as_ref().map(std::slice::from_ref).serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<BlockId>>, D::Error> {
+        match Option::<Shape>::deserialize(d)? {
+            None => Ok(None),
+            Some(Shape::Flat(ids)) => Ok(Some(ids)),
+            Some(Shape::Groups(mut groups)) if groups.len() <= 1 => Ok(Some(groups.pop().unwrap_or_default())),
+            Some(Shape::Groups(groups)) => Err(serde::de::Error::custom(format!(
+                "remote_block_ids has {} KV-cache groups; kvx moves one",
+                groups.len()
+            ))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn round_trips_a_vllm_shaped_object() {
-        let json = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"prefill-0","remote_host":"10.0.0.1","remote_port":5600,"tp_size":2}"#;
+        let json = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"prefill-0","remote_request_id":"cmpl-1-0","remote_host":"10.0.0.1","remote_port":5600,"tp_size":2}"#;
         let p = TransferParams::from_json(json).unwrap();
         assert!(p.do_remote_prefill && !p.do_remote_decode);
         assert_eq!(p.remote_blocks(), &[1, 2, 3]);
@@ -103,6 +142,21 @@ mod tests {
         let back: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
         let orig: serde_json::Value = serde_json::from_str(json).unwrap();
         assert_eq!(back, orig);
+    }
+
+    #[test]
+    fn reads_flat_and_per_group_block_ids_and_writes_per_group() {
+        for json in [r#"{"remote_block_ids":[7,8]}"#, r#"{"remote_block_ids":[[7,8]]}"#] {
+            let p = TransferParams::from_json(json).unwrap();
+            assert_eq!(p.remote_blocks(), &[7, 8]);
+            let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
+            assert_eq!(v["remote_block_ids"], serde_json::json!([[7, 8]]));
+        }
+        let none = TransferParams::from_json(r#"{"remote_block_ids":null}"#).unwrap();
+        assert_eq!(none.remote_block_ids, None);
+        assert!(TransferParams::from_json(r#"{"remote_block_ids":[]}"#).unwrap().remote_blocks().is_empty());
+        let empty_group = TransferParams::from_json(r#"{"remote_block_ids":[[]]}"#).unwrap();
+        assert_eq!(empty_group.remote_block_ids, Some(vec![]));
     }
 
     #[test]
@@ -130,6 +184,7 @@ mod tests {
         assert!(p.do_remote_decode && p.coordinates().is_none() && p.remote_blocks().is_empty());
         assert!(TransferParams::from_json(r#"{"remote_port": 70000}"#).is_err());
         assert!(TransferParams::from_json(r#"{"remote_block_ids": [-1]}"#).is_err());
+        assert!(TransferParams::from_json(r#"{"remote_block_ids": [[1], [2]]}"#).is_err(), "two groups");
         let no_host = TransferParams {
             remote_host: Some(String::new()),
             ..TransferParams::for_decode(vec![], "e".into(), "h".into(), 1)

@@ -58,6 +58,8 @@ pub struct FinishOutcome {
 #[derive(Debug, Clone)]
 struct PendingRecv {
     remote: RemoteCoordinates,
+    /// The prefill engine's id of the request, when it differs from ours.
+    remote_request_id: Option<RequestId>,
     /// The remote blocks covering the prompt's tokens up to what will be loaded.
     remote_block_ids: Vec<BlockId>,
     /// Empty until blocks are allocated; stays empty for notify-only requests.
@@ -114,10 +116,11 @@ impl ConnectorScheduler {
     ///
     /// Only requests with `do_remote_prefill` and complete remote coordinates load anything. The
     /// remote engine sends full blocks only: the count is the prompt rounded down to a block,
-    /// capped by the blocks it offers, minus the computed tokens. When that is 0 but the remote
-    /// holds blocks, the request is still recorded so that the prefill engine is told to free.
+    /// capped by the blocks it offers, minus the computed tokens. Free of side effects (vLLM may
+    /// ask again for a request it could not schedule): what to load, or only to notify, is recorded
+    /// by [`update_state_after_alloc`](Self::update_state_after_alloc).
     pub fn get_num_new_matched_tokens(
-        &mut self,
+        &self,
         request_id: &RequestId,
         prompt_len: usize,
         params: Option<&TransferParams>,
@@ -132,31 +135,23 @@ impl ConnectorScheduler {
                 "request {request_id}: {num_computed_tokens} computed tokens is not a multiple of block size {bs}"
             )));
         }
-        let Some(remote) = params.coordinates() else {
+        if params.coordinates().is_none() {
             warn!(%request_id, "do_remote_prefill without complete remote coordinates: computing locally");
             return Ok(MatchedTokens::default());
-        };
-        let remote_ids = params.remote_blocks();
-        let loadable_blocks = (prompt_len / bs).min(remote_ids.len());
+        }
+        let loadable_blocks = (prompt_len / bs).min(params.remote_blocks().len());
         let count = (loadable_blocks * bs).saturating_sub(num_computed_tokens);
-        if count > 0 {
-            return Ok(MatchedTokens { count, load_async: true });
-        }
-        if !remote_ids.is_empty() {
-            debug!(%request_id, "full local prefix hit: notify the prefill engine only");
-            self.pending_recv.insert(
-                request_id.clone(),
-                PendingRecv { remote, remote_block_ids: Vec::new(), local_block_ids: Vec::new() },
-            );
-        }
-        Ok(MatchedTokens::default())
+        Ok(MatchedTokens { count, load_async: count > 0 })
     }
 
     /// Records the blocks allocated for a request's remote tokens. `new_block_ids` are the blocks
     /// newly allocated for it (not prefix-cached), in token order; the first
     /// `num_external_tokens / block_size` of them receive the remote blocks.
     ///
-    /// A request triggers at most one load: `do_remote_prefill` is turned off here.
+    /// A request triggers at most one load: `do_remote_prefill` is turned off here, so a second
+    /// call for the same request (vLLM makes one when an async load completes) does nothing. With
+    /// `num_external_tokens == 0` while the remote holds blocks (a full local prefix hit), the
+    /// request is recorded as notify-only, so that the prefill engine is still told to free.
     pub fn update_state_after_alloc(
         &mut self,
         request_id: &RequestId,
@@ -169,15 +164,27 @@ impl ConnectorScheduler {
             return Ok(());
         };
         params.do_remote_prefill = false;
-        if num_external_tokens == 0 {
-            // Nothing to read; a notify-only record from get_num_new_matched_tokens stays.
-            return Ok(());
-        }
-        let bs = self.block_size();
         let Some(remote) = params.coordinates() else {
             warn!(%request_id, "invalid kv_transfer_params (incomplete remote coordinates): no transfer");
             return Ok(());
         };
+        let remote_request_id = params.remote_request_id.clone();
+        if num_external_tokens == 0 {
+            if !params.remote_blocks().is_empty() {
+                debug!(%request_id, "nothing to load: notify the prefill engine only");
+                self.pending_recv.insert(
+                    request_id.clone(),
+                    PendingRecv {
+                        remote,
+                        remote_request_id,
+                        remote_block_ids: Vec::new(),
+                        local_block_ids: Vec::new(),
+                    },
+                );
+            }
+            return Ok(());
+        }
+        let bs = self.block_size();
         let needed = num_external_tokens / bs;
         if num_external_tokens % bs != 0 || needed > new_block_ids.len() {
             return Err(Error::invalid_argument(format!(
@@ -198,6 +205,7 @@ impl ConnectorScheduler {
             request_id.clone(),
             PendingRecv {
                 remote,
+                remote_request_id,
                 remote_block_ids: remote_ids[..loadable].to_vec(),
                 local_block_ids: new_block_ids[..needed].to_vec(),
             },
@@ -212,6 +220,7 @@ impl ConnectorScheduler {
             .drain()
             .map(|(request_id, p)| RecvRequest {
                 request_id,
+                remote_request_id: p.remote_request_id,
                 local_block_ids: p.local_block_ids,
                 remote_block_ids: p.remote_block_ids,
                 remote: p.remote,
@@ -261,15 +270,14 @@ impl ConnectorScheduler {
             self.sending.insert(request_id.clone());
             self.new_sending.push(request_id.clone());
         }
-        FinishOutcome {
-            delay_free,
-            params: Some(TransferParams::for_decode(
-                computed,
-                self.config.engine_id.clone(),
-                self.config.side_channel_host.clone(),
-                self.config.side_channel_port,
-            )),
-        }
+        let mut params = TransferParams::for_decode(
+            computed,
+            self.config.engine_id.clone(),
+            self.config.side_channel_host.clone(),
+            self.config.side_channel_port,
+        );
+        params.remote_request_id = Some(request_id.clone());
+        FinishOutcome { delay_free, params: Some(params) }
     }
 
     /// Takes the workers' report: loads that ended, holds that were released.
@@ -338,7 +346,7 @@ mod tests {
 
     #[test]
     fn no_remote_prefill_or_no_params_loads_nothing() {
-        let mut s = sched();
+        let s = sched();
         assert_eq!(s.get_num_new_matched_tokens(&id("r"), 100, None, 0).unwrap(), MatchedTokens::default());
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
         assert_eq!(
@@ -349,7 +357,7 @@ mod tests {
 
     #[test]
     fn unaligned_computed_tokens_is_an_error_not_a_panic() {
-        let mut s = sched();
+        let s = sched();
         let p = decode_params(vec![1, 2]);
         let e = s.get_num_new_matched_tokens(&id("r"), 40, Some(&p), 3).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
@@ -434,7 +442,7 @@ mod tests {
         let out = s.request_finished(&id("a"), Some(&p), FinishReason::LengthCapped, 2 * BS + 5, &[3, 4, 5]);
         assert!(out.delay_free);
         let params = out.params.unwrap();
-        assert_eq!(params, decode_params(vec![3, 4]));
+        assert_eq!(params, TransferParams { remote_request_id: Some(id("a")), ..decode_params(vec![3, 4]) });
         // Exactly 2 full blocks, a third allocated for the next token: only 2 offered.
         let out = s.request_finished(&id("b"), Some(&p), FinishReason::LengthCapped, 2 * BS, &[6, 7, 8]);
         assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![6, 7]));

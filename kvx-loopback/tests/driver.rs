@@ -61,6 +61,7 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
 
     let req = RecvRequest {
         request_id: "r".into(),
+        remote_request_id: None,
         local_block_ids: vec![2],
         remote_block_ids: vec![5],
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },

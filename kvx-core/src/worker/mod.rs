@@ -331,7 +331,7 @@ impl ConnectorWorker {
         else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        let notif = req.request_id.as_str().as_bytes();
+        let notif = req.prefill_request_id().as_str().as_bytes();
         if req.is_notify_only() {
             self.stats.notify_only += 1;
             if let Err(e) = self.agent.notify(agent, notif) {

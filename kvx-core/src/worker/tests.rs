@@ -100,6 +100,7 @@ fn peer_payload(rank: u32, windows: &[Option<u32>], edit: impl FnOnce(&mut Hands
 fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
     RecvRequest {
         request_id: id.into(),
+        remote_request_id: None,
         local_block_ids: local,
         remote_block_ids: remote,
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
