@@ -1,0 +1,10 @@
+"""kvx as an out-of-tree KV connector for vLLM 0.32.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvxConnector",
+"kv_connector_module_path": "kvx_vllm.connector", ...}'``. Importing this package (or
+``kvx_vllm.connector``) has no side effects: vLLM imports the module in its API-server, EngineCore
+and worker processes, and the native backend is loaded only when a connector is constructed.
+"""
+
+__all__ = ["__version__"]
+__version__ = "0.1.0"

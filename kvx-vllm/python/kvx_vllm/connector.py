@@ -1,0 +1,293 @@
+"""``KvxConnector``: a vLLM 0.32 ``KVConnectorBase_V1`` whose logic is kvx-core's.
+
+The scheduler side (EngineCore process) wraps ``kvx_core::ConnectorScheduler``; the worker side
+(each worker process) wraps ``kvx_core::WorkerDriver`` over a kvx transfer agent. The per-step
+metadata crosses from EngineCore to the workers as kvx's wire bytes inside
+``KvxConnectorMetadata`` (which vLLM pickles). Each process loads exactly one native module,
+``kvx_vllm_ucx`` or ``kvx_vllm_nixl``, named by ``kv_connector_extra_config["backend"]``, and only
+when the connector is constructed: Debian's UCX (kvx-ucx) and the UCX inside NIXL's wheel must
+never meet in one process.
+
+``kv_connector_extra_config`` keys (all optional):
+
+- ``backend``: ``"ucx"`` (default) or ``"nixl"``.
+- ``side_channel_host`` / ``side_channel_port``: where each worker serves its handshake payload
+  (rank ``r`` binds ``port + r``), also advertised to decode engines. Fallbacks: the environment
+  variables ``KVX_SIDE_CHANNEL_HOST`` / ``KVX_SIDE_CHANNEL_PORT``, then ``127.0.0.1`` / ``5700``.
+- ``progress_thread``: progress the transfer agent in the background. Default: on for a producer
+  with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
+  an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
+- ``ucx_transports``: ``UCX_TLS`` for kvx-ucx's agent only.
+- ``handshake_timeout``: seconds (default 5); ``kv_lease_duration``: seconds the prefill side
+  holds blocks for a reader that never comes (default 120).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvx_vllm")
+
+_BACKENDS = {"ucx": "kvx_vllm_ucx", "nixl": "kvx_vllm_nixl"}
+_STATS_LOG_INTERVAL_S = 5.0
+
+
+class KvxConnectorMetadata(KVConnectorMetadata):
+    """kvx's per-step metadata, encoded by kvx-core (``kvx_core::wire``)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+def _native(backend: str):
+    """Imports the one native module for ``backend`` (in this process, never both)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"kvx: unknown backend {backend!r}; expected one of {sorted(_BACKENDS)}")
+    other = _BACKENDS["nixl" if backend == "ucx" else "ucx"]
+    import sys
+
+    if other in sys.modules:
+        raise RuntimeError(f"kvx: {other} is already loaded in this process; cannot also load {backend}")
+    if backend == "nixl":
+        _preload_nixl()
+    elif "nixl_cu12" in sys.modules or "nixl._api" in sys.modules:
+        raise RuntimeError("kvx: NIXL is loaded in this process; the ucx backend cannot share it")
+    return importlib.import_module(_BACKENDS[backend])
+
+
+def _preload_nixl() -> None:
+    """Makes the nixl-cu12 wheel's libnixl_capi.so findable by kvx-nixl (which dlopens it by
+    name) and points NIXL at the wheel's plugins, unless the environment already does."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("nixl_cu12")
+    if spec is None or spec.origin is None:
+        return
+    libs = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), ".nixl_cu12.mesonpy.libs")
+    capi = os.path.join(libs, "libnixl_capi.so")
+    if os.path.exists(capi):
+        ctypes.CDLL(capi, mode=ctypes.RTLD_GLOBAL)
+        os.environ.setdefault("NIXL_PLUGIN_DIR", os.path.join(libs, "plugins"))
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    m = re.search(r"\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def _finish_reason(request: "Request") -> str:
+    from vllm.v1.request import RequestStatus
+
+    return {
+        RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+        RequestStatus.FINISHED_STOPPED: "stop",
+        RequestStatus.FINISHED_ABORTED: "abort",
+    }.get(request.status, "error")
+
+
+class KvxConnector(KVConnectorBase_V1):
+    """kvx's disaggregated prefill/decode connector (pull: the decode engine READs).
+
+    Not ``SupportsHMA``: kvx moves one KV-cache group (full attention), so vLLM turns its hybrid
+    allocator off for this connector and ``request_finished`` gets that group's blocks. Models
+    with sliding-window or Mamba groups are out of scope.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = vllm_config.kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self._backend = str(extra.get("backend", "ucx")).lower()
+        self._engine_id = str(cfg.engine_id)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
+        self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
+        self._sched = None
+        self._worker = None
+        self._tensors: list[Any] = []
+        self._load_errors: set[int] = set()
+        self._last_stats_log = 0.0
+        self._totals: dict[str, float] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            native = _native(self._backend)
+            self._sched = native.Scheduler(self._engine_id, self._block_size, self._host, self._port)
+        else:
+            self._create_worker(extra, cfg, vllm_config)
+        logger.info(
+            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d",
+            role.name, self._backend, self._engine_id, self._host, self._port,
+        )
+
+    def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        native = _native(self._backend)
+        model = vllm_config.model_config
+        options = native.WorkerOptions(
+            self._engine_id,
+            self._block_size,
+            self._host,
+            self._port,
+            rank=int(get_tensor_model_parallel_rank()),
+            world_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
+            handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
+            hold_timeout_s=float(extra.get("kv_lease_duration", 120.0)),
+        )
+        default_progress = self._backend == "ucx" and cfg.is_kv_producer
+        progress = bool(extra.get("progress_thread", default_progress))
+        if self._backend == "ucx":
+            self._worker = native.create_worker(options, progress, extra.get("ucx_transports"))
+        else:
+            self._worker = native.create_worker(options, progress)
+
+    # ---------------------------------------------------------------- scheduler side (EngineCore)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count, load_async = self._sched.get_num_new_matched_tokens(
+            request.request_id, request.num_prompt_tokens, json.dumps(params), num_computed_tokens
+        )
+        return count, load_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        if self._sched.update_state_after_alloc(
+            request.request_id, request.num_prompt_tokens, json.dumps(params), block_ids, num_external_tokens
+        ):
+            params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return KvxConnectorMetadata(self._sched.build_connector_meta())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        params = request.kv_transfer_params
+        delay_free, out = self._sched.request_finished(
+            request.request_id,
+            json.dumps(params) if params else None,
+            _finish_reason(request),
+            request.num_computed_tokens,
+            list(block_ids),
+        )
+        return delay_free, (json.loads(out) if out is not None else None)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        failed = set(connector_output.failed_recving or ())
+        self._sched.update_finished(
+            sorted(connector_output.finished_sending or ()),
+            sorted(set(connector_output.finished_recving or ()) - failed),
+            sorted(failed),
+        )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        from vllm.platforms import current_platform
+
+        # CPU: per layer (blocks, kv_heads, block_size, 2 * head_size), kvx's packed layout.
+        return "LBHNC" if current_platform.is_cpu() else None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        seen: set[int] = set()
+        layers = []
+        for name in sorted(kv_caches, key=_layer_index):
+            t = kv_caches[name]
+            if t.data_ptr() in seen:  # a layer sharing another layer's cache
+                continue
+            seen.add(t.data_ptr())
+            if not t.is_contiguous():
+                raise ValueError(f"kvx: KV cache of {name} is not contiguous")
+            self._tensors.append(t)  # kept alive until shutdown: the agent has them registered
+            layers.append((t.data_ptr(), t.numel() * t.element_size(), list(t.shape), t.element_size()))
+        kind = self._worker.register_kv_caches(layers)
+        logger.info(
+            "kvx: registered %d layers as %s (shape %s, %s) with %s",
+            len(layers), kind, layers[0][2] if layers else None,
+            next(iter(kv_caches.values())).dtype if kv_caches else None, self._worker.backend,
+        )
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker.start_load_kv(meta.data)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_finished()
+        failed_ids = set()
+        for req_id, blocks, reason in failed:
+            logger.warning("kvx: KV load of request %s failed: %s", req_id, reason)
+            failed_ids.add(req_id)
+            self._load_errors.update(blocks)
+        self._maybe_log_stats(bool(recving or failed or sending))
+        return KVConnectorTransferResults(
+            finished_sending=set(sending),
+            finished_recving=set(recving) | failed_ids,  # vLLM: a failed receive is finished too
+            failed_recving=failed_ids,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _maybe_log_stats(self, changed: bool) -> None:
+        now = time.monotonic()
+        if not changed and now - self._last_stats_log < _STATS_LOG_INTERVAL_S:
+            return
+        if not changed:
+            self._last_stats_log = now
+            return
+        self._last_stats_log = now
+        s = self._worker.stats()
+        for k in ("transfer_count", "transfer_seconds", "handshake_seconds"):
+            self._totals[k] = self._totals.get(k, 0) + s.pop(k)
+        s.update(self._totals)
+        logger.info("kvx worker stats: %s", json.dumps(s, sort_keys=True))
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+        self._worker = None
+        self._tensors.clear()

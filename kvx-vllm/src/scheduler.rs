@@ -1,0 +1,151 @@
+//! The scheduler-side connector (vLLM's EngineCore process): kvx-core's [`ConnectorScheduler`]
+//! with vLLM's arguments.
+
+use kvx_core::{
+    BlockId, ConnectorScheduler, FailedRecv, FinishReason, Finished, RequestId, SchedulerConfig,
+    TransferParams, wire,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::py_err;
+
+/// kvx's scheduler-side connector for one engine.
+///
+/// `kv_transfer_params` cross as JSON text (`json.dumps` of the request's dict); the metadata for
+/// the workers crosses as bytes (kvx's wire encoding).
+#[pyclass(module = "kvx_vllm")]
+#[derive(Debug)]
+pub struct Scheduler {
+    inner: ConnectorScheduler,
+}
+
+fn params(json: Option<&str>) -> PyResult<Option<TransferParams>> {
+    json.map(TransferParams::from_json).transpose().map_err(py_err)
+}
+
+#[pymethods]
+impl Scheduler {
+    /// A scheduler for engine `engine_id` whose workers serve their side channels at
+    /// `side_channel_host:side_channel_port + rank`.
+    #[new]
+    fn new(engine_id: String, block_size: u32, side_channel_host: String, side_channel_port: u16) -> PyResult<Self> {
+        let inner = ConnectorScheduler::new(SchedulerConfig {
+            engine_id: engine_id.into(),
+            block_size,
+            side_channel_host,
+            side_channel_port,
+        })
+        .map_err(py_err)?;
+        Ok(Scheduler { inner })
+    }
+
+    /// `(tokens to load, load asynchronously)`. Free of side effects.
+    #[pyo3(signature = (request_id, prompt_len, params_json, num_computed_tokens))]
+    fn get_num_new_matched_tokens(
+        &self,
+        request_id: &str,
+        prompt_len: usize,
+        params_json: Option<&str>,
+        num_computed_tokens: usize,
+    ) -> PyResult<(usize, bool)> {
+        let p = params(params_json)?;
+        let m = self
+            .inner
+            .get_num_new_matched_tokens(&RequestId::new(request_id), prompt_len, p.as_ref(), num_computed_tokens)
+            .map_err(py_err)?;
+        Ok((m.count, m.load_async))
+    }
+
+    /// Records the blocks allocated for the request (its unhashed new blocks, first KV-cache
+    /// group). Returns whether the caller must turn the request's `do_remote_prefill` off.
+    #[pyo3(signature = (request_id, prompt_len, params_json, block_ids, num_external_tokens))]
+    fn update_state_after_alloc(
+        &mut self,
+        request_id: &str,
+        prompt_len: usize,
+        params_json: Option<&str>,
+        block_ids: Vec<BlockId>,
+        num_external_tokens: usize,
+    ) -> PyResult<bool> {
+        let mut p = params(params_json)?;
+        let was = p.as_ref().is_some_and(|p| p.do_remote_prefill);
+        self.inner
+            .update_state_after_alloc(
+                &RequestId::new(request_id),
+                prompt_len,
+                p.as_mut(),
+                &block_ids,
+                num_external_tokens,
+            )
+            .map_err(py_err)?;
+        Ok(was && !p.is_some_and(|p| p.do_remote_prefill))
+    }
+
+    /// `(delay_free, kv_transfer_params as JSON or None)`. `reason` is one of "length",
+    /// "stop", "abort", "error".
+    #[pyo3(signature = (request_id, params_json, reason, num_computed_tokens, block_ids))]
+    fn request_finished(
+        &mut self,
+        request_id: &str,
+        params_json: Option<&str>,
+        reason: &str,
+        num_computed_tokens: usize,
+        block_ids: Vec<BlockId>,
+    ) -> PyResult<(bool, Option<String>)> {
+        let reason = match reason {
+            "length" => FinishReason::LengthCapped,
+            "stop" => FinishReason::Stopped,
+            "abort" => FinishReason::Aborted,
+            "error" => FinishReason::Error,
+            other => return Err(PyValueError::new_err(format!("unknown finish reason {other:?}"))),
+        };
+        let p = params(params_json)?;
+        let out = self.inner.request_finished(
+            &RequestId::new(request_id),
+            p.as_ref(),
+            reason,
+            num_computed_tokens,
+            &block_ids,
+        );
+        Ok((out.delay_free, out.params.map(|p| p.to_json())))
+    }
+
+    /// This step's metadata for the workers, encoded.
+    fn build_connector_meta<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let meta = self.inner.build_connector_meta();
+        let bytes = wire::encode(&meta).map_err(py_err)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The workers' aggregated report: released holds, completed loads, failed loads.
+    fn update_finished(&mut self, sending: Vec<String>, recving: Vec<String>, failed_recving: Vec<String>) {
+        let finished = Finished {
+            sending: sending.into_iter().map(RequestId::new).collect(),
+            recving: recving.into_iter().map(RequestId::new).collect(),
+            failed_recving: failed_recving
+                .into_iter()
+                .map(|id| FailedRecv { request_id: RequestId::new(id), reason: String::new() })
+                .collect(),
+        };
+        self.inner.update_finished(&finished);
+    }
+
+    /// Prefill side: requests whose blocks are held for a reader.
+    #[getter]
+    fn num_sending(&self) -> usize {
+        self.inner.num_sending()
+    }
+
+    /// Decode side: requests whose loads are in flight.
+    #[getter]
+    fn num_recving(&self) -> usize {
+        self.inner.num_recving()
+    }
+
+    /// Whether nothing is tracked.
+    fn is_idle(&self) -> bool {
+        self.inner.is_idle()
+    }
+}

