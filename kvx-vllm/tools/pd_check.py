@@ -181,6 +181,7 @@ def main():
         def to_nowhere(ktp):
             ktp = dict(ktp)
             ktp["remote_port"] = 1  # nothing listens there
+            ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"  # no cached peer
             return ktp
 
         try:

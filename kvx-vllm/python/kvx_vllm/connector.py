@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvx_vllm")
+logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuration
 
 _BACKENDS = {"ucx": "kvx_vllm_ucx", "nixl": "kvx_vllm_nixl"}
 _STATS_LOG_INTERVAL_S = 5.0
