@@ -46,6 +46,16 @@ impl SimBackend {
         self.memory = Arc::new(memory);
         self
     }
+
+    /// A new agent for `rank` of `engine`.
+    pub fn agent(&self, engine: &EngineId, rank: u32) -> Result<Arc<dyn TransferAgent>> {
+        (self.agents)(engine, rank)
+    }
+
+    /// `len` bytes of KV memory of this backend's kind.
+    pub fn memory(&self, len: usize) -> Result<TestBuffer> {
+        (self.memory)(len)
+    }
 }
 
 impl fmt::Debug for SimBackend {
@@ -263,7 +273,7 @@ impl SimEngine {
         let layer_len = regions * config.num_blocks as usize * model.block_len(config.tp);
         let mut ranks = Vec::with_capacity(config.tp as usize);
         for ((rank, exchange), group) in (0..config.tp).zip(exchanges).zip(groups) {
-            let agent = (backend.agents)(&config.engine_id, rank)?;
+            let agent = backend.agent(&config.engine_id, rank)?;
             let worker = ConnectorWorker::new(
                 WorkerConfig {
                     compat_tag: model.compat_tag(),
@@ -274,7 +284,7 @@ impl SimEngine {
                 agent,
             )?;
             let layers =
-                (0..model.num_layers()).map(|_| (backend.memory)(layer_len)).collect::<Result<Vec<_>>>()?;
+                (0..model.num_layers()).map(|_| backend.memory(layer_len)).collect::<Result<Vec<_>>>()?;
             let caches: Vec<LayerCache> = layers
                 .iter()
                 .zip(&model.windows)
