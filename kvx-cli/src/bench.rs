@@ -71,9 +71,10 @@ pub(crate) fn run(args: &BenchArgs) -> Result<BenchReport> {
         args.pool_blocks,
         args.rounds
     );
-    let reader = backend.agent(&"bench-reader".into(), 0)?;
-    let target = backend.agent(&"bench-target".into(), 0)?;
-    let (src, dst) = (backend.memory(pool_len)?, backend.memory(pool_len)?);
+    let (reader_id, target_id) = ("bench-reader".into(), "bench-target".into());
+    let reader = backend.agent(&reader_id, 0)?;
+    let target = backend.agent(&target_id, 0)?;
+    let (src, dst) = (backend.memory(&target_id, 0, pool_len)?, backend.memory(&reader_id, 0, pool_len)?);
     let pattern: Vec<u8> = (0..pool_len).map(|i| (i / 4096 % 251) as u8 ^ (i % 256) as u8).collect();
     src.write(0, &pattern)?;
     target.register(src.memory())?;
