@@ -42,9 +42,7 @@ impl Backend {
                 }))
             }
             #[cfg(feature = "ucx")]
-            Backend::Ucx => Ok(SimBackend::new(|engine, rank| {
-                Ok(Arc::new(kvx_ucx::UcxAgent::new(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
-            })),
+            Backend::Ucx => Ok(ucx_backend()),
             #[cfg(not(feature = "ucx"))]
             Backend::Ucx => Err(Error::new(
                 ErrorKind::NotAvailable,
@@ -66,4 +64,31 @@ impl Backend {
             )),
         }
     }
+}
+
+/// UCX agents whose KV pools UCX allocates itself (`UCP_MEM_MAP_ALLOCATE`): reads of them are
+/// truly one-sided over shared memory, so an engine that only serves its blocks need not progress.
+#[cfg(feature = "ucx")]
+fn ucx_backend() -> SimBackend {
+    use kvx_core::EngineId;
+    use kvx_testkit::conformance::TestBuffer;
+    use kvx_ucx::UcxAgent;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    type Agents = Mutex<HashMap<(EngineId, u32), Arc<UcxAgent>>>;
+    let agents: Arc<Agents> = Arc::default();
+    let created = Arc::clone(&agents);
+    let poisoned = || Error::new(ErrorKind::State, "UCX agent registry poisoned");
+    SimBackend::new(move |engine, rank| {
+        let agent = Arc::new(UcxAgent::new(format!("{engine}-{rank}"))?);
+        created.lock().map_err(|_| poisoned())?.insert((engine.clone(), rank), Arc::clone(&agent));
+        Ok(agent as Arc<dyn TransferAgent>)
+    })
+    .with_memory(move |engine, rank, len| {
+        let agent = agents.lock().map_err(|_| poisoned())?.get(&(engine.clone(), rank)).cloned();
+        let agent = agent
+            .ok_or_else(|| Error::new(ErrorKind::State, format!("no UCX agent for {engine} rank {rank}")))?;
+        Ok(TestBuffer::new(agent.alloc_memory(len)?))
+    })
 }

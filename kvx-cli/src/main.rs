@@ -7,6 +7,7 @@
 compile_error!("features `ucx` and `nixl` cannot be combined in one kvx binary (two UCX builds clash)");
 
 mod backend;
+mod bench;
 mod demo;
 mod roles;
 mod summary;
@@ -33,31 +34,37 @@ enum Command {
     Prefill(roles::PrefillArgs),
     /// The decode engine as its own process: sends prompts to `kvx prefill`, loads their KV.
     Decode(roles::DecodeArgs),
+    /// READ bandwidth of scattered blocks against memcpy of the same blocks, in one run.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result: kvx_core::Result<Summary> = match &cli.command {
-        Command::Demo(args) => demo::run(args),
-        Command::Prefill(args) => roles::prefill(args),
-        Command::Decode(args) => roles::decode(args),
+    let outcome = match &cli.command {
+        Command::Demo(args) => demo::run(args).map(report),
+        Command::Prefill(args) => roles::prefill(args).map(report),
+        Command::Decode(args) => roles::decode(args).map(report),
+        Command::Bench(args) => bench::run(args).map(|measured| {
+            print!("{measured}");
+            ExitCode::SUCCESS
+        }),
     };
-    match result {
-        Ok(summary) => {
-            print!("{summary}");
-            for e in summary.errors() {
-                eprintln!("kvx: {e}");
-            }
-            if summary.is_correct() {
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("kvx: FAILED: failed requests, wrong bytes or leaked blocks");
-                ExitCode::FAILURE
-            }
-        }
-        Err(e) => {
-            eprintln!("kvx: {e}");
-            ExitCode::from(2)
-        }
+    outcome.unwrap_or_else(|e| {
+        eprintln!("kvx: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// Prints a run's summary; failure when a request failed, a byte was wrong or a block leaked.
+fn report(summary: Summary) -> ExitCode {
+    print!("{summary}");
+    for e in summary.errors() {
+        eprintln!("kvx: {e}");
+    }
+    if summary.is_correct() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("kvx: FAILED: failed requests, wrong bytes or leaked blocks");
+        ExitCode::FAILURE
     }
 }

@@ -147,3 +147,25 @@ fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
     assert!(verified > 0, "{d}");
     assert!(p.contains("served 30 requests") && p.contains("blocks leaked          0"), "{p}");
 }
+
+/// `kvx bench` on `backend`: a small run that checks the first transfer's bytes and reports the
+/// ratio to memcpy.
+fn bench_runs_on(backend: &str) {
+    let args = ["bench", "--backend", backend, "--blocks", "64", "--pool-blocks", "128", "--rounds", "2"];
+    let out =
+        wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains(&format!("{backend} READ")) && stdout.contains("ratio to memcpy"), "{stdout}");
+}
+
+#[test]
+fn bench_measures_against_memcpy() {
+    bench_runs_on("loopback");
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+#[test]
+fn bench_on_the_native_backend() {
+    bench_runs_on(NATIVE);
+}

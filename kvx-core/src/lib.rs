@@ -25,7 +25,7 @@ pub use exchange::MetadataExchange;
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
-pub use memory::{HostMemory, KvMemory, MemKind, MemRegion};
+pub use memory::{ByteAccess, HostMemory, KvMemory, MemKind, MemRegion};
 pub use meta::{ConnectorMetadata, FailedRecv, Finished, RankReport, RecvRequest};
 pub use params::{RemoteCoordinates, TransferParams};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};

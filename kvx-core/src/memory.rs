@@ -74,6 +74,15 @@ pub unsafe trait KvMemory: Send + Sync + fmt::Debug {
     fn region(&self) -> MemRegion;
 }
 
+/// Access to a memory's bytes from the host by raw copies (never by references that could alias a
+/// transport's writes): how tests fill and check KV memory, whatever allocated it.
+pub trait ByteAccess: Send + Sync + fmt::Debug {
+    /// Copies `src` into the memory at `offset`.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies the bytes at `offset` into `dst`.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+}
+
 /// Zeroed, page-aligned host memory owned by kvx: the KV pool of tests, the demo and benchmarks.
 ///
 /// Reads and writes go through [`HostMemory::read`] and [`HostMemory::write`] (raw copies), so a
@@ -169,6 +178,16 @@ impl HostMemory {
 unsafe impl KvMemory for HostMemory {
     fn region(&self) -> MemRegion {
         MemRegion::dram(self.ptr.as_ptr() as u64, self.len() as u64)
+    }
+}
+
+impl ByteAccess for HostMemory {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        HostMemory::write(self, offset, src)
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        HostMemory::read(self, offset, dst)
     }
 }
 

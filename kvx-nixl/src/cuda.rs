@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError};
-use kvx_core::{Error, ErrorKind, KvMemory, MemKind, MemRegion, Result};
+use kvx_core::{ByteAccess, Error, ErrorKind, KvMemory, MemKind, MemRegion, Result};
 
 /// Zeroed device memory owned by kvx, as a KV pool on a GPU.
 ///
@@ -106,6 +106,16 @@ impl CudaMemory {
 unsafe impl KvMemory for CudaMemory {
     fn region(&self) -> MemRegion {
         self.region
+    }
+}
+
+impl ByteAccess for CudaMemory {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        CudaMemory::write(self, offset, src)
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        CudaMemory::read(self, offset, dst)
     }
 }
 

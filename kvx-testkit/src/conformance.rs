@@ -30,26 +30,7 @@ pub enum Side {
     Target,
 }
 
-/// Host access to test memory, by raw copies, so the suite can fill and check every byte.
-///
-/// Implemented for [`HostMemory`]; a backend with its own memory type (transport-allocated or GPU
-/// memory) implements it to take part in the suite.
-pub trait ByteAccess: Send + Sync + fmt::Debug {
-    /// Copies `src` into the memory at `offset`.
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
-    /// Copies the bytes at `offset` into `dst`.
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
-}
-
-impl ByteAccess for HostMemory {
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        HostMemory::write(self, offset, src)
-    }
-
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        HostMemory::read(self, offset, dst)
-    }
-}
+pub use kvx_core::ByteAccess;
 
 /// Memory for the suite: what an agent registers, together with host access to its bytes.
 #[derive(Debug, Clone)]

@@ -11,10 +11,8 @@ mod support;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::two_process::{
-    BLOCK, READS, REMOTE_BLOCKS, Reader, Target, TargetMem, block_bytes, local_slot, remote_block,
-    run_target_if_requested,
-};
+use kvx_testkit::xproc::{self, BLOCK_LEN as BLOCK, DONE, READS, TARGET_BLOCKS as REMOTE_BLOCKS};
+use support::two_process::{TargetMem, reader, run_target_if_requested, spawn_target};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -29,39 +27,18 @@ fn gbps(d: Duration) -> f64 {
 
 /// READs through kvx-ucx from a target process; every round verified.
 fn ucx_reads(tls: Option<&str>, mem: TargetMem, rounds: usize) -> Duration {
-    let target = Target::spawn(&[], tls, mem);
-    let reader = Reader::new("bench-reader", tls, &target);
+    let target = spawn_target(&[], tls, mem);
+    let reader = reader("bench-reader", tls, &target);
     let mut times = Vec::new();
     for round in 0..=rounds {
         reader.clear();
-        let t = reader.read_round(round, round == rounds);
+        let t = reader.read_round(round, (round == rounds).then_some(DONE));
         reader.verify(round);
         if round > 0 {
             times.push(t); // round 0 warms up (connection, registration caches)
         }
     }
     target.finish("bench-reader");
-    median(times)
-}
-
-/// Single-thread memcpy of the same scattered blocks between two buffers of this process.
-fn memcpy_reads(rounds: usize) -> Duration {
-    let src: Vec<u8> = (0..REMOTE_BLOCKS).flat_map(block_bytes).collect();
-    let mut dst = vec![0u8; READS * BLOCK];
-    let mut times = Vec::new();
-    for round in 0..=rounds {
-        dst.fill(0);
-        let start = Instant::now();
-        for i in 0..READS {
-            let (s, d) = (remote_block(i, round) * BLOCK, local_slot(i) * BLOCK);
-            dst[d..d + BLOCK].copy_from_slice(&src[s..s + BLOCK]);
-        }
-        let t = start.elapsed();
-        std::hint::black_box(&dst);
-        if round > 0 {
-            times.push(t);
-        }
-    }
     median(times)
 }
 
@@ -97,7 +74,9 @@ fn perftest() -> Option<f64> {
 }
 
 fn main() {
-    run_target_if_requested();
+    if run_target_if_requested() {
+        return;
+    }
     let rounds: usize = std::env::var("KVX_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     let (major, minor, release) = kvx_ucx::ucx_version();
     println!(
@@ -106,7 +85,7 @@ fn main() {
         BLOCK >> 10
     );
 
-    let memcpy = gbps(memcpy_reads(rounds));
+    let memcpy = gbps(median(xproc::memcpy_rounds(rounds)));
     println!("  memcpy, same scattered blocks, one thread:        {memcpy:6.2} GiB/s");
     let cases = [
         ("shared memory, UCX-allocated target (one-sided)", None, TargetMem::Pool),

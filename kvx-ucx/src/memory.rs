@@ -4,7 +4,7 @@ use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
-use kvx_core::{ErrorKind, KvMemory, MemRegion, Result};
+use kvx_core::{ByteAccess, ErrorKind, KvMemory, MemRegion, Result};
 use kvx_ucx_sys as sys;
 
 use crate::context::Context;
@@ -166,6 +166,16 @@ impl UcxMemory {
         // Cannot fail: the range is the whole mapping.
         let _ = self.read(0, &mut out);
         out
+    }
+}
+
+impl ByteAccess for UcxMemory {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        UcxMemory::write(self, offset, src)
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        UcxMemory::read(self, offset, dst)
     }
 }
 

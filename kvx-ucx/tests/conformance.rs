@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
-use kvx_core::{KvMemory, MemRegion, Result, TransferAgent};
-use kvx_testkit::conformance::{ByteAccess, Harness, Pair, Side, TestBuffer, check_all};
-use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig, UcxMemory};
+use kvx_core::{Result, TransferAgent};
+use kvx_testkit::conformance::{Harness, Pair, Side, TestBuffer, check_all};
+use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
 
 fn pair(tag: &str, config: &UcxConfig) -> (Arc<UcxAgent>, Arc<UcxAgent>) {
     let initiator = UcxAgent::with_config(format!("decode-{tag}"), config).unwrap();
@@ -42,28 +42,6 @@ fn conformance_through_dyn_agent() {
     check_all(&Pair::new(i, t));
 }
 
-/// UCX-allocated memory as suite memory (the orphan rule keeps `ByteAccess` off `UcxMemory`
-/// itself here).
-#[derive(Debug)]
-struct Pool(Arc<UcxMemory>);
-
-// SAFETY: delegates to UcxMemory, which upholds the contract; the Arc keeps it alive.
-unsafe impl KvMemory for Pool {
-    fn region(&self) -> MemRegion {
-        self.0.region()
-    }
-}
-
-impl ByteAccess for Pool {
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.0.write(offset, src)
-    }
-
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.0.read(offset, dst)
-    }
-}
-
 /// Both agents' memory allocated by UCX (`UCP_MEM_MAP_ALLOCATE`): the one-sided fast path.
 struct UcxPoolHarness {
     initiator: UcxAgent,
@@ -86,7 +64,7 @@ impl Harness for UcxPoolHarness {
             Side::Initiator => &self.initiator,
             Side::Target => &self.target,
         };
-        Ok(TestBuffer::new(Arc::new(Pool(agent.alloc_memory(len)?))))
+        Ok(TestBuffer::new(agent.alloc_memory(len)?))
     }
 }
 

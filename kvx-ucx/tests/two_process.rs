@@ -1,11 +1,12 @@
 //! A reader and a target in two processes: 1000 scattered 64 KiB READs, every byte verified, over
-//! shared memory (UCX-allocated target) and over TCP (heap target served by a progress thread);
-//! the target exits once the reader's notification arrives.
+//! shared memory (UCX-allocated target) and over TCP (heap target served by a progress thread, and
+//! UCX-allocated target); the target exits once the reader's notification arrives.
 #![allow(clippy::unwrap_used)] // Test code: panics are failures.
 
 mod support;
 
-use support::two_process::{Reader, Target, TargetMem, run_target_if_requested};
+use kvx_testkit::xproc::{DONE, READS};
+use support::two_process::{TargetMem, reader, run_target_if_requested, spawn_target};
 
 /// The target role: does nothing unless this process was started as a target.
 #[test]
@@ -15,14 +16,14 @@ fn two_process_target_role() {
 
 fn two_process_reads(tls: Option<&str>, mem: TargetMem, reader_name: &str) {
     let target =
-        Target::spawn(&["--exact", "two_process_target_role", "--nocapture", "--test-threads=1"], tls, mem);
-    let reader = Reader::new(reader_name, tls, &target);
+        spawn_target(&["--exact", "two_process_target_role", "--nocapture", "--test-threads=1"], tls, mem);
+    let reader = reader(reader_name, tls, &target);
     for round in 0..3 {
         reader.clear();
-        reader.read_round(round, round == 2);
-        assert_eq!(reader.verify(round), 1000);
+        reader.read_round(round, (round == 2).then_some(DONE));
+        assert_eq!(reader.verify(round), READS);
     }
-    target.finish(reader_name);
+    assert_eq!(target.finish(reader_name), 1, "the target got exactly the final READ's notification");
 }
 
 #[test]

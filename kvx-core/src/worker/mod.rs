@@ -114,6 +114,8 @@ enum Peer {
 #[derive(Debug)]
 struct InFlight {
     xfer: XferId,
+    /// The prefill agent, told to free its blocks if the READ fails.
+    peer: AgentName,
     posted: Instant,
     bytes: u64,
 }
@@ -360,7 +362,8 @@ impl ConnectorWorker {
         self.stats.reads_posted += 1;
         self.stats.descriptors += self.descs_local.len() as u64;
         let bytes = self.descs_local.len() as u64 * layout.block_len;
-        self.in_flight.insert(req.request_id.clone(), InFlight { xfer, posted: now, bytes });
+        let peer = agent.clone();
+        self.in_flight.insert(req.request_id.clone(), InFlight { xfer, peer, posted: now, bytes });
         Ok(())
     }
 
@@ -554,7 +557,15 @@ impl ConnectorWorker {
                     self.stats.transfer_latencies.push(now.saturating_duration_since(f.posted));
                     self.finished.recving.push(id);
                 }
-                Err(e) => self.fail(&id, e),
+                Err(e) => {
+                    // The request fails (or recomputes) here: the prefill engine's blocks are no
+                    // longer needed, so it is told now instead of holding them until its hold
+                    // expires. The READ notification was not sent: the transfer did not complete.
+                    if let Err(notify_error) = self.agent.notify(&f.peer, id.as_str().as_bytes()) {
+                        debug!(request_id = %id, error = %notify_error, "prefill not told of the failed load");
+                    }
+                    self.fail(&id, e)
+                }
             }
         }
     }

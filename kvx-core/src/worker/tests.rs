@@ -208,6 +208,8 @@ fn full_prefix_hit_notifies_without_reading() {
 fn completed_and_failed_transfers_are_reported_per_request() {
     let posts = Arc::new(Mutex::new(vec![]));
     let a = agent(posts, |a| {
+        // The failed load tells the prefill engine to free its blocks at once.
+        a.expect_notify().with(eq(AgentName::new("peer")), eq(&b"bad"[..])).times(1).returning(|_, _| Ok(()));
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
         a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
         a.expect_poll().with(eq(XferId(3))).returning(|_| Ok(XferState::Pending));

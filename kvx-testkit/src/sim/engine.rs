@@ -19,7 +19,7 @@ use super::side_channel::{BoundSideChannels, InProcessSideChannels, bind_zmq};
 use crate::conformance::TestBuffer;
 
 type AgentFactory = dyn Fn(&EngineId, u32) -> Result<Arc<dyn TransferAgent>> + Send + Sync;
-type MemoryFactory = dyn Fn(usize) -> Result<TestBuffer> + Send + Sync;
+type MemoryFactory = dyn Fn(&EngineId, u32, usize) -> Result<TestBuffer> + Send + Sync;
 
 /// What a simulated engine runs on: a transfer agent per (engine, rank), and the memory of each
 /// layer's KV cache (host memory unless the backend supplies its own).
@@ -34,17 +34,31 @@ impl SimBackend {
     pub fn new(
         agents: impl Fn(&EngineId, u32) -> Result<Arc<dyn TransferAgent>> + Send + Sync + 'static,
     ) -> Self {
-        SimBackend { agents: Arc::new(agents), memory: Arc::new(TestBuffer::host) }
+        SimBackend {
+            agents: Arc::new(agents),
+            memory: Arc::new(|_: &EngineId, _, len| TestBuffer::host(len)),
+        }
     }
 
-    /// The same backend with KV memory of `len` bytes allocated by `memory` (transport-allocated
-    /// or GPU memory, say).
+    /// The same backend with the KV memory of `rank` of `engine`, `len` bytes a layer, allocated
+    /// by `memory(engine, rank, len)` (transport-allocated or GPU memory, say). It is called after
+    /// that rank's agent was created.
     pub fn with_memory(
         mut self,
-        memory: impl Fn(usize) -> Result<TestBuffer> + Send + Sync + 'static,
+        memory: impl Fn(&EngineId, u32, usize) -> Result<TestBuffer> + Send + Sync + 'static,
     ) -> Self {
         self.memory = Arc::new(memory);
         self
+    }
+
+    /// A new agent for `rank` of `engine`.
+    pub fn agent(&self, engine: &EngineId, rank: u32) -> Result<Arc<dyn TransferAgent>> {
+        (self.agents)(engine, rank)
+    }
+
+    /// `len` bytes of KV memory for `rank` of `engine`, of this backend's kind.
+    pub fn memory(&self, engine: &EngineId, rank: u32, len: usize) -> Result<TestBuffer> {
+        (self.memory)(engine, rank, len)
     }
 }
 
@@ -263,7 +277,7 @@ impl SimEngine {
         let layer_len = regions * config.num_blocks as usize * model.block_len(config.tp);
         let mut ranks = Vec::with_capacity(config.tp as usize);
         for ((rank, exchange), group) in (0..config.tp).zip(exchanges).zip(groups) {
-            let agent = (backend.agents)(&config.engine_id, rank)?;
+            let agent = backend.agent(&config.engine_id, rank)?;
             let worker = ConnectorWorker::new(
                 WorkerConfig {
                     compat_tag: model.compat_tag(),
@@ -273,8 +287,9 @@ impl SimEngine {
                 },
                 agent,
             )?;
-            let layers =
-                (0..model.num_layers()).map(|_| (backend.memory)(layer_len)).collect::<Result<Vec<_>>>()?;
+            let layers = (0..model.num_layers())
+                .map(|_| backend.memory(&config.engine_id, rank, layer_len))
+                .collect::<Result<Vec<_>>>()?;
             let caches: Vec<LayerCache> = layers
                 .iter()
                 .zip(&model.windows)
