@@ -116,7 +116,9 @@ mod one_group {
         match Option::<Shape>::deserialize(d)? {
             None => Ok(None),
             Some(Shape::Flat(ids)) => Ok(Some(ids)),
-            Some(Shape::Groups(mut groups)) if groups.len() <= 1 => Ok(Some(groups.pop().unwrap_or_default())),
+            Some(Shape::Groups(mut groups)) if groups.len() <= 1 => {
+                Ok(Some(groups.pop().unwrap_or_default()))
+            }
             Some(Shape::Groups(groups)) => Err(serde::de::Error::custom(format!(
                 "remote_block_ids has {} KV-cache groups; kvx moves one",
                 groups.len()
@@ -135,6 +137,7 @@ mod tests {
         let p = TransferParams::from_json(json).unwrap();
         assert!(p.do_remote_prefill && !p.do_remote_decode);
         assert_eq!(p.remote_blocks(), &[1, 2, 3]);
+        assert_eq!(p.remote_request_id, Some("cmpl-1-0".into()));
         assert_eq!(
             p.coordinates(),
             Some(RemoteCoordinates { engine_id: "prefill-0".into(), host: "10.0.0.1".into(), port: 5600 })

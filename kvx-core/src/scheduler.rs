@@ -508,6 +508,77 @@ mod tests {
     }
 
     #[test]
+    fn asking_for_matched_tokens_records_nothing() {
+        // vLLM may ask again for a request it could not schedule: only the allocation records.
+        let mut s = sched();
+        for (blocks, computed) in [(vec![10, 11], 0), (vec![10, 11], 2 * BS)] {
+            let p = decode_params(blocks);
+            for _ in 0..3 {
+                s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), computed).unwrap();
+            }
+        }
+        assert!(s.build_connector_meta().is_empty());
+        assert!(s.is_idle());
+        assert_eq!(s.num_recving(), 0);
+    }
+
+    #[test]
+    fn the_second_allocation_of_an_async_load_records_nothing() {
+        // vLLM calls update_state_after_alloc again once the load completes, with no external
+        // tokens: neither a second load nor a notify-only message may follow.
+        let mut s = sched();
+        let mut p = decode_params(vec![10, 11]);
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
+        assert_eq!(s.build_connector_meta().reqs_to_recv.len(), 1);
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0).unwrap();
+        assert!(s.build_connector_meta().is_empty());
+        // Notify-only, twice: one message.
+        let mut p = decode_params(vec![10, 11]);
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert!(meta.reqs_to_recv[0].is_notify_only());
+    }
+
+    #[test]
+    fn the_prefill_engines_request_id_travels_to_the_decode_workers() {
+        // Prefill: request_finished names its own request in the params it returns.
+        let mut prefill = sched();
+        let held = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id("cmpl-p"), Some(&held), FinishReason::LengthCapped, 2 * BS, &[3, 4]);
+        // The params cross to the decode engine as JSON (through the proxy), per-group block ids.
+        let json = out.params.unwrap().to_json();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["remote_request_id"], "cmpl-p");
+        assert_eq!(v["remote_block_ids"], serde_json::json!([[3, 4]]));
+        let mut p = TransferParams::from_json(&json).unwrap();
+        // Decode: a load and a notify-only request both carry the prefill engine's id.
+        let mut decode = sched();
+        decode
+            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 2 * BS)
+            .unwrap();
+        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0).unwrap();
+        let mut reqs = decode.build_connector_meta().reqs_to_recv;
+        reqs.sort_by(|a, b| a.request_id.as_str().cmp(b.request_id.as_str()));
+        assert_eq!(reqs.len(), 2);
+        for r in &reqs {
+            assert_eq!(r.remote_request_id, Some(id("cmpl-p")));
+            assert_eq!(r.prefill_request_id(), &id("cmpl-p"));
+        }
+        assert!(!reqs[0].is_notify_only() && reqs[1].is_notify_only());
+        // Without it (an older peer), the notification names the decode engine's own id.
+        let mut old = decode_params(vec![1]);
+        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], BS).unwrap();
+        let meta = decode.build_connector_meta();
+        assert_eq!(meta.reqs_to_recv[0].prefill_request_id(), &id("same"));
+        // And it survives the wire encoding to the workers.
+        let back: ConnectorMetadata = crate::wire::decode(&crate::wire::encode(&meta).unwrap()).unwrap();
+        assert_eq!(back, meta);
+    }
+
+    #[test]
     fn zero_block_size_is_rejected() {
         let cfg = SchedulerConfig { block_size: 0, ..sched().config().clone() };
         assert!(ConnectorScheduler::new(cfg).is_err());

@@ -30,7 +30,12 @@ impl Scheduler {
     /// A scheduler for engine `engine_id` whose workers serve their side channels at
     /// `side_channel_host:side_channel_port + rank`.
     #[new]
-    fn new(engine_id: String, block_size: u32, side_channel_host: String, side_channel_port: u16) -> PyResult<Self> {
+    fn new(
+        engine_id: String,
+        block_size: u32,
+        side_channel_host: String,
+        side_channel_port: u16,
+    ) -> PyResult<Self> {
         let inner = ConnectorScheduler::new(SchedulerConfig {
             engine_id: engine_id.into(),
             block_size,
@@ -53,7 +58,12 @@ impl Scheduler {
         let p = params(params_json)?;
         let m = self
             .inner
-            .get_num_new_matched_tokens(&RequestId::new(request_id), prompt_len, p.as_ref(), num_computed_tokens)
+            .get_num_new_matched_tokens(
+                &RequestId::new(request_id),
+                prompt_len,
+                p.as_ref(),
+                num_computed_tokens,
+            )
             .map_err(py_err)?;
         Ok((m.count, m.load_async))
     }

@@ -125,7 +125,8 @@ impl Worker {
             .checked_add(u16::try_from(options.rank).unwrap_or(u16::MAX))
             .ok_or_else(|| PyRuntimeError::new_err("side-channel port + rank overflows"))?;
         let host = options.side_channel_host.clone();
-        let channel = runtime.block_on(async move { ZmqSideChannel::bind(&host, port).await }).map_err(py_err)?;
+        let channel =
+            runtime.block_on(async move { ZmqSideChannel::bind(&host, port).await }).map_err(py_err)?;
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
@@ -136,7 +137,8 @@ impl Worker {
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
-        let driver = WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());
+        let driver =
+            WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());
         Ok(Worker {
             state: Mutex::new(Some(State { driver, loading: HashMap::new() })),
             agent,

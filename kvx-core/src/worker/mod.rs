@@ -116,6 +116,8 @@ struct InFlight {
     xfer: XferId,
     /// The prefill agent, told to free its blocks if the READ fails.
     peer: AgentName,
+    /// The prefill engine's id of the request: the notification's message.
+    prefill_request_id: RequestId,
     posted: Instant,
     bytes: u64,
 }
@@ -363,7 +365,9 @@ impl ConnectorWorker {
         self.stats.descriptors += self.descs_local.len() as u64;
         let bytes = self.descs_local.len() as u64 * layout.block_len;
         let peer = agent.clone();
-        self.in_flight.insert(req.request_id.clone(), InFlight { xfer, peer, posted: now, bytes });
+        let prefill_request_id = req.prefill_request_id().clone();
+        self.in_flight
+            .insert(req.request_id.clone(), InFlight { xfer, peer, prefill_request_id, posted: now, bytes });
         Ok(())
     }
 
@@ -561,7 +565,9 @@ impl ConnectorWorker {
                     // The request fails (or recomputes) here: the prefill engine's blocks are no
                     // longer needed, so it is told now instead of holding them until its hold
                     // expires. The READ notification was not sent: the transfer did not complete.
-                    if let Err(notify_error) = self.agent.notify(&f.peer, id.as_str().as_bytes()) {
+                    if let Err(notify_error) =
+                        self.agent.notify(&f.peer, f.prefill_request_id.as_str().as_bytes())
+                    {
                         debug!(request_id = %id, error = %notify_error, "prefill not told of the failed load");
                     }
                     self.fail(&id, e)

@@ -205,6 +205,45 @@ fn full_prefix_hit_notifies_without_reading() {
 }
 
 #[test]
+fn the_prefill_engines_request_id_names_every_notification() {
+    // vLLM gives the two engines' requests different ids: the READ's notification, a notify-only
+    // message and the free-at-once after a failed READ all name the prefill engine's id.
+    let posts = Arc::new(Mutex::new(vec![]));
+    let a = agent(posts.clone(), |a| {
+        a.expect_notify()
+            .with(eq(AgentName::new("peer")), eq(&b"p-only"[..]))
+            .times(1)
+            .returning(|_, _| Ok(()));
+        a.expect_notify()
+            .with(eq(AgentName::new("peer")), eq(&b"p-bad"[..]))
+            .times(1)
+            .returning(|_, _| Ok(()));
+        a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
+        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
+    });
+    let with_remote = |id: &str, local: Vec<BlockId>, remote: Vec<BlockId>| RecvRequest {
+        remote_request_id: Some(format!("p-{id}").into()),
+        ..recv(id, local, remote)
+    };
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(
+        &mut w,
+        now,
+        vec![
+            with_remote("ok", vec![1], vec![1]),
+            with_remote("bad", vec![2], vec![2]),
+            with_remote("only", vec![], vec![3]),
+        ],
+    );
+    let notes: Vec<_> = posts.lock().unwrap().iter().map(|p| p.notify.clone()).collect();
+    assert_eq!(notes, vec![Some(b"p-ok".to_vec()), Some(b"p-bad".to_vec())]);
+    let f = w.get_finished(now);
+    assert_eq!(f.recving, vec![RequestId::new("ok")], "reported under the decode engine's id");
+    assert_eq!(f.failed_recving[0].request_id, "bad".into());
+}
+
+#[test]
 fn completed_and_failed_transfers_are_reported_per_request() {
     let posts = Arc::new(Mutex::new(vec![]));
     let a = agent(posts, |a| {

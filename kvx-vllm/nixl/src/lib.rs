@@ -14,7 +14,8 @@ use pyo3::prelude::*;
 #[pyfunction]
 #[pyo3(signature = (options, progress_thread = false, progress_delay_us = 0))]
 fn create_worker(options: &WorkerOptions, progress_thread: bool, progress_delay_us: u64) -> PyResult<Worker> {
-    let config = NixlConfig::default().with_progress_thread(progress_thread, Duration::from_micros(progress_delay_us));
+    let config =
+        NixlConfig::default().with_progress_thread(progress_thread, Duration::from_micros(progress_delay_us));
     let name = format!("{}-{}", options.engine_id, options.rank);
     let agent = NixlAgent::new(name, &config).map_err(py_err)?;
     Worker::create(options, Arc::new(agent))

@@ -12,7 +12,11 @@ use pyo3::prelude::*;
 /// of a READ has to progress); `transports`: as `UCX_TLS`, or None for UCX's choice.
 #[pyfunction]
 #[pyo3(signature = (options, progress_thread, transports = None))]
-fn create_worker(options: &WorkerOptions, progress_thread: bool, transports: Option<String>) -> PyResult<Worker> {
+fn create_worker(
+    options: &WorkerOptions,
+    progress_thread: bool,
+    transports: Option<String>,
+) -> PyResult<Worker> {
     let mut config = UcxConfig::default();
     if let Some(t) = transports {
         config = config.with_transports(t);
