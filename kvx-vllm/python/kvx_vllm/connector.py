@@ -163,7 +163,7 @@ class KvxConnector(KVConnectorBase_V1):
         if self._backend == "ucx":
             self._worker = native.create_worker(options, progress, extra.get("ucx_transports"))
         else:
-            self._worker = native.create_worker(options, progress)
+            self._worker = native.create_worker(options, progress, int(extra.get("progress_delay_us", 0)))
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
 
