@@ -450,7 +450,13 @@ impl ConnectorWorker {
                 ),
             ));
         }
-        if p.region_bases.len() != layout.num_regions() as usize || p.num_blocks == 0 {
+        // Descriptor ids are u32 (`region * num_blocks + block`): a pool too large for them is
+        // refused here rather than wrapping later.
+        let num_descs = u64::from(layout.num_regions()) * u64::from(p.num_blocks);
+        if p.region_bases.len() != layout.num_regions() as usize
+            || p.num_blocks == 0
+            || num_descs > u64::from(u32::MAX)
+        {
             return Err(Error::invalid_peer_data(format!(
                 "{} regions of {} blocks, expected {} regions",
                 p.region_bases.len(),

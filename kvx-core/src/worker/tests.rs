@@ -355,6 +355,11 @@ fn bad_handshake_payloads_are_refused() {
             ErrorKind::Handshake,
         ),
         ("empty pool", peer_payload(0, &[None, None], |p| p.num_blocks = 0), ErrorKind::Handshake),
+        (
+            "a pool past u32 descriptor ids",
+            peer_payload(0, &[None, None], |p| p.num_blocks = u32::MAX / 2),
+            ErrorKind::Handshake,
+        ),
     ];
     for (what, payload, kind) in cases {
         let posts = Arc::new(Mutex::new(vec![]));
