@@ -465,24 +465,12 @@ impl TransferAgent for NixlAgent {
     }
 
     fn poll(&self, xfer: XferId) -> Result<XferState> {
-        let mut guard = self.lock();
-        let state = &mut *guard;
-        let entry = state
-            .xfers
-            .get_mut(&xfer)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
-        entry.refresh(&state.nixl.agent);
-        Ok(entry.state.clone())
+        Ok(self.lock().refreshed(xfer)?.state.clone())
     }
 
     fn release(&self, xfer: XferId) -> Result<()> {
-        let mut guard = self.lock();
-        let state = &mut *guard;
-        let entry = state
-            .xfers
-            .get_mut(&xfer)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
-        entry.refresh(&state.nixl.agent);
+        let mut state = self.lock();
+        state.refreshed(xfer)?;
         let Some(entry) = state.xfers.remove(&xfer) else { return Ok(()) };
         // NIXL cannot reliably cancel a transfer in flight, and releasing its request early would
         // let the memory go while the transport still writes it: keep the request, complete it in
@@ -549,6 +537,16 @@ impl State {
         let id = self.next_id;
         self.next_id += 1;
         id
+    }
+
+    /// A posted transfer, its state brought up to date; `NotFound` for an unknown id.
+    fn refreshed(&mut self, xfer: XferId) -> Result<&mut Xfer> {
+        let entry = self
+            .xfers
+            .get_mut(&xfer)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
+        entry.refresh(&self.nixl.agent);
+        Ok(entry)
     }
 
     /// Updates every transfer still pending, and drops detached ones that have finished.
