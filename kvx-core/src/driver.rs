@@ -88,7 +88,9 @@ impl WorkerDriver {
 
     fn feed_handshakes(&mut self) {
         while let Ok((engine_id, result)) = self.results_rx.try_recv() {
-            self.worker.handle_handshake(Instant::now(), &engine_id, result);
+            let start = Instant::now();
+            self.worker.handle_handshake(start, &engine_id, result);
+            tracing::debug!(%engine_id, took = ?start.elapsed(), "handshake result applied");
         }
     }
 

@@ -37,11 +37,17 @@ pub struct NixlConfig {
     pub progress_thread: bool,
     /// Pause between two iterations of the progress thread (NIXL's `pthr_delay_us`).
     pub progress_thread_delay: Duration,
+    /// Threads of the UCX backend's thread-pool engine (NIXL's `num_threads`, as in NIXL's Python
+    /// `nixl_agent_config`); 0, the default, is the single-worker engine. With threads, NIXL's UCX
+    /// workers progress on their own (event-driven, no busy core), so connection setup and the
+    /// target side of a transfer do not wait for this agent's next call: what an engine that
+    /// only calls in between steps needs (vLLM's NixlConnector uses 4).
+    pub num_threads: u32,
 }
 
 impl Default for NixlConfig {
     fn default() -> Self {
-        NixlConfig { progress_thread: false, progress_thread_delay: Duration::ZERO }
+        NixlConfig { progress_thread: false, progress_thread_delay: Duration::ZERO, num_threads: 0 }
     }
 }
 
@@ -50,6 +56,12 @@ impl NixlConfig {
     pub fn with_progress_thread(mut self, on: bool, delay: Duration) -> Self {
         self.progress_thread = on;
         self.progress_thread_delay = delay;
+        self
+    }
+
+    /// The configuration with the UCX backend's thread-pool engine of `n` threads (0: none).
+    pub fn with_threads(mut self, n: u32) -> Self {
+        self.num_threads = n;
         self
     }
 }
@@ -117,9 +129,14 @@ impl NixlAgent {
         let agent = nixl::Agent::new_configured(name.as_str(), &nixl_config)
             .nixl(ErrorKind::Backend, "creating agent")?;
         // From here on, an early return drops `agent` before `guard`: destruction stays serialised.
-        let (_plugin_mems, params) = agent
+        let (_plugin_mems, mut params) = agent
             .get_plugin_params(UCX_PLUGIN)
             .nixl(ErrorKind::NotAvailable, "NIXL's UCX plugin (set NIXL_PLUGIN_DIR)")?;
+        if config.num_threads > 0 {
+            params
+                .set("num_threads", &config.num_threads.to_string())
+                .nixl(ErrorKind::InvalidArgument, "setting the UCX backend's num_threads")?;
+        }
         let backend = agent
             .create_backend(UCX_PLUGIN, &params)
             .nixl(ErrorKind::NotAvailable, "creating the UCX backend")?;

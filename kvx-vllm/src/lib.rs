@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod affinity;
 mod memory;
 mod scheduler;
 mod worker;
@@ -7,12 +8,16 @@ mod worker;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+pub use affinity::unpinned;
 pub use memory::TensorMemory;
 pub use scheduler::Scheduler;
 pub use worker::{Worker, WorkerOptions};
 
-/// Adds kvx-vllm's classes to an extension module (each backend's module calls it).
+/// Adds kvx-vllm's classes to an extension module (each backend's module calls it), and sends
+/// kvx's `tracing` events to stderr when `KVX_LOG` is set (a filter such as `debug` or
+/// `kvx_core=debug`).
 pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     module.add_class::<Scheduler>()?;
     module.add_class::<Worker>()?;
     module.add_class::<WorkerOptions>()?;
@@ -28,5 +33,17 @@ pub fn py_err(e: kvx_core::Error) -> PyErr {
             PyValueError::new_err(e.to_string())
         }
         _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// Installs a stderr subscriber for kvx's `tracing` events when `KVX_LOG` names a filter; a
+/// process that already has a subscriber keeps it.
+fn init_logging() {
+    if let Ok(filter) = std::env::var("KVX_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init();
     }
 }

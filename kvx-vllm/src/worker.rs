@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::runtime::Runtime;
 
+use crate::affinity::unpinned;
 use crate::memory::TensorMemory;
 use crate::py_err;
 
@@ -105,8 +106,9 @@ fn duration(secs: f64, what: &str) -> PyResult<Duration> {
 }
 
 impl Worker {
-    /// A worker over `agent` (which the backend module created): starts its runtime and binds its
-    /// side channel at once, so a taken port fails here.
+    /// A worker over `agent` (which the backend module created, inside [`unpinned`] so that the
+    /// transport's threads are not pinned to the engine thread's core): starts its runtime and
+    /// binds its side channel at once, so a taken port fails here.
     pub fn create(options: &WorkerOptions, agent: Arc<dyn TransferAgent>) -> PyResult<Self> {
         if options.world_size != 1 {
             return Err(py_err(Error::new(
@@ -114,12 +116,15 @@ impl Worker {
                 format!("kvx-vllm supports tensor-parallel size 1, not {}", options.world_size),
             )));
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(options.runtime_threads.max(1))
-            .thread_name("kvx-vllm")
-            .enable_all()
-            .build()
-            .map_err(|e| PyRuntimeError::new_err(format!("starting the tokio runtime: {e}")))?;
+        // Started off the engine thread's CPU pinning (see `affinity`).
+        let runtime = unpinned(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(options.runtime_threads.max(1))
+                .thread_name("kvx-vllm")
+                .enable_all()
+                .build()
+        })?
+        .map_err(|e| PyRuntimeError::new_err(format!("starting the tokio runtime: {e}")))?;
         let port = options
             .side_channel_port
             .checked_add(u16::try_from(options.rank).unwrap_or(u16::MAX))

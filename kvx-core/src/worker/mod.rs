@@ -396,8 +396,10 @@ impl ConnectorWorker {
         let (started, waiting) = (*started, std::mem::take(waiting));
         match result.and_then(|bytes| self.connect(engine_id, &bytes)) {
             Ok(peer) => {
+                let took = now.saturating_duration_since(started);
+                debug!(%engine_id, ?took, "handshake done");
                 self.stats.handshakes += 1;
-                self.stats.handshake_times.push(now.saturating_duration_since(started));
+                self.stats.handshake_times.push(took);
                 self.peers.insert(engine_id.clone(), peer);
                 for req in waiting {
                     if let Err(e) = self.issue(now, &req) {
@@ -563,6 +565,7 @@ impl ConnectorWorker {
             }
             match outcome {
                 Ok(()) => {
+                    debug!(request_id = %id, took = ?now.saturating_duration_since(f.posted), bytes = f.bytes, "READ done");
                     self.stats.bytes_read += f.bytes;
                     self.stats.transfer_latencies.push(now.saturating_duration_since(f.posted));
                     self.finished.recving.push(id);

@@ -18,8 +18,15 @@ never meet in one process.
   with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
   an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
 - ``ucx_transports``: ``UCX_TLS`` for kvx-ucx's agent only.
-- ``handshake_timeout``: seconds (default 5); ``kv_lease_duration``: seconds the prefill side
-  holds blocks for a reader that never comes (default 120).
+- ``num_threads``: threads of NIXL's UCX thread-pool engine for ``nixl`` (default 4, as vLLM's
+  NixlConnector; 0 for NIXL's single-worker engine).
+- ``handshake_timeout``: seconds (default 30: a first connection inside a busy engine can take
+  seconds); ``kv_lease_duration``: seconds the prefill side holds blocks for a reader that never
+  comes (default 120).
+
+kvx's own threads (its tokio runtime, NIXL's threads, kvx-ucx's progress thread) are started off
+the CPU pinning that vLLM's CPU worker applies to its step thread (``kvx_vllm.unpinned``). Set
+``KVX_LOG`` (e.g. ``kvx_core=debug``) to see kvx's log events on stderr.
 """
 
 from __future__ import annotations
@@ -155,7 +162,7 @@ class KvxConnector(KVConnectorBase_V1):
             rank=int(get_tensor_model_parallel_rank()),
             world_size=int(vllm_config.parallel_config.tensor_parallel_size),
             compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
-            handshake_timeout_s=float(extra.get("handshake_timeout", 5.0)),
+            handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             hold_timeout_s=float(extra.get("kv_lease_duration", 120.0)),
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
@@ -163,7 +170,12 @@ class KvxConnector(KVConnectorBase_V1):
         if self._backend == "ucx":
             self._worker = native.create_worker(options, progress, extra.get("ucx_transports"))
         else:
-            self._worker = native.create_worker(options, progress, int(extra.get("progress_delay_us", 0)))
+            self._worker = native.create_worker(
+                options,
+                progress,
+                int(extra.get("progress_delay_us", 0)),
+                int(extra.get("num_threads", 4)),
+            )
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
-use kvx_vllm::{Worker, WorkerOptions, py_err};
+use kvx_vllm::{Worker, WorkerOptions, py_err, unpinned};
 use pyo3::prelude::*;
 
 /// A worker-side connector over a UCX agent. `progress_thread`: progress the agent in the
@@ -25,7 +25,8 @@ fn create_worker(
         config = config.with_progress_thread(ProgressThreadConfig::default());
     }
     let name = format!("{}-{}", options.engine_id, options.rank);
-    let agent = UcxAgent::with_config(name, &config).map_err(py_err)?;
+    // The progress thread starts here: off the engine thread's CPU pinning.
+    let agent = unpinned(|| UcxAgent::with_config(name, &config))?.map_err(py_err)?;
     Worker::create(options, Arc::new(agent))
 }
 
