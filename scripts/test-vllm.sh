@@ -37,7 +37,9 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 
 PGIDS=()
+CHECK_PID=""
 stop_all() {
+    [ -z "$CHECK_PID" ] || kill -TERM "$CHECK_PID" 2>/dev/null || true
     for pg in "${PGIDS[@]:-}"; do
         [ -n "$pg" ] || continue
         kill -TERM -- "-$pg" 2>/dev/null || true
@@ -49,7 +51,9 @@ stop_all() {
     done
     PGIDS=()
 }
-trap stop_all EXIT INT TERM
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 kvcfg() { # config role policy side_port
     local cfg=$1 role=$2 policy=$3 side=$4
@@ -73,9 +77,8 @@ start() { # config name http_port side_port role policy
     PGIDS+=($!)
 }
 
-wait_ready() { # config name port -> prints seconds, fails after READY_TIMEOUT_S
-    local cfg=$1 name=$2 port=$3 t0 now
-    t0=$(date +%s.%N)
+wait_ready() { # config name port t0 -> prints seconds since t0, fails after READY_TIMEOUT_S
+    local cfg=$1 name=$2 port=$3 t0=$4 now
     while true; do
         if curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; then
             now=$(date +%s.%N); python3 -c "print(round($now-$t0,1))"; return 0
@@ -94,20 +97,26 @@ for cfg in $CONFIGS; do
     echo "=== $cfg"
     policy=fail
     [ "$cfg" = kvx-nixl ] && policy=recompute
+    t0=$(date +%s.%N)
     start "$cfg" prefill 8100 5600 kv_producer fail
     start "$cfg" decode 8200 5610 kv_consumer "$policy"
-    if ! p_ready=$(wait_ready "$cfg" prefill 8100) || ! d_ready=$(wait_ready "$cfg" decode 8200); then
+    if ! p_ready=$(wait_ready "$cfg" prefill 8100 "$t0") || ! d_ready=$(wait_ready "$cfg" decode 8200 "$t0"); then
         echo "{\"label\":\"$cfg\",\"ready\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1; continue
     fi
     echo "test-vllm: $cfg servers ready (prefill ${p_ready}s, decode ${d_ready}s; started together)"
     args=(--model "$MODEL" --lens "$LENS" --trials "$TRIALS" --label "$cfg")
     case $cfg in kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;; esac
     if [ -f "$OUT/expected.json" ]; then args+=(--expected "$OUT/expected.json"); else args+=(--save "$OUT/expected.json"); fi
-    if timeout 300 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1; then
+    # In the background and waited for: bash runs the EXIT/TERM trap only once a foreground
+    # child returns, and `wait` returns at once on a signal.
+    timeout 300 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1 &
+    CHECK_PID=$!
+    if wait "$CHECK_PID"; then
         rc=0
     else
         rc=$?; status=1
     fi
+    CHECK_PID=""
     grep -E '"match": false|"err"|"equal"' "$OUT/$cfg.jsonl" || true
     summary=$(grep '^SUMMARY ' "$OUT/$cfg.jsonl" | sed 's/^SUMMARY //' || true)
     [ -n "$summary" ] || summary="{\"label\":\"$cfg\",\"all_match\":false,\"rc\":$rc}"

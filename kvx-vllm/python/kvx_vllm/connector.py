@@ -101,6 +101,20 @@ def _preload_nixl() -> None:
     os.environ.setdefault("UCX_MODULES", "^ib*")
 
 
+def _move_to_kv_cores() -> None:
+    """On CPU, moves this worker's thread to the cores vLLM reserves for KV transfer (the last
+    core of each NUMA node), as vLLM's NixlConnector does: vLLM's CPU worker keeps one core per
+    node out of its OpenMP binding for the connector, so that ``start_load_kv`` and the
+    transport do not compete with the model's threads."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = [max(node) for node in current_platform.discover_numa_topology() if node]
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
 def _layer_index(name: str) -> tuple[int, str]:
     m = re.search(r"\.(\d+)\.", name)
     return (int(m.group(1)) if m else -1, name)
@@ -152,6 +166,7 @@ class KvxConnector(KVConnectorBase_V1):
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        _move_to_kv_cores()
         native = _native(self._backend)
         model = vllm_config.model_config
         options = native.WorkerOptions(
