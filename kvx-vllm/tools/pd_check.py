@@ -74,7 +74,7 @@ class Client:
     def single(self, ids):
         return stream(self.d + "/v1/completions", self.body(ids, self.max_tokens))
 
-    def pd(self, ids, params_edit=None):
+    def pd(self, ids):
         t0 = time.perf_counter()
         pb = self.body(ids, 1)
         pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -82,14 +82,22 @@ class Client:
         pr = post(self.p + "/v1/completions", pb)
         t_prefill = time.perf_counter() - t0
         ktp = pr.get("kv_transfer_params")
-        if params_edit:
-            ktp = params_edit(ktp)
+        ttft_d, out, _ = self.decode_only(ids, ktp)
+        return t_prefill, t_prefill + ttft_d, out, ktp
+
+    def decode_only(self, ids, ktp):
         db = self.body(ids, self.max_tokens)
         db["kv_transfer_params"] = ktp
-        ttft_d, out, finish = stream(self.d + "/v1/completions", db)
-        if ttft_d is None:
+        ttft, out, finish = stream(self.d + "/v1/completions", db)
+        if ttft is None:
             raise RuntimeError(f"decode returned no tokens (finish_reason {finish})")
-        return t_prefill, t_prefill + ttft_d, out, ktp
+        return ttft, out, finish
+
+
+def num_blocks(ktp):
+    """Remote blocks named by kv_transfer_params (flat or nested per KV-cache group)."""
+    ids = (ktp or {}).get("remote_block_ids") or []
+    return sum(len(g) if isinstance(g, list) else 1 for g in ids)
 
 
 def pct(xs, q):
@@ -127,6 +135,7 @@ def main():
     m0 = metrics(a.decode)
     expected_external = 0
     records, ttft_pd, ttft_single = [], [], []
+    template = None  # a real prefill response's kv_transfer_params (for the failure check)
     for n in [int(x) for x in a.lens.split(",")]:
         for t in range(a.trials):
             ids = [rng.randrange(3, 2048) for _ in range(n)]
@@ -138,6 +147,8 @@ def main():
                 print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": None, "err": repr(e)[:300]}),
                       flush=True)
                 continue
+            if num_blocks(ktp) > num_blocks(template):
+                template = ktp
             match = s_ids == p_ids and len(p_ids) == a.max_tokens
             ok &= match
             ttft_pd.append(p_ttft)
@@ -171,21 +182,20 @@ def main():
         time.sleep(0.5)
     freed_ok = usage == 0
     ok &= freed_ok
-    # Evidence 3: a transfer that cannot succeed (nothing listens at the prefill side channel).
+    # Evidence 3: a transfer that cannot succeed. The decode engine gets transfer parameters of the
+    # right shape (copied from a real prefill response) that name a prefill engine nobody serves:
+    # no prefill request is made, so no prefill engine holds blocks for it.
     failure = None
-    if a.failure_policy != "none":
+    if a.failure_policy != "none" and num_blocks(template) >= 2:
         ids = [rng.randrange(3, 2048) for _ in range(2 * a.block_size + 5)]
         _, s_ids, _ = c.single(ids)
+        ktp = dict(template)
+        ktp["remote_port"] = 1  # nothing listens there
+        ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"  # no cached peer
+        ktp["remote_request_id"] = f"kvx-test-missing-{rng.randrange(1 << 30)}"
         t0 = time.perf_counter()
-
-        def to_nowhere(ktp):
-            ktp = dict(ktp)
-            ktp["remote_port"] = 1  # nothing listens there
-            ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"  # no cached peer
-            return ktp
-
         try:
-            _, _, p_ids, _ = c.pd(ids, to_nowhere)
+            _, p_ids, _ = c.decode_only(ids, ktp)
             outcome = "recomputed" if p_ids == s_ids else "wrong_output"
         except Exception as e:  # noqa: BLE001
             outcome = "failed"
@@ -201,7 +211,8 @@ def main():
         after = c.single(ids)[1] == c.pd(ids)[2]
         failure["serves_after"] = after
         ok &= after
-        # The prefill engine's hold for that request expires (kv_lease_duration); not waited for.
+    elif a.failure_policy != "none":
+        ok = False  # no request got transfer parameters to build the failing one from
     summary = {
         "label": a.label, "all_match": ok, "requests": len(ttft_pd),
         "pd_ttft_p50_ms": round(statistics.median(ttft_pd) * 1e3, 1) if ttft_pd else None,
