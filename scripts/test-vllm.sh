@@ -140,7 +140,7 @@ print("|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     f = r.get("failure_check")
     fc = f"{f['policy']}: {f['outcome']} in {f['seconds']} s" if f else "-"
-    print(f"| {r['label']} | {r.get('all_match')} | {r.get('pd_ttft_p50_ms')} | {r.get('pd_ttft_p99_ms')} | "
+    print(f"| {r['label']} | {r.get('all_match')} ({r.get('near_ties', 0)} near ties) | {r.get('pd_ttft_p50_ms')} | {r.get('pd_ttft_p99_ms')} | "
           f"{r.get('single_ttft_p50_ms')} | {r.get('prefill_ready_s')} / {r.get('decode_ready_s')} | "
           f"{r.get('loaded_remotely')} ({r.get('decode_external_hits')} tok) | {r.get('prefill_freed')} | {fc} |")
 PY

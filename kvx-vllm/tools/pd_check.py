@@ -4,7 +4,8 @@ For each prompt (random token ids, fresh per trial, so no cache can serve it):
   single: the decode server computes it alone (plain request)           -> TTFT, token ids
   pd:     prefill server (max_tokens=1, do_remote_decode) then the decode
           server with the returned kv_transfer_params (the proxy steps)  -> TTFT, token ids
-and the two must be equal token for token (greedy). Then the evidence: the decode server's
+and the two must be equal token for token (greedy), except at a near tie of the single
+instance's two best logprobs (see `compare`), which is reported and counted. Then the evidence: the decode server's
 external prefix-cache hits grew by the tokens it loaded, and the prefill server's KV-cache usage
 is back to idle (blocks freed). Optionally a request whose transfer must fail (a prefill engine
 that is not there): it must fail (policy "fail") or be recomputed to the same output
@@ -32,11 +33,12 @@ def post(url, body):
 
 
 def stream(url, body):
-    """(ttft_s, token_ids, finish_reason) of a streamed completion."""
-    body = dict(body, stream=True, return_token_ids=True)
+    """(ttft_s, token_ids, finish_reason, gaps) of a streamed completion; gaps[i] is the
+    difference between the two highest logprobs at output token i (None if not reported)."""
+    body = dict(body, stream=True, return_token_ids=True, logprobs=2)
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, ids, finish = None, [], None
+    ttft, ids, finish, gaps = None, [], None, []
     with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -49,8 +51,11 @@ def stream(url, body):
                 if ttft is None and (c.get("text") or c.get("token_ids")):
                     ttft = time.perf_counter() - t0
                 ids += c.get("token_ids") or []
+                for top in (c.get("logprobs") or {}).get("top_logprobs") or []:
+                    lps = sorted((top or {}).values(), reverse=True)
+                    gaps.append(lps[0] - lps[1] if len(lps) >= 2 else None)
                 finish = c.get("finish_reason") or finish
-    return ttft, ids, finish
+    return ttft, ids, finish, gaps
 
 
 def metrics(base):
@@ -82,16 +87,35 @@ class Client:
         pr = post(self.p + "/v1/completions", pb)
         t_prefill = time.perf_counter() - t0
         ktp = pr.get("kv_transfer_params")
-        ttft_d, out, _ = self.decode_only(ids, ktp)
+        ttft_d, out, *_ = self.decode_only(ids, ktp)
         return t_prefill, t_prefill + ttft_d, out, ktp
 
     def decode_only(self, ids, ktp):
         db = self.body(ids, self.max_tokens)
         db["kv_transfer_params"] = ktp
-        ttft, out, finish = stream(self.d + "/v1/completions", db)
+        ttft, out, finish, gaps = stream(self.d + "/v1/completions", db)
         if ttft is None:
             raise RuntimeError(f"decode returned no tokens (finish_reason {finish})")
-        return ttft, out, finish
+        return ttft, out, finish, gaps
+
+
+TIE_NATS = 0.05
+
+
+def compare(s_ids, s_gaps, p_ids, max_tokens):
+    """(match, near_tie_at): the P/D output must equal the single instance's token for token.
+    The one exception is a near tie: vLLM's P/D path recomputes the last prompt token on the
+    decode engine with the decode kernel, so its bf16 logits differ from the single instance's
+    in the third decimal (for every connector); where the single instance's two best logprobs at
+    the first differing token are within TIE_NATS, either token is the greedy choice. Such a
+    divergence is reported (near_tie_at) and counted, never hidden."""
+    if len(p_ids) != max_tokens:
+        return False, None
+    if s_ids == p_ids:
+        return True, None
+    i = next((i for i, (x, y) in enumerate(zip(s_ids, p_ids)) if x != y), len(s_ids))
+    gap = s_gaps[i] if i < len(s_gaps) else None
+    return (True, i) if gap is not None and gap < TIE_NATS else (False, None)
 
 
 def num_blocks(ktp):
@@ -134,12 +158,12 @@ def main():
             print(json.dumps({"warmup_attempt": attempt, "err": repr(e)[:300]}), flush=True)
     m0 = metrics(a.decode)
     expected_external = 0
-    records, ttft_pd, ttft_single = [], [], []
+    records, ttft_pd, ttft_single, near_ties = [], [], [], 0
     template = None  # a real prefill response's kv_transfer_params (for the failure check)
     for n in [int(x) for x in a.lens.split(",")]:
         for t in range(a.trials):
             ids = [rng.randrange(3, 2048) for _ in range(n)]
-            s_ttft, s_ids, _ = c.single(ids)
+            s_ttft, s_ids, _, s_gaps = c.single(ids)
             try:
                 t_pre, p_ttft, p_ids, ktp = c.pd(ids)
             except Exception as e:  # noqa: BLE001
@@ -149,12 +173,18 @@ def main():
                 continue
             if num_blocks(ktp) > num_blocks(template):
                 template = ktp
-            match = s_ids == p_ids and len(p_ids) == a.max_tokens
+            match, tie = compare(s_ids, s_gaps, p_ids, a.max_tokens)
             ok &= match
+            near_ties += tie is not None
             ttft_pd.append(p_ttft)
             ttft_single.append(s_ttft)
             expected_external += (n // a.block_size) * a.block_size if a.full_blocks_only else n
             records.append({"prompt_ids": ids, "output_ids": p_ids})
+            if s_ids != p_ids:
+                gap = s_gaps[tie] if tie is not None and tie < len(s_gaps) else None
+                print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "near_tie_at": tie,
+                                  "single_top2_logprob_gap": gap,
+                                  "single_ids": s_ids, "pd_ids": p_ids}), flush=True)
             print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": match,
                               "single_ttft_ms": round(s_ttft * 1e3, 1), "pd_prefill_ms": round(t_pre * 1e3, 1),
                               "pd_ttft_ms": round(p_ttft * 1e3, 1),
@@ -188,14 +218,14 @@ def main():
     failure = None
     if a.failure_policy != "none" and num_blocks(template) >= 2:
         ids = [rng.randrange(3, 2048) for _ in range(2 * a.block_size + 5)]
-        _, s_ids, _ = c.single(ids)
+        _, s_ids, *_ = c.single(ids)
         ktp = dict(template)
         ktp["remote_port"] = 1  # nothing listens there
         ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"  # no cached peer
         ktp["remote_request_id"] = f"kvx-test-missing-{rng.randrange(1 << 30)}"
         t0 = time.perf_counter()
         try:
-            _, p_ids, _ = c.decode_only(ids, ktp)
+            _, p_ids, *_ = c.decode_only(ids, ktp)
             outcome = "recomputed" if p_ids == s_ids else "wrong_output"
         except Exception as e:  # noqa: BLE001
             outcome = "failed"
@@ -208,13 +238,14 @@ def main():
         ok &= failure["ok"]
         # The engine still serves afterwards.
         ids = [rng.randrange(3, 2048) for _ in range(a.block_size + 3)]
-        after = c.single(ids)[1] == c.pd(ids)[2]
+        _, s_ids, _, s_gaps = c.single(ids)
+        after = compare(s_ids, s_gaps, c.pd(ids)[2], a.max_tokens)[0]
         failure["serves_after"] = after
         ok &= after
     elif a.failure_policy != "none":
         ok = False  # no request got transfer parameters to build the failing one from
     summary = {
-        "label": a.label, "all_match": ok, "requests": len(ttft_pd),
+        "label": a.label, "all_match": ok, "requests": len(ttft_pd), "near_ties": near_ties,
         "pd_ttft_p50_ms": round(statistics.median(ttft_pd) * 1e3, 1) if ttft_pd else None,
         "pd_ttft_p99_ms": round(pct(ttft_pd, 99) * 1e3, 1) if ttft_pd else None,
         "single_ttft_p50_ms": round(statistics.median(ttft_single) * 1e3, 1) if ttft_single else None,
