@@ -49,7 +49,7 @@ pub struct WorkerOptions {
 impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
-        world_size = 1, compat_tag = String::new(), handshake_timeout_s = 5.0, hold_timeout_s = 120.0,
+        world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, hold_timeout_s = 120.0,
         runtime_threads = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
