@@ -111,6 +111,12 @@ impl MetadataExchange for ZmqSideChannel {
     async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
         let ep = endpoint(host, port);
         let fetch = async {
+            // A refused connection fails now, with the reason: zeromq's connect would retry it
+            // until the timeout (a decode engine would hold a request for a prefill engine that
+            // is gone).
+            tokio::net::TcpStream::connect((host, port))
+                .await
+                .map_err(|e| Error::new(ErrorKind::Handshake, format!("connecting to {ep}: {e}")))?;
             let mut socket = ReqSocket::new();
             socket.connect(&ep).await.map_err(|e| zmq_error(&format!("connecting to {ep}"), e))?;
             socket.send(GET_METADATA.to_vec().into()).await.map_err(|e| zmq_error("sending request", e))?;
@@ -259,16 +265,36 @@ mod tests {
     }
 
     #[test]
-    fn fetch_from_a_port_where_nothing_listens_fails_within_its_timeout() {
+    fn fetch_from_a_port_where_nothing_listens_fails_at_once() {
         let rt = runtime();
         let free_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         rt.block_on(async {
             let client = ZmqSideChannel::bind("127.0.0.1", 0).await.unwrap();
             let start = Instant::now();
-            let e = client.fetch("127.0.0.1", free_port, Duration::from_millis(300)).await.unwrap_err();
+            let e = client.fetch("127.0.0.1", free_port, Duration::from_secs(30)).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "refused, not waited for: {:?}",
+                start.elapsed()
+            );
+        });
+    }
+
+    #[test]
+    fn fetch_from_a_peer_that_never_answers_fails_within_its_timeout() {
+        let rt = runtime();
+        // Accepts connections (the kernel's backlog) but never speaks ZMTP.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        rt.block_on(async {
+            let client = ZmqSideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let start = Instant::now();
+            let e = client.fetch("127.0.0.1", port, Duration::from_millis(300)).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
             assert!(start.elapsed() < Duration::from_secs(3), "bounded by the timeout");
         });
+        drop(silent);
     }
 
     #[test]
