@@ -227,6 +227,11 @@ class KvxConnector(KVConnectorBase_V1):
         )
         return delay_free, (json.loads(out) if out is not None else None)
 
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        """Nothing to serve from EngineCore: each worker serves its own handshake payload on its
+        side channel (rank r at ``side_channel_port + r``), see ``get_handshake_metadata``."""
+        return None
+
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         failed = set(connector_output.failed_recving or ())
         self._sched.update_finished(
@@ -262,6 +267,13 @@ class KvxConnector(KVConnectorBase_V1):
             len(layers), kind, layers[0][2] if layers else None,
             next(iter(kv_caches.values())).dtype if kv_caches else None, self._worker.backend,
         )
+
+    def get_handshake_metadata(self):
+        """None: kvx does not route its handshake through vLLM's out-of-band metadata (which
+        NixlConnector serves from EngineCore). Each worker publishes its payload on its own
+        ZeroMQ side channel when it registers its KV caches, so a peer's handshake needs no
+        EngineCore round trip and works for any number of ranks."""
+        return None
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
