@@ -22,15 +22,15 @@ LENS="${KVX_VLLM_LENS:-18,64,512,1024}"
 TRIALS="${KVX_VLLM_TRIALS:-3}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 PY="$VENV/bin/python"
-TOOLS=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)/kvx_vllm_tools || true
 
 "$ROOT/scripts/install-vllm.sh"
-TOOLS=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvx_vllm_tools
+SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+TOOLS="$SP/kvx_vllm_tools"
+NIXL_LIBS="$SP/.nixl_cu12.mesonpy.libs"
 mkdir -p "$OUT"
 rm -f "$OUT"/*.log "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.pgid
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UCX_MODULES='^ib*' VLLM_LOGGING_LEVEL=INFO
-NIXL_LIBS=$(echo "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/.nixl_cu12.mesonpy.libs)
 
 if [ ! -f "$MODEL/config.json" ]; then
     echo "test-vllm: building the tiny random Llama in $MODEL"

@@ -25,7 +25,8 @@ never meet in one process.
   comes (default 120).
 
 kvx's own threads (its tokio runtime, NIXL's threads, kvx-ucx's progress thread) are started off
-the CPU pinning that vLLM's CPU worker applies to its step thread (``kvx_vllm.unpinned``). Set
+the CPU pinning that vLLM's CPU worker applies to its step thread (Rust ``kvx_vllm::unpinned``),
+and the worker thread moves to the cores vLLM reserves for KV transfer (``_move_to_kv_cores``). Set
 ``KVX_LOG`` (e.g. ``kvx_core=debug``) to see kvx's log events on stderr.
 """
 
