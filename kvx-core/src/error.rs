@@ -39,6 +39,9 @@ pub enum ErrorKind {
     Backend,
     /// The call is not valid in the current state (e.g. registering twice).
     State,
+    /// A peer or client failed authentication: a missing or wrong key, or a MAC that does not
+    /// verify. Nothing was served or transferred.
+    Unauthenticated,
 }
 
 impl ErrorKind {
@@ -64,6 +67,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Io => "i/o error",
             ErrorKind::Backend => "backend error",
             ErrorKind::State => "invalid state",
+            ErrorKind::Unauthenticated => "not authenticated",
         };
         f.write_str(s)
     }
@@ -89,10 +93,42 @@ fn code_tag(code: &Option<i64>) -> String {
     code.map(|c| format!(" (status {c})")).unwrap_or_default()
 }
 
+/// The longest message an [`Error`] keeps, in bytes: whatever a peer sent, an error stays small.
+pub const MAX_MESSAGE_LEN: usize = 1024;
+
+/// The most characters of peer or client data that [`quote`] keeps.
+pub const MAX_QUOTE_CHARS: usize = 64;
+
+/// Quotes peer or client data for a message: escaped as Rust's `Debug` does, cut after
+/// [`MAX_QUOTE_CHARS`] characters with the full length said.
+pub fn quote(data: &str) -> String {
+    let mut chars = data.chars();
+    let head: String = chars.by_ref().take(MAX_QUOTE_CHARS).collect();
+    if chars.next().is_none() { format!("{head:?}") } else { format!("{head:?}... ({} bytes)", data.len()) }
+}
+
+fn truncate(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_LEN {
+        let mut end = MAX_MESSAGE_LEN;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("...");
+    }
+    message
+}
+
 impl Error {
-    /// A new error of `kind` with a message.
+    /// A new error of `kind` with a message (cut at [`MAX_MESSAGE_LEN`] bytes).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), backend: None, code: None, source: None }
+        Error { kind, message: truncate(message.into()), backend: None, code: None, source: None }
+    }
+
+    /// The same error with `what` before its message: the kind, backend, code and source stay,
+    /// so the kind is not repeated in the text (`handshake failed: with engine e: ...`).
+    pub fn context(self, what: impl fmt::Display) -> Self {
+        Error { message: truncate(format!("{what}: {}", self.message)), ..self }
     }
 
     /// Shorthand for [`ErrorKind::InvalidArgument`].
@@ -172,5 +208,20 @@ mod tests {
         assert_eq!(e.code(), Some(-4));
         assert!(!e.is_retryable());
         assert!(Error::new(ErrorKind::Timeout, "x").is_retryable());
+    }
+
+    #[test]
+    fn messages_and_quotes_are_bounded_and_context_is_not_doubled() {
+        let long = "h".repeat(10 << 20);
+        let e = Error::new(ErrorKind::Handshake, format!("connecting to {long}"));
+        assert!(e.message().len() <= MAX_MESSAGE_LEN + 3, "{}", e.message().len());
+        let q = quote(&long);
+        assert!(q.len() < 100 && q.ends_with("(10485760 bytes)"), "{q}");
+        assert_eq!(quote("a\"b"), "\"a\\\"b\"");
+        let e = Error::new(ErrorKind::Handshake, "refused").context("with engine p");
+        assert_eq!(e.to_string(), "handshake failed: with engine p: refused");
+        assert_eq!(e.kind(), ErrorKind::Handshake);
+        let cut = Error::new(ErrorKind::Io, "é".repeat(MAX_MESSAGE_LEN));
+        assert!(cut.message().ends_with("..."), "cut on a char boundary");
     }
 }

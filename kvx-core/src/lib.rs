@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_code)] // Only `memory` (the KvMemory contract and HostMemory) opts out, with reasons.
 
+pub mod auth;
 #[cfg(feature = "net")]
 pub mod driver;
 pub mod error;
@@ -18,6 +19,7 @@ pub mod transfer;
 pub mod wire;
 pub mod worker;
 
+pub use auth::{AuthKey, Nonce, NonceSource};
 #[cfg(feature = "net")]
 pub use driver::WorkerDriver;
 pub use error::{Error, ErrorKind, Result};

@@ -1,0 +1,262 @@
+//! The trust primitives: the shared key of an authenticated deployment, and per-hold nonces.
+//!
+//! - [`AuthKey`] is an optional secret every engine of a deployment is configured with. With it,
+//!   side-channel handshakes are challenge-response authenticated in both directions, and the
+//!   prefill engine MACs (HMAC-SHA256) the `kv_transfer_params` it hands out, so a decode engine
+//!   READs only blocks that a prefill engine of the deployment really offered.
+//! - [`Nonce`] is a 128-bit random value per held request. It travels in the params and comes
+//!   back in the notification; a notification frees a hold only when its nonce matches, with or
+//!   without a key, so a forged or replayed request id frees nothing.
+//!
+//! kvx writes no cryptography of its own: HMAC and SHA-256 are RustCrypto's `hmac` and `sha2`,
+//! randomness is the OS's (`getrandom`), and tags are compared in constant time by `hmac`.
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use sha2::Sha256;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Bytes of a MAC tag (HMAC-SHA256).
+pub const TAG_LEN: usize = 32;
+
+/// A MAC tag.
+pub type Tag = [u8; TAG_LEN];
+
+/// What a tag authenticates: each use has its own label, so a tag made for one purpose never
+/// verifies for another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// A side-channel client proves it holds the key (over both challenges).
+    HandshakeRequest,
+    /// A side-channel server proves it holds the key and binds the payload it serves.
+    HandshakeReply,
+    /// The prefill engine's offer in `kv_transfer_params`.
+    TransferParams,
+}
+
+impl Purpose {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Purpose::HandshakeRequest => b"kvx/handshake-request/1",
+            Purpose::HandshakeReply => b"kvx/handshake-reply/1",
+            Purpose::TransferParams => b"kvx/transfer-params/1",
+        }
+    }
+}
+
+/// The shared secret of an authenticated deployment. Its bytes never appear in `Debug` output.
+#[derive(Clone)]
+pub struct AuthKey {
+    key: Arc<[u8]>,
+}
+
+impl fmt::Debug for AuthKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AuthKey(<redacted>)")
+    }
+}
+
+impl PartialEq for AuthKey {
+    fn eq(&self, other: &Self) -> bool {
+        // Constant time: compare the keys' tags over a fixed message.
+        self.tag(Purpose::HandshakeRequest, &[b"eq"]) == other.tag(Purpose::HandshakeRequest, &[b"eq"])
+    }
+}
+
+impl Eq for AuthKey {}
+
+impl AuthKey {
+    /// The shortest key accepted, in bytes.
+    pub const MIN_LEN: usize = 16;
+
+    /// A key from its bytes (a passphrase's UTF-8 bytes will do): at least [`Self::MIN_LEN`].
+    pub fn new(bytes: impl AsRef<[u8]>) -> Result<Self> {
+        let bytes = bytes.as_ref();
+        if bytes.len() < Self::MIN_LEN {
+            return Err(Error::invalid_argument(format!(
+                "an auth key needs at least {} bytes, got {}",
+                Self::MIN_LEN,
+                bytes.len()
+            )));
+        }
+        Ok(AuthKey { key: Arc::from(bytes) })
+    }
+
+    fn mac(&self, purpose: Purpose, parts: &[&[u8]]) -> HmacSha256 {
+        // HMAC takes a key of any length: this cannot fail.
+        let mut mac = <HmacSha256 as Mac>::new_from_slice(&self.key)
+            .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+        mac.update(purpose.label());
+        // Each part is length-prefixed, so no two different part lists hash alike.
+        for part in parts {
+            mac.update(&(part.len() as u64).to_le_bytes());
+            mac.update(part);
+        }
+        mac
+    }
+
+    /// The tag of `parts` for `purpose`.
+    pub fn tag(&self, purpose: Purpose, parts: &[&[u8]]) -> Tag {
+        self.mac(purpose, parts).finalize().into_bytes().into()
+    }
+
+    /// Checks `tag` against `parts` for `purpose`, in constant time.
+    pub fn verify(&self, purpose: Purpose, parts: &[&[u8]], tag: &[u8]) -> Result<()> {
+        self.mac(purpose, parts)
+            .verify_slice(tag)
+            .map_err(|_| Error::new(ErrorKind::Unauthenticated, format!("{purpose:?} MAC does not verify")))
+    }
+}
+
+/// Fills `buf` from the operating system's random source.
+pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
+    let mut buf = [0u8; N];
+    getrandom::fill(&mut buf)
+        .map_err(|e| Error::new(ErrorKind::Io, format!("the OS random source failed: {e}")))?;
+    Ok(buf)
+}
+
+/// A hold's nonce: 128 bits, written as 32 lowercase hex digits in JSON and on the wire.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Nonce([u8; 16]);
+
+impl Nonce {
+    /// A nonce from its bytes.
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Nonce(bytes)
+    }
+
+    /// Its bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// Parses 32 hex digits.
+    pub fn parse(s: &str) -> Result<Self> {
+        let bad = || Error::invalid_peer_data(format!("nonce {}: not 32 hex digits", crate::error::quote(s)));
+        let digits = s.as_bytes();
+        if digits.len() != 32 {
+            return Err(bad());
+        }
+        let mut out = [0u8; 16];
+        for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+            let hi = (pair[0] as char).to_digit(16).ok_or_else(bad)?;
+            let lo = (pair[1] as char).to_digit(16).ok_or_else(bad)?;
+            *byte = (hi << 4 | lo) as u8;
+        }
+        Ok(Nonce(out))
+    }
+}
+
+impl fmt::Display for Nonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for Nonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Nonce({self})")
+    }
+}
+
+impl Serialize for Nonce {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Nonce {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Nonce::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Where per-hold nonces come from: unpredictable (seeded from the OS) in an engine, or
+/// reproducible from a seed in simulations. Nonces are HMAC-SHA256 of a counter under a 32-byte
+/// seed, so knowing some nonces tells nothing of the others.
+#[derive(Clone)]
+pub struct NonceSource {
+    seed: AuthKey,
+    counter: u64,
+}
+
+impl fmt::Debug for NonceSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NonceSource").field("counter", &self.counter).finish_non_exhaustive()
+    }
+}
+
+impl NonceSource {
+    /// Seeded from the operating system's random source.
+    pub fn from_entropy() -> Result<Self> {
+        Ok(Self::from_seed(random_bytes::<32>()?))
+    }
+
+    /// Reproducible: the same seed gives the same nonces (for simulations and tests).
+    pub fn from_seed(seed: [u8; 32]) -> Self {
+        NonceSource { seed: AuthKey { key: Arc::from(&seed[..]) }, counter: 0 }
+    }
+
+    /// The next nonce.
+    pub fn next_nonce(&mut self) -> Nonce {
+        self.counter += 1;
+        let tag = self.seed.tag(Purpose::TransferParams, &[b"nonce", &self.counter.to_le_bytes()]);
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&tag[..16]);
+        Nonce(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_verify_only_for_the_same_key_purpose_and_parts() {
+        let k = AuthKey::new("0123456789abcdef").unwrap();
+        let other = AuthKey::new("0123456789abcdeF").unwrap();
+        let t = k.tag(Purpose::TransferParams, &[b"a", b"bc"]);
+        k.verify(Purpose::TransferParams, &[b"a", b"bc"], &t).unwrap();
+        for (key, purpose, parts) in [
+            (&other, Purpose::TransferParams, &[&b"a"[..], b"bc"][..]),
+            (&k, Purpose::HandshakeReply, &[b"a", b"bc"]),
+            (&k, Purpose::TransferParams, &[b"ab", b"c"]),
+            (&k, Purpose::TransferParams, &[b"abc"]),
+        ] {
+            let e = key.verify(purpose, parts, &t).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Unauthenticated);
+        }
+        assert!(k.verify(Purpose::TransferParams, &[b"a", b"bc"], &t[..31]).is_err(), "truncated tag");
+        assert_ne!(k, other);
+        assert_eq!(k, k.clone());
+        assert_eq!(format!("{k:?}"), "AuthKey(<redacted>)");
+    }
+
+    #[test]
+    fn short_keys_are_refused() {
+        assert_eq!(AuthKey::new("short").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn nonces_round_trip_as_hex_and_refuse_anything_else() {
+        let mut src = NonceSource::from_seed([7; 32]);
+        let (a, b) = (src.next_nonce(), src.next_nonce());
+        assert_ne!(a, b);
+        assert_eq!(NonceSource::from_seed([7; 32]).next_nonce(), a, "reproducible from its seed");
+        assert_ne!(NonceSource::from_entropy().unwrap().next_nonce(), a);
+        let hex = a.to_string();
+        assert_eq!(hex.len(), 32);
+        assert_eq!(Nonce::parse(&hex).unwrap(), a);
+        assert_eq!(serde_json::from_str::<Nonce>(&serde_json::to_string(&a).unwrap()).unwrap(), a);
+        for bad in ["", "00", &"g".repeat(32), &"0".repeat(33), "é0000000000000000000000000000000"] {
+            assert_eq!(Nonce::parse(bad).unwrap_err().kind(), ErrorKind::InvalidPeerData, "{bad:?}");
+        }
+    }
+}
