@@ -51,9 +51,24 @@ pub fn encode<T: WireMessage>(msg: &T) -> Result<Vec<u8>> {
     rmp_serde::to_vec_named(&env).map_err(|e| wire_error("encode", e))
 }
 
+/// The deepest nesting of arrays and maps a peer's MessagePack may have. kvx's messages nest a
+/// few levels; rmp-serde's default (1024) lets a 2 KB message of nested arrays under an unknown
+/// key overflow a 2 MiB thread stack in a debug build (found by kvx-fuzz). Backends decoding
+/// their own metadata use it too.
+pub const MAX_NESTING: usize = 32;
+
+/// `rmp_serde::from_slice` with nesting bounded by [`MAX_NESTING`].
+fn from_slice_bounded<'a, T: Deserialize<'a>>(
+    bytes: &'a [u8],
+) -> std::result::Result<T, rmp_serde::decode::Error> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    de.set_max_depth(MAX_NESTING);
+    T::deserialize(&mut de)
+}
+
 /// Decodes a message from bytes that came from a peer: checks magic, version and kind first.
 pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
-    let env: Envelope = rmp_serde::from_slice(bytes).map_err(|e| wire_error("decode envelope", e))?;
+    let env: Envelope = from_slice_bounded(bytes).map_err(|e| wire_error("decode envelope", e))?;
     if env.magic != MAGIC {
         return Err(Error::new(ErrorKind::Wire, "not a kvx message (bad magic)"));
     }
@@ -69,7 +84,7 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
             format!("expected a {:?} message, got {:?}", T::KIND, env.kind),
         ));
     }
-    rmp_serde::from_slice(&env.body).map_err(|e| wire_error("decode body", e))
+    from_slice_bounded(&env.body).map_err(|e| wire_error("decode body", e))
 }
 
 fn wire_error(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
@@ -142,5 +157,22 @@ mod tests {
         let mut bytes = encode(&payload()).unwrap();
         bytes.truncate(bytes.len() - 3);
         assert_eq!(decode::<HandshakePayload>(&bytes).unwrap_err().kind(), ErrorKind::Wire);
+    }
+
+    #[test]
+    fn deep_nesting_under_an_unknown_key_is_an_error_not_a_stack_overflow() {
+        // The envelope map with one more key whose value is 2000 nested arrays.
+        let mut bytes = encode(&payload()).unwrap();
+        bytes[0] += 1;
+        bytes.extend_from_slice(&[0xa1, b'x']);
+        bytes.extend(std::iter::repeat_n(0x91, 2000));
+        bytes.push(0xc0);
+        let decoded = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || decode::<HandshakePayload>(&bytes).map_err(|e| e.kind()))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(decoded.unwrap_err(), ErrorKind::Wire);
     }
 }

@@ -52,6 +52,8 @@ impl AgentMetadata {
     pub(crate) fn decode(bytes: &[u8]) -> Result<Self> {
         let invalid = |msg: String| Error::invalid_peer_data(msg).with_backend(BACKEND);
         let mut de = rmp_serde::Deserializer::new(bytes);
+        // Deep nesting under an unknown key would otherwise overflow a small stack.
+        de.set_max_depth(kvx_core::wire::MAX_NESTING);
         let md = AgentMetadata::deserialize(&mut de)
             .map_err(|e| invalid(format!("malformed agent metadata: {e}")).with_source(e))?;
         if !de.get_ref().is_empty() {

@@ -44,7 +44,10 @@ impl Envelope {
         if bytes.len() > MAX_LEN {
             return Err(error(ErrorKind::InvalidPeerData, format!("metadata of {} bytes", bytes.len())));
         }
-        let envelope: Envelope = rmp_serde::from_slice(bytes).map_err(|e| {
+        // Nesting is bounded: deep arrays under an unknown key would overflow a small stack.
+        let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+        de.set_max_depth(kvx_core::wire::MAX_NESTING);
+        let envelope = Envelope::deserialize(&mut de).map_err(|e| {
             error(ErrorKind::InvalidPeerData, format!("metadata is not a kvx-nixl blob: {e}")).with_source(e)
         })?;
         if envelope.magic != MAGIC {

@@ -63,10 +63,11 @@ impl AgentMetadata {
         if blob.len() > MAX_METADATA {
             return Err(bad(format!("{} bytes, more than {MAX_METADATA}", blob.len())));
         }
-        // from_slice borrows the input: declared lengths cannot make it allocate more than the
-        // blob holds.
-        let meta: AgentMetadata =
-            rmp_serde::from_slice(blob).map_err(|e| bad(format!("undecodable: {e}")))?;
+        // A reader over the slice: declared lengths cannot make it allocate more than the blob
+        // holds. Nesting is bounded: deep arrays under an unknown key would overflow a small stack.
+        let mut de = rmp_serde::Deserializer::from_read_ref(blob);
+        de.set_max_depth(kvx_core::wire::MAX_NESTING);
+        let meta = AgentMetadata::deserialize(&mut de).map_err(|e| bad(format!("undecodable: {e}")))?;
         if meta.format != FORMAT || meta.version != VERSION {
             return Err(error(
                 ErrorKind::Incompatible,
