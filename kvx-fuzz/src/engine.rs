@@ -1,0 +1,809 @@
+//! The stable fuzz engine: replays a target's corpus, then mutates it for a bounded time and
+//! number of runs, catching panics. No coverage feedback (that needs nightly's sanitizer
+//! instrumentation; see the `fuzz/` cargo-fuzz harness): the mutations are aimed at the formats
+//! kvx decodes instead (MessagePack markers and length fields, JSON numbers and nesting).
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::io::Write;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use crate::Target;
+
+/// A xorshift64* generator: small, fast, and the same sequence for the same seed everywhere.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed` (any value, zero included).
+    pub fn new(seed: u64) -> Self {
+        Rng(splitmix64(seed) | 1)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A number in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        if n == 0 { 0 } else { (self.next_u64() % n as u64) as usize }
+    }
+
+    /// True once in `n` times on average.
+    pub fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
+    }
+}
+
+fn splitmix64(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a, for naming crash files by content and deriving per-target seeds.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Bytes that mean something to MessagePack or JSON.
+const INTERESTING_BYTES: &[u8] = &[
+    0x00, 0x01, 0x7f, 0x80, 0xff, // edges
+    0xc0, 0xc2, 0xc3, // nil, false, true
+    0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, // fixmap, fixarray, fixstr
+    0xc4, 0xc5, 0xc6, 0xd9, 0xda, 0xdb, // bin 8/16/32, str 8/16/32
+    0xdc, 0xdd, 0xde, 0xdf, // array 16/32, map 16/32
+    0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd3, 0xca, 0xcb, 0xe0, // uints, ints, floats, negative fixint
+    b'[', b']', b'{', b'}', b'"', b',', b':', b'-', b'0', b'9', b'\\', b'e', b'.', // JSON
+];
+
+const INTERESTING_INTS: &[u64] = &[
+    0,
+    1,
+    2,
+    15,
+    16,
+    0x7f,
+    0x80,
+    0xff,
+    0x100,
+    0x7fff,
+    0x8000,
+    0xffff,
+    0x1_0000,
+    0x7fff_ffff,
+    0x8000_0000,
+    0xffff_fffe,
+    0xffff_ffff,
+    0x1_0000_0000,
+    0x7fff_ffff_ffff_ffff,
+    0x8000_0000_0000_0000,
+    u64::MAX - 1,
+    u64::MAX,
+];
+
+const INTERESTING_DECIMALS: &[&str] = &[
+    "0",
+    "-0",
+    "1",
+    "-1",
+    "15",
+    "16",
+    "17",
+    "255",
+    "256",
+    "65535",
+    "65536",
+    "70000",
+    "2147483648",
+    "4294967295",
+    "4294967296",
+    "9007199254740993",
+    "9223372036854775808",
+    "18446744073709551615",
+    "18446744073709551616",
+    "-9223372036854775809",
+    "99999999999999999999999999999999999999",
+    "1e999",
+    "-1e999",
+    "1.5",
+    "1e-400",
+    "0.0",
+];
+
+/// Mutates inputs: byte flips, inserts, deletes, duplications, splices between corpus entries,
+/// interesting integers, MessagePack length-field edits, JSON number edits and dictionary tokens.
+#[derive(Debug)]
+pub struct Mutator<'a> {
+    rng: Rng,
+    dict: &'a [Vec<u8>],
+    max_len: usize,
+}
+
+impl<'a> Mutator<'a> {
+    /// A mutator drawing from `seed`, with the target's dictionary; inputs stay under `max_len`.
+    pub fn new(seed: u64, dict: &'a [Vec<u8>], max_len: usize) -> Self {
+        Mutator { rng: Rng::new(seed), dict, max_len: max_len.max(1) }
+    }
+
+    /// The generator (to pick corpus entries with the same stream).
+    pub fn rng(&mut self) -> &mut Rng {
+        &mut self.rng
+    }
+
+    /// Applies one to eight stacked mutations to `buf`; `pool` supplies splice partners.
+    pub fn mutate(&mut self, buf: &mut Vec<u8>, pool: &[Vec<u8>]) {
+        loop {
+            self.mutate_once(buf, pool);
+            if !self.rng.one_in(2) || buf.len() > self.max_len {
+                break;
+            }
+        }
+        buf.truncate(self.max_len);
+    }
+
+    fn pos(&mut self, buf: &[u8]) -> usize {
+        self.rng.below(buf.len())
+    }
+
+    /// A position to insert at (`0..=len`).
+    fn gap(&mut self, buf: &[u8]) -> usize {
+        self.rng.below(buf.len() + 1)
+    }
+
+    fn mutate_once(&mut self, buf: &mut Vec<u8>, pool: &[Vec<u8>]) {
+        let room = self.max_len.saturating_sub(buf.len());
+        match self.rng.below(15) {
+            0 if !buf.is_empty() => {
+                let i = self.pos(buf);
+                buf[i] ^= 1 << self.rng.below(8);
+            }
+            1 if !buf.is_empty() => {
+                let i = self.pos(buf);
+                buf[i] = self.rng.next_u64() as u8;
+            }
+            2 if !buf.is_empty() => {
+                let i = self.pos(buf);
+                buf[i] = INTERESTING_BYTES[self.rng.below(INTERESTING_BYTES.len())];
+            }
+            3 if room > 0 => {
+                let n = (1 + self.rng.below(8)).min(room);
+                let at = self.gap(buf);
+                let bytes: Vec<u8> = (0..n).map(|_| self.rng.next_u64() as u8).collect();
+                buf.splice(at..at, bytes);
+            }
+            4 if room > 0 => {
+                // A run of one byte: nesting (`[[[[`, 0x91 0x91 ..), padding, long strings.
+                let longest = if self.rng.one_in(8) { 2048 } else { 64 };
+                let n = (1 + self.rng.below(longest)).min(room);
+                let b = if buf.is_empty() || self.rng.one_in(2) {
+                    INTERESTING_BYTES[self.rng.below(INTERESTING_BYTES.len())]
+                } else {
+                    buf[self.pos(buf)]
+                };
+                let at = self.gap(buf);
+                buf.splice(at..at, std::iter::repeat_n(b, n));
+            }
+            5 if !buf.is_empty() => {
+                let at = self.pos(buf);
+                let max = if self.rng.one_in(4) { buf.len() - at } else { 16.min(buf.len() - at) };
+                let n = 1 + self.rng.below(max);
+                buf.drain(at..at + n);
+            }
+            6 if !buf.is_empty() && room > 0 => {
+                let from = self.pos(buf);
+                let n = (1 + self.rng.below(buf.len() - from)).min(room).min(256);
+                let chunk = buf[from..from + n].to_vec();
+                let at = self.gap(buf);
+                if self.rng.one_in(2) {
+                    buf.splice(at..at, chunk);
+                } else {
+                    let end = (at + n).min(buf.len());
+                    buf.splice(at..end, chunk);
+                }
+            }
+            7 if !buf.is_empty() => self.overwrite_int(buf),
+            8 if !buf.is_empty() => {
+                let i = self.pos(buf);
+                let delta = 1 + self.rng.below(16) as u8;
+                buf[i] =
+                    if self.rng.one_in(2) { buf[i].wrapping_add(delta) } else { buf[i].wrapping_sub(delta) };
+            }
+            9 => self.edit_msgpack_length(buf),
+            10 if !pool.is_empty() => {
+                let other = &pool[self.rng.below(pool.len())];
+                let cut = self.gap(buf);
+                let from = self.rng.below(other.len() + 1);
+                buf.truncate(cut);
+                buf.extend_from_slice(&other[from..]);
+            }
+            11 if !self.dict.is_empty() => {
+                let dict = self.dict;
+                let token = &dict[self.rng.below(dict.len())];
+                let at = self.gap(buf);
+                if self.rng.one_in(2) && token.len() <= room {
+                    buf.splice(at..at, token.iter().copied());
+                } else {
+                    let end = (at + token.len()).min(buf.len());
+                    buf.splice(at..end, token.iter().copied());
+                }
+            }
+            12 => self.edit_decimal(buf),
+            13 if !buf.is_empty() => {
+                let n = self.rng.below(buf.len());
+                buf.truncate(n);
+            }
+            _ => {
+                if buf.is_empty() {
+                    buf.push(self.rng.next_u64() as u8);
+                } else {
+                    let i = self.pos(buf);
+                    buf[i] = !buf[i];
+                }
+            }
+        }
+    }
+
+    /// Writes an interesting integer, 1, 2, 4 or 8 bytes wide, big- (MessagePack) or little-endian.
+    fn overwrite_int(&mut self, buf: &mut [u8]) {
+        let width = [1, 2, 4, 8][self.rng.below(4)].min(buf.len());
+        let mut v = INTERESTING_INTS[self.rng.below(INTERESTING_INTS.len())];
+        if self.rng.one_in(4) {
+            v = v.wrapping_add(self.rng.below(3) as u64).wrapping_sub(1);
+        }
+        // The value's low `width` bytes, in either byte order.
+        let (le, be) = (v.to_le_bytes(), v.to_be_bytes());
+        let src = if self.rng.one_in(4) { &le[..width] } else { &be[8 - width..] };
+        let at = self.rng.below(buf.len() - width + 1);
+        buf[at..at + width].copy_from_slice(src);
+    }
+
+    /// Finds a MessagePack container or string marker and gives it another length: the length
+    /// field of a sized marker, the low bits of a fix marker, or a fix marker widened to its
+    /// 32-bit form with a huge length.
+    fn edit_msgpack_length(&mut self, buf: &mut Vec<u8>) {
+        let markers: Vec<usize> = (0..buf.len())
+            .filter(|&i| matches!(buf[i], 0x80..=0xbf | 0xc4..=0xc6 | 0xd9..=0xdb | 0xdc..=0xdf))
+            .collect();
+        if markers.is_empty() {
+            return;
+        }
+        let at = markers[self.rng.below(markers.len())];
+        let len = INTERESTING_INTS[self.rng.below(INTERESTING_INTS.len())];
+        let field = match buf[at] {
+            0xc4 | 0xd9 => 1,
+            0xc5 | 0xda | 0xdc | 0xde => 2,
+            0xc6 | 0xdb | 0xdd | 0xdf => 4,
+            fix => {
+                if self.rng.one_in(2) {
+                    let (mask, wide) = match fix {
+                        0x80..=0x8f => (0x0f, 0xdf),
+                        0x90..=0x9f => (0x0f, 0xdd),
+                        _ => (0x1f, 0xdb),
+                    };
+                    buf[at] = (fix & !mask) | (self.rng.next_u64() as u8 & mask);
+                    if self.rng.one_in(2) {
+                        let huge = [wide, 0xff, 0xff, 0xff, self.rng.next_u64() as u8];
+                        buf.splice(at..at + 1, huge);
+                    }
+                } else {
+                    let delta = self.rng.below(3) as u8;
+                    buf[at] =
+                        if self.rng.one_in(2) { fix.wrapping_add(delta) } else { fix.wrapping_sub(delta) };
+                }
+                return;
+            }
+        };
+        let end = (at + 1 + field).min(buf.len());
+        let bytes = len.to_be_bytes();
+        let n = end - (at + 1);
+        buf[at + 1..end].copy_from_slice(&bytes[8 - n..]);
+    }
+
+    /// Replaces a run of ASCII digits (a JSON number) with an interesting decimal.
+    fn edit_decimal(&mut self, buf: &mut Vec<u8>) {
+        let starts: Vec<usize> = (0..buf.len())
+            .filter(|&i| buf[i].is_ascii_digit() && (i == 0 || !buf[i - 1].is_ascii_digit()))
+            .collect();
+        let decimal = INTERESTING_DECIMALS[self.rng.below(INTERESTING_DECIMALS.len())].as_bytes();
+        if starts.is_empty() {
+            let at = self.gap(buf);
+            buf.splice(at..at, decimal.iter().copied());
+            return;
+        }
+        let start = starts[self.rng.below(starts.len())];
+        let end = (start..buf.len()).find(|&i| !buf[i].is_ascii_digit()).unwrap_or(buf.len());
+        buf.splice(start..end, decimal.iter().copied());
+    }
+}
+
+/// How long and how hard to fuzz.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunConfig {
+    /// Mutation time per target (the corpus replay comes on top).
+    pub time: Duration,
+    /// Mutated runs per target, at most.
+    pub iters: u64,
+    /// The base seed; each target mixes its name in.
+    pub seed: u64,
+    /// Mutated inputs stay under this many bytes (corpus entries may be longer).
+    pub max_len: usize,
+    /// Write each input to `<crash dir>/<target>/current` before running it, so that an abort
+    /// (which no `catch_unwind` sees) leaves its input behind. Slow.
+    pub trace: bool,
+    /// Only these targets (all when empty).
+    pub only: Vec<String>,
+}
+
+impl RunConfig {
+    /// The configuration from the environment: `KVX_FUZZ_SECS` (per target, fractions allowed;
+    /// default `default_secs`), `KVX_FUZZ_ITERS`, `KVX_FUZZ_SEED` (decimal or 0x-hex; default from
+    /// the clock), `KVX_FUZZ_MAX_LEN` (default 64 KiB), `KVX_FUZZ_TRACE=1`, `KVX_FUZZ_TARGETS`
+    /// (comma-separated names).
+    pub fn from_env(default_secs: f64) -> Result<Self, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let secs = match var("KVX_FUZZ_SECS") {
+            Some(v) => v.trim().parse::<f64>().map_err(|e| format!("KVX_FUZZ_SECS={v}: {e}"))?,
+            None => default_secs,
+        };
+        let time = Duration::try_from_secs_f64(secs).map_err(|e| format!("KVX_FUZZ_SECS={secs}: {e}"))?;
+        let iters = match var("KVX_FUZZ_ITERS") {
+            Some(v) => v.trim().parse().map_err(|e| format!("KVX_FUZZ_ITERS={v}: {e}"))?,
+            None => u64::MAX,
+        };
+        let seed = match var("KVX_FUZZ_SEED") {
+            Some(v) => parse_u64(&v).ok_or_else(|| format!("KVX_FUZZ_SEED={v}: not a number"))?,
+            None => clock_seed(),
+        };
+        let max_len = match var("KVX_FUZZ_MAX_LEN") {
+            Some(v) => v.trim().parse().map_err(|e| format!("KVX_FUZZ_MAX_LEN={v}: {e}"))?,
+            None => 64 << 10,
+        };
+        let trace = var("KVX_FUZZ_TRACE").is_some_and(|v| v != "0");
+        let only = var("KVX_FUZZ_TARGETS")
+            .map(|v| v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+            .unwrap_or_default();
+        Ok(RunConfig { time, iters, seed, max_len, trace, only })
+    }
+
+    /// Whether `target` is selected.
+    pub fn selects(&self, target: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|t| t == target)
+    }
+
+    /// The seed `target` runs with.
+    pub fn target_seed(&self, target: &str) -> u64 {
+        self.seed ^ fnv1a(target.as_bytes())
+    }
+}
+
+/// Parses `123` or `0x7b`.
+pub fn parse_u64(s: &str) -> Option<u64> {
+    let s = s.trim();
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+fn clock_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default();
+    splitmix64(nanos ^ u64::from(std::process::id()))
+}
+
+/// A panic that a target raised, with the input that raised it.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The panic message and location (and a backtrace when one was captured).
+    pub panic: String,
+    /// The input as run.
+    pub input: Vec<u8>,
+    /// A shorter input that panics at the same place, when minimising found one.
+    pub minimized: Option<Vec<u8>>,
+    /// Where the input (and the minimised one) were written.
+    pub saved: Vec<PathBuf>,
+    /// Which run found it: a corpus entry's name, or `mutation #n`.
+    pub found_by: String,
+}
+
+/// What one target's run did.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The target.
+    pub target: &'static str,
+    /// The seed it ran with.
+    pub seed: u64,
+    /// Corpus entries replayed (committed files and seeds made in this process).
+    pub corpus_runs: u64,
+    /// Mutated inputs run.
+    pub mutation_runs: u64,
+    /// Wall time of the whole run.
+    pub elapsed: Duration,
+    /// The first panic, if any (the run stops there).
+    pub failure: Option<Failure>,
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<26} {:>3} corpus + {:>8} mutated inputs in {:>5.1} s, seed {:#018x}: ",
+            self.target,
+            self.corpus_runs,
+            self.mutation_runs,
+            self.elapsed.as_secs_f64(),
+            self.seed
+        )?;
+        let Some(failure) = &self.failure else { return f.write_str("0 panics") };
+        writeln!(f, "PANIC ({})", failure.found_by)?;
+        writeln!(f, "  {}", failure.panic.replace('\n', "\n  "))?;
+        writeln!(f, "  input ({} bytes):", failure.input.len())?;
+        write!(f, "{}", hex_dump(&failure.input, 4096))?;
+        if let Some(min) = &failure.minimized {
+            writeln!(f, "  minimised input ({} bytes):", min.len())?;
+            write!(f, "{}", hex_dump(min, 4096))?;
+        }
+        for path in &failure.saved {
+            writeln!(f, "  saved to {}", path.display())?;
+        }
+        writeln!(
+            f,
+            "  replay: cargo run -p kvx-fuzz -- replay {} <file>; once fixed, copy the file into \
+             kvx-fuzz/corpus/{}/",
+            self.target, self.target
+        )?;
+        write!(
+            f,
+            "  rerun the same mutations: KVX_FUZZ_SEED={:#x} KVX_FUZZ_TARGETS={} (inputs from live seeds \
+             differ in addresses between processes)",
+            self.seed ^ fnv1a(self.target.as_bytes()),
+            self.target
+        )
+    }
+}
+
+/// A classic hex dump (offset, 16 bytes, ASCII), cut after `limit` bytes.
+pub fn hex_dump(bytes: &[u8], limit: usize) -> String {
+    let mut out = String::new();
+    for (row, chunk) in bytes[..bytes.len().min(limit)].chunks(16).enumerate() {
+        let hex: Vec<String> = chunk.iter().map(|b| format!("{b:02x}")).collect();
+        let ascii: String =
+            chunk.iter().map(|&b| if b.is_ascii_graphic() || b == b' ' { b as char } else { '.' }).collect();
+        out.push_str(&format!("    {:08x}  {:<47}  |{ascii}|\n", row * 16, hex.join(" ")));
+    }
+    if bytes.len() > limit {
+        out.push_str(&format!("    ... {} more bytes (the saved file has them all)\n", bytes.len() - limit));
+    }
+    out
+}
+
+thread_local! {
+    /// Whether this thread is inside a target run (its panics are captured, not printed).
+    static CAPTURING: Cell<bool> = const { Cell::new(false) };
+    /// The last captured panic of this thread.
+    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Installs (once) a panic hook that records the panics of target runs instead of printing them,
+/// and leaves every other panic to the previous hook.
+fn install_panic_hook() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            if CAPTURING.with(Cell::get) {
+                let backtrace = std::backtrace::Backtrace::force_capture();
+                let text = format!("{info}\n{}", short_backtrace(&backtrace.to_string()));
+                LAST_PANIC.with(|p| *p.borrow_mut() = Some(text));
+            } else {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// The frames of a backtrace that are kvx's own code (the rest is std and the engine).
+fn short_backtrace(full: &str) -> String {
+    let lines: Vec<&str> = full.lines().collect();
+    let mut keep = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let frame = line.trim_start();
+        let is_symbol = frame.split_once(": ").is_some_and(|(n, _)| n.chars().all(|c| c.is_ascii_digit()));
+        if is_symbol && (frame.contains("kvx_") && !frame.contains("kvx_fuzz::engine")) {
+            keep.push(frame.to_owned());
+            if let Some(at) = lines.get(i + 1).filter(|l| l.trim_start().starts_with("at ")) {
+                keep.push(format!("    {}", at.trim_start()));
+            }
+        }
+    }
+    if keep.is_empty() { String::from("(no kvx frames in the backtrace)") } else { keep.join("\n") }
+}
+
+/// Runs `run(input)`, returning the panic's text if it panicked.
+pub fn run_catching(run: fn(&[u8]), input: &[u8]) -> Result<(), String> {
+    install_panic_hook();
+    LAST_PANIC.with(|p| p.borrow_mut().take());
+    CAPTURING.with(|c| c.set(true));
+    let outcome = panic::catch_unwind(AssertUnwindSafe(|| run(input)));
+    CAPTURING.with(|c| c.set(false));
+    outcome.map_err(|payload| {
+        LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| {
+            payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
+        })
+    })
+}
+
+/// The first line of a panic's text: where it panicked.
+fn panic_site(text: &str) -> &str {
+    text.lines().next().unwrap_or_default()
+}
+
+/// Where crashing inputs go: `$KVX_FUZZ_CRASH_DIR`, else `$CARGO_TARGET_DIR/kvx-fuzz`, else the
+/// workspace's `target/kvx-fuzz`.
+pub fn crash_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KVX_FUZZ_CRASH_DIR") {
+        return PathBuf::from(dir);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    target.join("kvx-fuzz")
+}
+
+/// The committed corpus of a target: `kvx-fuzz/corpus/<target>/`.
+pub fn corpus_dir(target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target)
+}
+
+/// The committed corpus entries of `target`, sorted by file name.
+pub fn read_corpus(target: &str) -> std::io::Result<Vec<(String, Vec<u8>)>> {
+    let dir = corpus_dir(target);
+    let mut entries = Vec::new();
+    if !dir.is_dir() {
+        return Ok(entries);
+    }
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if path.is_file() && !name.starts_with('.') {
+            entries.push((name, std::fs::read(&path)?));
+        }
+    }
+    entries.sort();
+    Ok(entries)
+}
+
+/// Runs `target`: its committed corpus, the seeds it makes in this process, then mutations until
+/// the time or the run budget is spent or a run panics.
+pub fn fuzz(target: &Target, config: &RunConfig) -> Report {
+    let start = Instant::now();
+    let seed = config.target_seed(target.name);
+    let mut report = Report {
+        target: target.name,
+        seed,
+        corpus_runs: 0,
+        mutation_runs: 0,
+        elapsed: Duration::ZERO,
+        failure: None,
+    };
+    let trace_file = config.trace.then(|| crash_dir().join(target.name).join("current"));
+    let run = |input: &[u8], found_by: String| -> Option<Failure> {
+        if let Some(path) = &trace_file {
+            let _ = path.parent().map(std::fs::create_dir_all);
+            let _ = std::fs::write(path, input);
+        }
+        run_catching(target.run, input).err().map(|panic| Failure {
+            panic,
+            input: input.to_vec(),
+            minimized: None,
+            saved: Vec::new(),
+            found_by,
+        })
+    };
+
+    let mut pool: Vec<Vec<u8>> = Vec::new();
+    let mut named: Vec<(String, Vec<u8>)> = match read_corpus(target.name) {
+        Ok(entries) => entries.into_iter().map(|(n, b)| (format!("corpus/{}/{n}", target.name), b)).collect(),
+        Err(e) => {
+            report.failure = Some(Failure {
+                panic: format!("reading the corpus at {}: {e}", corpus_dir(target.name).display()),
+                input: Vec::new(),
+                minimized: None,
+                saved: Vec::new(),
+                found_by: "corpus".into(),
+            });
+            report.elapsed = start.elapsed();
+            return report;
+        }
+    };
+    // Seeds made here, from live agents and workers: they reach past checks that committed bytes
+    // cannot (a loopback fabric's id, say, differs in every process).
+    let mut seeds = Vec::new();
+    let made = run_catching_value(|| seeds = target.seeds());
+    if let Err(panic) = made {
+        report.failure = Some(Failure {
+            panic: format!("making the seeds panicked: {panic}"),
+            input: Vec::new(),
+            minimized: None,
+            saved: Vec::new(),
+            found_by: "seeds".into(),
+        });
+        report.elapsed = start.elapsed();
+        return report;
+    }
+    named.extend(seeds.into_iter().map(|s| (format!("seed {}", s.name), s.bytes)));
+
+    for (name, bytes) in named {
+        report.corpus_runs += 1;
+        if let Some(failure) = run(&bytes, name) {
+            report.failure = Some(finish_failure(target, failure));
+            report.elapsed = start.elapsed();
+            return report;
+        }
+        pool.push(bytes);
+    }
+
+    let mut mutator = Mutator::new(seed, &target.dict, config.max_len);
+    let deadline = start + config.time;
+    let mut current: Vec<u8> = Vec::new();
+    while report.mutation_runs < config.iters && Instant::now() < deadline {
+        // Mostly keep mutating the last input (walks a few steps away from the corpus), sometimes
+        // start again from a corpus entry.
+        if current.is_empty() || mutator.rng().one_in(2) {
+            current = match pool.len() {
+                0 => Vec::new(),
+                n => pool[mutator.rng().below(n)].clone(),
+            };
+        }
+        mutator.mutate(&mut current, &pool);
+        report.mutation_runs += 1;
+        if let Some(failure) = run(&current, format!("mutation #{}", report.mutation_runs)) {
+            report.failure = Some(finish_failure(target, failure));
+            break;
+        }
+    }
+    report.elapsed = start.elapsed();
+    report
+}
+
+fn run_catching_value(f: impl FnOnce()) -> Result<(), String> {
+    install_panic_hook();
+    CAPTURING.with(|c| c.set(true));
+    let outcome = panic::catch_unwind(AssertUnwindSafe(f));
+    CAPTURING.with(|c| c.set(false));
+    outcome.map_err(|_| LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_default())
+}
+
+/// Minimises a failing input (bounded), then saves both.
+fn finish_failure(target: &Target, mut failure: Failure) -> Failure {
+    let site = panic_site(&failure.panic).to_owned();
+    let minimized = minimize(target.run, &failure.input, &site);
+    if minimized.len() < failure.input.len() {
+        failure.minimized = Some(minimized);
+    }
+    let dir = crash_dir().join(target.name);
+    let mut save = |bytes: &[u8]| {
+        let path = dir.join(format!("crash-{:016x}", fnv1a(bytes)));
+        match std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes)) {
+            Ok(()) => failure.saved.push(path),
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "kvx-fuzz: could not save {}: {e}", path.display());
+            }
+        }
+    };
+    save(&failure.input.clone());
+    if let Some(min) = failure.minimized.clone() {
+        save(&min);
+    }
+    failure
+}
+
+/// Removes chunks (halves down to single bytes) while the input still panics at `site`, for at
+/// most 2000 runs.
+fn minimize(run: fn(&[u8]), input: &[u8], site: &str) -> Vec<u8> {
+    let mut best = input.to_vec();
+    let mut budget = 2000u32;
+    let mut chunk = best.len() / 2;
+    while chunk > 0 && budget > 0 {
+        let mut at = 0;
+        while at < best.len() && budget > 0 {
+            let mut candidate = best.clone();
+            let end = (at + chunk).min(candidate.len());
+            candidate.drain(at..end);
+            budget -= 1;
+            match run_catching(run, &candidate) {
+                Err(panic) if panic_site(&panic) == site => best = candidate,
+                _ => at += chunk,
+            }
+        }
+        chunk /= 2;
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_generator_is_deterministic_and_spreads() {
+        let a: Vec<u64> = {
+            let mut r = Rng::new(7);
+            (0..4).map(|_| r.next_u64()).collect()
+        };
+        let mut r = Rng::new(7);
+        assert_eq!(a, (0..4).map(|_| r.next_u64()).collect::<Vec<_>>());
+        assert_ne!(Rng::new(0).next_u64(), 0);
+        let mut seen = [false; 10];
+        for _ in 0..1000 {
+            seen[r.below(10)] = true;
+        }
+        assert!(seen.iter().all(|s| *s));
+    }
+
+    #[test]
+    fn mutations_stay_under_the_length_cap_and_change_the_input() {
+        let pool = vec![b"{\"remote_block_ids\":[[1,2,3]]}".to_vec(), vec![0x92, 0xa1, b'a', 0xc4, 2, 1, 2]];
+        let dict = [b"null".to_vec()];
+        let mut m = Mutator::new(1, &dict, 64);
+        let mut changed = 0;
+        for i in 0..5000 {
+            let mut buf = pool[i % 2].clone();
+            m.mutate(&mut buf, &pool);
+            assert!(buf.len() <= 64);
+            changed += usize::from(buf != pool[i % 2]);
+        }
+        assert!(changed > 4000, "{changed}");
+    }
+
+    #[test]
+    fn msgpack_length_edits_touch_length_fields() {
+        let mut m = Mutator::new(3, &[], 1 << 10);
+        let orig = vec![0xc6, 0, 0, 0, 2, 7, 7];
+        let mut saw_huge = false;
+        for _ in 0..200 {
+            let mut buf = orig.clone();
+            m.edit_msgpack_length(&mut buf);
+            saw_huge |= buf[1..5] == [0xff, 0xff, 0xff, 0xff];
+        }
+        assert!(saw_huge);
+    }
+
+    #[test]
+    fn panics_are_caught_with_their_site_and_others_pass() {
+        fn boom(data: &[u8]) {
+            if data.first() == Some(&1) {
+                panic!("boom {}", data.len());
+            }
+        }
+        assert!(run_catching(boom, &[0]).is_ok());
+        let err = run_catching(boom, &[1, 2, 3]).unwrap_err();
+        assert!(err.contains("boom 3"), "{err}");
+        assert_eq!(minimize(boom, &[1, 2, 3, 4, 5], panic_site(&err)), vec![1]);
+    }
+
+    #[test]
+    fn hex_dump_shows_offsets_bytes_and_ascii() {
+        let dump = hex_dump(b"KVX1\x00\xff", 4096);
+        assert!(dump.contains("00000000  4b 56 58 31 00 ff"), "{dump}");
+        assert!(dump.contains("|KVX1..|"), "{dump}");
+        assert!(hex_dump(&[0; 40], 16).contains("24 more bytes"));
+    }
+}

@@ -1,0 +1,103 @@
+//! The fuzz targets: one `pub fn name(data: &[u8])` per decoder of peer or client bytes, which
+//! must never panic, and the registry that names them.
+
+mod backends;
+mod fixture;
+mod params;
+mod wire;
+mod worker;
+
+pub use backends::{loopback_metadata, nixl_metadata, ucx_metadata};
+pub use params::{nonce, transfer_params};
+pub use wire::wire_envelope;
+pub use worker::{
+    rank_report_aggregate, worker_connector_metadata, worker_handshake, worker_handshake_fields,
+    worker_notification,
+};
+
+use kvx_core::wire::HandshakePayload;
+use kvx_core::{ConnectorMetadata, RankReport};
+
+use crate::seeds::{self, Seed};
+use crate::{Native, Target, dict};
+
+/// Every target, in a fixed order. A new [`WireMessage`](kvx_core::wire::WireMessage) type is one
+/// `Target::wire` line here (with its samples), then `cargo run -p kvx-fuzz -- seed-corpus`.
+pub fn all() -> Vec<Target> {
+    vec![
+        Target::wire::<HandshakePayload>("wire_handshake", wire::handshake_samples),
+        Target::wire::<ConnectorMetadata>("wire_connector_metadata", wire::connector_metadata_samples),
+        Target::wire::<RankReport>("wire_rank_report", worker::rank_report_samples),
+        Target::new(
+            "transfer_params",
+            "kv_transfer_params JSON (TransferParams::from_json) through two ConnectorSchedulers",
+            transfer_params,
+            seeds::transfer_params_json,
+        )
+        .with_dict(dict::json()),
+        Target::new("nonce", "a hold's nonce (Nonce::parse, and as JSON)", nonce, seeds::nonces),
+        Target::new(
+            "worker_handshake",
+            "a peer's handshake payload bytes into ConnectorWorker::handle_handshake",
+            worker_handshake,
+            worker::worker_handshake_seeds,
+        )
+        .with_dict(dict::msgpack()),
+        Target::new(
+            "worker_handshake_fields",
+            "a valid HandshakePayload with fuzzed fields into ConnectorWorker::handle_handshake",
+            worker_handshake_fields,
+            worker::worker_handshake_fields_seeds,
+        ),
+        Target::new(
+            "worker_connector_metadata",
+            "ConnectorMetadata bytes into a decode ConnectorWorker's start_load_kv",
+            worker_connector_metadata,
+            worker::worker_connector_metadata_seeds,
+        )
+        .with_dict(dict::msgpack()),
+        Target::new(
+            "worker_notification",
+            "notification bytes to a prefill ConnectorWorker holding requests",
+            worker_notification,
+            worker::worker_notification_seeds,
+        ),
+        Target::new(
+            "rank_report_aggregate",
+            "RankReport bytes into FinishedAggregator and ConnectorScheduler::update_finished",
+            rank_report_aggregate,
+            wire::rank_report_seeds,
+        )
+        .with_dict(dict::msgpack()),
+        Target::new(
+            "loopback_metadata",
+            "kvx-loopback agent metadata (LoopbackAgent::load_remote)",
+            loopback_metadata,
+            backends::loopback_metadata_seeds,
+        )
+        .with_dict(dict::loopback()),
+        Target::new(
+            "ucx_metadata",
+            "kvx-ucx agent metadata (UcxAgent::load_remote); feature `ucx`",
+            ucx_metadata,
+            backends::ucx_metadata_seeds,
+        )
+        .with_native(Native::Ucx),
+        Target::new(
+            "nixl_metadata",
+            "kvx-nixl agent metadata (NixlAgent::load_remote); feature `nixl`",
+            nixl_metadata,
+            backends::nixl_metadata_seeds,
+        )
+        .with_native(Native::Nixl),
+    ]
+}
+
+pub(crate) use backends::{nixl_available, ucx_available};
+
+/// Seeds of a wire type from its samples (for [`Target::wire`]).
+pub(crate) fn wire_type_seeds<T: kvx_core::wire::WireMessage>(
+    samples: fn() -> Vec<(&'static str, T)>,
+) -> Vec<Seed> {
+    seeds::wire_seeds(&samples())
+}

@@ -1,0 +1,163 @@
+//! Client bytes: vLLM's `kv_transfer_params` JSON driving the scheduler, and hold nonces.
+
+use kvx_core::wire;
+use kvx_core::{
+    BlockId, ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, Finished, Nonce, RequestId,
+    SchedulerConfig, TransferParams,
+};
+
+use crate::input::ByteSource;
+
+/// `TransferParams::from_json`, then a request through a decode engine's and a prefill engine's
+/// `ConnectorScheduler` with the parsed params.
+///
+/// The input is the JSON, optionally followed by a NUL byte (never valid in JSON) and bytes that
+/// pick the scheduler's inputs: block size, prompt length, computed tokens, external tokens,
+/// the allocated blocks and how the request finishes. Without them every pick is the natural
+/// one (the whole prompt loads into freshly allocated blocks).
+///
+/// Checks: parse errors are `Wire`; what parses renders to JSON that parses to the same params;
+/// the matched tokens are whole blocks the remote offers within the prompt; the metadata loads
+/// only blocks that were offered and allocated, and survives the wire; once the workers report,
+/// both schedulers are idle.
+pub fn transfer_params(data: &[u8]) {
+    let (json, picks) = match data.iter().position(|&b| b == 0) {
+        Some(nul) => (&data[..nul], &data[nul + 1..]),
+        None => (data, &[][..]),
+    };
+    let text = String::from_utf8_lossy(json);
+    let params = match TransferParams::from_json(&text) {
+        Ok(p) => p,
+        Err(e) => {
+            assert_eq!(e.kind(), ErrorKind::Wire, "kv_transfer_params refused with {:?}: {e}", e.kind());
+            return;
+        }
+    };
+    let rendered = params.to_json();
+    match TransferParams::from_json(&rendered) {
+        Ok(again) => assert_eq!(again, params, "params changed on a round trip through {rendered}"),
+        Err(e) => panic!("kvx's own rendering {rendered} does not parse: {e}"),
+    }
+    drive_schedulers(&params, &mut ByteSource::new(picks));
+}
+
+fn scheduler(engine: &str, block_size: u32) -> Option<ConnectorScheduler> {
+    ConnectorScheduler::new(SchedulerConfig {
+        engine_id: engine.into(),
+        block_size,
+        side_channel_host: "10.0.0.2".into(),
+        side_channel_port: 5700,
+    })
+    .ok()
+}
+
+fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
+    let block_size = [16, 1, 3, 256, u32::MAX, 0][src.below(6)];
+    let Some(mut decode) = scheduler("decode", block_size) else {
+        assert_eq!(block_size, 0, "a scheduler with block size {block_size} refused");
+        return;
+    };
+    let bs = block_size as usize;
+    let offered = params.remote_blocks().len();
+    let prompt_len = match src.below(6) {
+        0 => offered.saturating_mul(bs).saturating_add(3),
+        1 => 0,
+        2 => offered.saturating_mul(bs),
+        3 => usize::MAX,
+        4 => src.u32() as usize,
+        _ => bs - 1,
+    };
+    let computed = match src.below(5) {
+        0 => 0,
+        1 => bs,
+        2 => prompt_len / bs * bs,
+        3 => usize::MAX,
+        _ => src.u32() as usize,
+    };
+    let id = RequestId::new("cmpl-fuzz-0");
+    let matched = decode.get_num_new_matched_tokens(&id, prompt_len, Some(params), computed);
+    if let Ok(m) = matched {
+        assert!(m.count % bs == 0, "{} matched tokens are not whole blocks of {bs}", m.count);
+        assert!(m.count <= prompt_len, "{} matched tokens for a {prompt_len}-token prompt", m.count);
+        assert!(m.count / bs <= offered, "{} matched tokens but {offered} blocks offered", m.count);
+        assert_eq!(m.load_async, m.count > 0);
+    }
+    let external = match src.below(4) {
+        0 => matched.map(|m| m.count).unwrap_or_default(),
+        1 => 0,
+        2 => bs.saturating_mul(src.below(8)),
+        _ => src.u32() as usize,
+    };
+    let new_blocks: Vec<BlockId> = match src.below(3) {
+        0 => (0..(external / bs).min(4096) as u32).map(|b| b + 100).collect(),
+        1 => (0..src.below(64)).map(|_| src.edgy_u32()).collect(),
+        _ => Vec::new(),
+    };
+    let mut alloc_params = params.clone();
+    let alloc =
+        decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, external);
+    if params.do_remote_prefill {
+        assert!(!alloc_params.do_remote_prefill, "a request may trigger one load only");
+    }
+    // vLLM allocates again once an async load completes: nothing more is recorded.
+    let again = decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, 0);
+    assert!(again.is_ok(), "the second allocation failed: {again:?}");
+    let meta = decode.build_connector_meta();
+    assert!(meta.reqs_to_recv.len() <= 1 && meta.reqs_to_send.is_empty(), "{meta:?}");
+    if let Some(r) = meta.reqs_to_recv.first() {
+        assert!(alloc.is_ok(), "a load recorded although the allocation failed: {alloc:?}");
+        assert!(r.local_block_ids.len() <= r.remote_block_ids.len(), "{r:?}");
+        assert!(
+            r.local_block_ids.iter().all(|b| new_blocks.contains(b)),
+            "loads into unallocated blocks: {r:?}"
+        );
+        assert!(
+            r.remote_block_ids.iter().all(|b| params.remote_blocks().contains(b)),
+            "reads unoffered: {r:?}"
+        );
+    }
+    match wire::encode(&meta).and_then(|b| wire::decode::<ConnectorMetadata>(&b)) {
+        Ok(back) => assert_eq!(back, meta),
+        Err(e) => panic!("the scheduler's metadata does not cross the wire: {e}"),
+    }
+    let reason =
+        [FinishReason::LengthCapped, FinishReason::Aborted, FinishReason::Stopped, FinishReason::Error]
+            [src.below(4)];
+    let finished_tokens = if src.below(2) == 0 { prompt_len } else { computed };
+    let out = decode.request_finished(&id, Some(params), reason, finished_tokens, &new_blocks);
+    if let Some(handed_out) = &out.params {
+        match TransferParams::from_json(&handed_out.to_json()) {
+            Ok(back) => assert_eq!(&back, handed_out),
+            Err(e) => panic!("the params a scheduler hands out do not parse: {e}"),
+        }
+    }
+    decode.build_connector_meta();
+    // The workers report every load done and every hold released.
+    let report = Finished { sending: vec![id.clone()], recving: vec![id.clone()], failed_recving: vec![] };
+    decode.update_finished(&report);
+    assert!(decode.is_idle(), "the decode scheduler is not idle once everything is reported");
+
+    // The same params at a prefill engine, for a request that stops at its length cap.
+    let Some(mut prefill) = scheduler("prefill", block_size) else { return };
+    let out =
+        prefill.request_finished(&id, Some(params), FinishReason::LengthCapped, prompt_len, &new_blocks);
+    let meta = prefill.build_connector_meta();
+    assert_eq!(meta.reqs_to_send.len(), usize::from(out.delay_free));
+    prefill.update_finished(&report);
+    assert!(prefill.is_idle(), "the prefill scheduler is not idle once the hold is released");
+}
+
+/// A hold's nonce as it comes back from a peer or client: `Nonce::parse`, and as a JSON string.
+/// What parses prints back as the same nonce; errors are `InvalidPeerData`.
+pub fn nonce(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    match Nonce::parse(&text) {
+        Ok(n) => {
+            let printed = n.to_string();
+            assert_eq!(printed, text.to_ascii_lowercase(), "a nonce printed differently");
+            assert!(matches!(Nonce::parse(&printed), Ok(m) if m == n));
+        }
+        Err(e) => assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "{e}"),
+    }
+    let _ = serde_json::from_str::<Nonce>(&text);
+}

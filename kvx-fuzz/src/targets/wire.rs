@@ -1,0 +1,160 @@
+//! The wire envelope of every [`WireMessage`] type, and real messages of each to start from.
+
+use std::fmt;
+
+use kvx_core::wire::{self, HandshakePayload, WireMessage};
+use kvx_core::{
+    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, RecvRequest, RemoteCoordinates,
+    SchedulerConfig, TransferParams,
+};
+
+use super::fixture::{must, prefill};
+use crate::seeds::{Seed, wire_seeds};
+
+/// `wire::decode::<T>` of peer bytes: an error is `Wire` or `Incompatible`, and what decodes
+/// re-encodes and decodes to the same message (nothing lost or invented on the way).
+pub fn wire_envelope<T: WireMessage + PartialEq + fmt::Debug>(data: &[u8]) {
+    let msg = match wire::decode::<T>(data) {
+        Ok(msg) => msg,
+        Err(e) => {
+            assert!(
+                matches!(e.kind(), ErrorKind::Wire | ErrorKind::Incompatible),
+                "decoding a {:?} failed with an error of kind {:?}: {e}",
+                T::KIND,
+                e.kind()
+            );
+            return;
+        }
+    };
+    let bytes = match wire::encode(&msg) {
+        Ok(bytes) => bytes,
+        Err(e) => panic!("a decoded {:?} does not encode again: {e}", T::KIND),
+    };
+    match wire::decode::<T>(&bytes) {
+        Ok(back) => assert_eq!(back, msg, "a {:?} changed on a round trip", T::KIND),
+        Err(e) => panic!("a re-encoded {:?} does not decode: {e}", T::KIND),
+    }
+}
+
+/// Handshake payloads: the live prefill rank's, then made-up ones at the edges.
+pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
+    let live = prefill().decoded_payload();
+    vec![
+        ("live-loopback-prefill", live.clone()),
+        (
+            "tp2-rank1",
+            HandshakePayload {
+                engine_id: "prefill-0".into(),
+                rank: 1,
+                world_size: 2,
+                agent_name: "prefill-0-rank-1".into(),
+                agent_metadata: live.agent_metadata.clone(),
+                region_bases: vec![0x7f00_0000_0000, 0x7f00_0010_0000, 0x7f00_0020_0000, 0x7f00_0030_0000],
+                num_blocks: 1024,
+                block_len: 16 << 10,
+                compat_hash: 0x9e37_79b9_7f4a_7c15,
+            },
+        ),
+        (
+            "empty-fields",
+            HandshakePayload {
+                engine_id: "".into(),
+                rank: 0,
+                world_size: 0,
+                agent_name: "".into(),
+                agent_metadata: vec![],
+                region_bases: vec![],
+                num_blocks: 0,
+                block_len: 0,
+                compat_hash: 0,
+            },
+        ),
+        (
+            "maxima",
+            HandshakePayload {
+                engine_id: "e".repeat(300).into(),
+                rank: u32::MAX,
+                world_size: u32::MAX,
+                agent_name: "a".into(),
+                agent_metadata: vec![0xff; 300],
+                region_bases: vec![u64::MAX; 17],
+                num_blocks: u32::MAX,
+                block_len: u64::MAX,
+                compat_hash: u64::MAX,
+            },
+        ),
+    ]
+}
+
+pub(crate) fn handshake_seeds() -> Vec<Seed> {
+    wire_seeds(&handshake_samples())
+}
+
+fn scheduler(engine: &str) -> ConnectorScheduler {
+    must(
+        ConnectorScheduler::new(SchedulerConfig {
+            engine_id: engine.into(),
+            block_size: 4,
+            side_channel_host: "10.0.0.1".into(),
+            side_channel_port: 5600,
+        }),
+        "scheduler",
+    )
+}
+
+/// Connector metadata made by real schedulers: a prefill engine finishes a request and hands out
+/// its params; the decode engine loads (or, on a full prefix hit, only notifies); plus edges.
+pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetadata)> {
+    let mut prefill = scheduler("prefill");
+    let held = TransferParams { do_remote_decode: true, ..Default::default() };
+    let out = prefill.request_finished(
+        &"cmpl-p-0".into(),
+        Some(&held),
+        FinishReason::LengthCapped,
+        4 * 3 + 1,
+        &[28, 29, 30, 31],
+    );
+    let prefill_meta = prefill.build_connector_meta();
+    let json = out.params.unwrap_or_default().to_json();
+    let mut params = must(TransferParams::from_json(&json), "params");
+    let mut decode = scheduler("decode");
+    must(
+        decode.update_state_after_alloc(
+            &"cmpl-d-0".into(),
+            4 * 3 + 1,
+            Some(&mut params.clone()),
+            &[0, 1, 2],
+            12,
+        ),
+        "alloc",
+    );
+    must(decode.update_state_after_alloc(&"cmpl-d-1".into(), 4 * 3 + 1, Some(&mut params), &[9], 0), "alloc");
+    let decode_meta = decode.build_connector_meta();
+    let remote = RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 };
+    vec![
+        ("decode-step", decode_meta),
+        ("prefill-step", prefill_meta),
+        ("empty", ConnectorMetadata::default()),
+        (
+            "edges",
+            ConnectorMetadata {
+                reqs_to_recv: vec![RecvRequest {
+                    request_id: "".into(),
+                    remote_request_id: Some("\u{1F600}".into()),
+                    local_block_ids: vec![u32::MAX, 0],
+                    remote_block_ids: vec![],
+                    remote: RemoteCoordinates { port: u16::MAX, ..remote },
+                }],
+                reqs_to_send: vec!["".into(), "".into()],
+            },
+        ),
+    ]
+}
+
+pub(crate) fn connector_metadata_seeds() -> Vec<Seed> {
+    wire_seeds(&connector_metadata_samples())
+}
+
+pub(crate) fn rank_report_seeds() -> Vec<Seed> {
+    wire_seeds(&super::worker::rank_report_samples())
+}

@@ -1,0 +1,346 @@
+//! Targets that feed peer bytes to real connector workers: handshake payloads, the scheduler's
+//! metadata, notifications, and rank reports.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::wire::{self, HandshakePayload};
+use kvx_core::{
+    ConnectorMetadata, ConnectorScheduler, ConnectorWorker, FailedRecv, Finished, FinishedAggregator,
+    RankReport, RecvRequest, RequestId, SchedulerConfig, TransferAgent,
+};
+use kvx_loopback::Fabric;
+
+use super::fixture::{
+    DECODE, DECODE_BLOCKS, PREFILL, PREFILL_BLOCKS, caches, config, decode_session, must, prefill, recv,
+    unreachable_peer,
+};
+use crate::input::ByteSource;
+use crate::seeds::Seed;
+
+/// The loads every handshake session starts with: a partial prefix hit (2 local blocks, the last
+/// 2 of 3 remote ones) and a full prefix hit (notify only).
+fn handshake_requests() -> Vec<RecvRequest> {
+    vec![recv("load", vec![0, 1], vec![4, 5, 6]), recv("notify-only", vec![], vec![7])]
+}
+
+/// `ConnectorWorker::handle_handshake` with `data` as the peer's payload: decoded, validated,
+/// its agent metadata loaded, its descriptor list prepared, the waiting loads posted.
+pub fn worker_handshake(data: &[u8]) {
+    let prefill = prefill();
+    let meta = ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![] };
+    decode_session(&prefill, &meta, |_| Ok(data.to_vec()));
+}
+
+/// Seeds: the live prefill rank's payload (which passes every check), then the wire seeds.
+pub(crate) fn worker_handshake_seeds() -> Vec<Seed> {
+    let mut seeds = vec![Seed::new("live-prefill-payload", prefill().payload.clone())];
+    seeds.extend(super::wire::handshake_seeds());
+    seeds
+}
+
+/// A structurally valid payload, encoded by kvx, whose fields the fuzz bytes pick (each field
+/// defaults to the live prefill rank's value): validation, not only MessagePack, is exercised.
+/// The loads' block ids are picked too. Then a whole handshake session.
+pub fn worker_handshake_fields(data: &[u8]) {
+    let prefill = prefill();
+    let valid = prefill.decoded_payload();
+    let mut src = ByteSource::new(data);
+    let payload = fuzzed_payload(&mut src, &valid, &prefill.stale_metadata);
+    let bytes = must(wire::encode(&payload), "encoding a payload");
+    let reqs = fuzzed_requests(&mut src);
+    let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] };
+    decode_session(&prefill, &meta, |_| Ok(bytes.clone()));
+}
+
+fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u8]) -> HandshakePayload {
+    let mut p = valid.clone();
+    p.engine_id = match src.below(4) {
+        0 => p.engine_id,
+        1 => DECODE.into(),
+        2 => src.string(16).into(),
+        _ => "".into(),
+    };
+    p.rank = match src.below(3) {
+        0 => p.rank,
+        1 => 1,
+        _ => src.edgy_u32(),
+    };
+    p.world_size = match src.below(3) {
+        0 => p.world_size,
+        1 => 2,
+        _ => src.edgy_u32(),
+    };
+    p.agent_name = match src.below(4) {
+        0 => p.agent_name,
+        1 => "decode-agent".into(),
+        2 => src.string(16).into(),
+        _ => "".into(),
+    };
+    p.agent_metadata = match src.below(6) {
+        0 => p.agent_metadata,
+        1 => {
+            let mut md = p.agent_metadata;
+            for _ in 0..=src.below(4) {
+                let (at, b) = (src.u32() as usize, src.u8());
+                if let Some(len) = std::num::NonZeroUsize::new(md.len()) {
+                    md[at % len.get()] = b;
+                }
+            }
+            md
+        }
+        2 => stale.to_vec(),
+        3 => src.bytes(64).to_vec(),
+        4 => Vec::new(),
+        _ => {
+            let cut = src.u32() as usize % (p.agent_metadata.len() + 1);
+            p.agent_metadata[..cut].to_vec()
+        }
+    };
+    p.region_bases = match src.below(6) {
+        0 => p.region_bases,
+        1 => {
+            let mut bases = p.region_bases;
+            let i = src.below(bases.len());
+            if let Some(b) = bases.get_mut(i) {
+                *b = match src.below(3) {
+                    0 => b.wrapping_add(u64::from(src.u8())),
+                    1 => b.wrapping_sub(u64::from(src.u8())),
+                    _ => src.edgy_u64(),
+                };
+            }
+            bases
+        }
+        2 => [p.region_bases.clone(), p.region_bases[..1].to_vec()].concat(),
+        3 => p.region_bases[..p.region_bases.len().saturating_sub(1)].to_vec(),
+        4 => vec![u64::MAX - 7; p.region_bases.len()],
+        _ => (0..src.below(9)).map(|_| src.edgy_u64()).collect(),
+    };
+    p.num_blocks = match src.below(4) {
+        0 => p.num_blocks,
+        1 => [0, 1, DECODE_BLOCKS, PREFILL_BLOCKS + 1, u32::MAX, u32::MAX / 4 + 1, 1 << 30][src.below(7)],
+        2 => src.edgy_u32(),
+        _ => src.u32(),
+    };
+    p.block_len = match src.below(3) {
+        0 => p.block_len,
+        1 => [0, 1, 7, 16, u64::MAX][src.below(5)],
+        _ => src.u64(),
+    };
+    p.compat_hash = match src.below(2) {
+        0 => p.compat_hash,
+        _ => src.u64(),
+    };
+    p
+}
+
+fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
+    let n = 1 + src.below(3);
+    (0..n)
+        .map(|i| {
+            let local_len = match src.below(4) {
+                0 => 2,
+                k => k - 1,
+            };
+            let remote_len = local_len + src.below(3);
+            let local = (0..local_len)
+                .map(|k| match src.below(4) {
+                    0 => (i * 4 + k) as u32,
+                    1 => DECODE_BLOCKS - 1,
+                    2 => DECODE_BLOCKS,
+                    _ => src.edgy_u32(),
+                })
+                .collect();
+            let remote = (0..remote_len)
+                .map(|k| match src.below(4) {
+                    0 => (i * 5 + k) as u32,
+                    1 => PREFILL_BLOCKS - 1,
+                    2 => PREFILL_BLOCKS,
+                    _ => src.edgy_u32(),
+                })
+                .collect();
+            let mut r = recv(&format!("req-{i}"), local, remote);
+            if src.below(4) == 3 {
+                r.remote.port = u16::MAX;
+            }
+            r
+        })
+        .collect()
+}
+
+/// Seeds: no choice (every field valid), then each single field changed.
+pub(crate) fn worker_handshake_fields_seeds() -> Vec<Seed> {
+    let mut seeds = vec![Seed::new("all-valid", Vec::new())];
+    for field in 0..9 {
+        let mut choice = vec![0u8; field];
+        choice.push(1);
+        seeds.push(Seed::new(format!("field-{field}-changed"), choice));
+    }
+    seeds.push(Seed::new("stale-agent-metadata", [0, 0, 0, 0, 2]));
+    seeds.push(Seed::new("num-blocks-too-large-for-u32-descriptors", [0, 0, 0, 0, 0, 0, 1, 5]));
+    seeds.push(Seed::new("region-base-near-the-top", [0, 0, 0, 0, 0, 4]));
+    seeds
+}
+
+/// The scheduler's per-step metadata as a worker receives it (from the scheduler process):
+/// decoded, then started on a decode rank that also holds its `reqs_to_send`; handshakes with
+/// the prefill engine succeed, with any other engine fail.
+pub fn worker_connector_metadata(data: &[u8]) {
+    let Ok(meta) = wire::decode::<ConnectorMetadata>(data) else { return };
+    let prefill = prefill();
+    let payload = prefill.payload.clone();
+    decode_session(&prefill, &meta, |engine| {
+        if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) }
+    });
+}
+
+/// Seeds: the wire seeds of `ConnectorMetadata`, whose loads target the fixture's engines.
+pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
+    let mut seeds = super::wire::connector_metadata_seeds();
+    let both = ConnectorMetadata {
+        reqs_to_recv: vec![
+            recv("ok", vec![0, 1], vec![30, 31]),
+            recv("remote-out-of-range", vec![2], vec![PREFILL_BLOCKS]),
+            recv("local-out-of-range", vec![DECODE_BLOCKS], vec![1]),
+            recv("duplicate-local", vec![3, 3], vec![1, 2]),
+            recv("fewer-remote", vec![4, 5], vec![1]),
+            recv("notify", vec![], vec![9]),
+            RecvRequest {
+                remote: kvx_core::RemoteCoordinates {
+                    engine_id: DECODE.into(),
+                    ..recv("", vec![], vec![]).remote
+                },
+                ..recv("self", vec![6], vec![6])
+            },
+            RecvRequest {
+                remote: kvx_core::RemoteCoordinates {
+                    engine_id: "elsewhere".into(),
+                    ..recv("", vec![], vec![]).remote
+                },
+                ..recv("unreachable", vec![7], vec![7])
+            },
+        ],
+        reqs_to_send: vec!["held-a".into(), "held-b".into()],
+    };
+    seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
+    seeds
+}
+
+/// Notifications to a prefill rank that holds requests: `data`, split at NUL bytes into up to 64
+/// notifications, delivered through a loopback peer's `notify`. Then the parts that are UTF-8 are
+/// held as requests too (a notification that came first), and every hold expires. Each hold is
+/// released at least once, nothing that was not held is released, and the worker ends idle.
+pub fn worker_notification(data: &[u8]) {
+    let fabric = Fabric::new();
+    let agent = Arc::new(must(fabric.agent("prefill-agent"), "prefill agent"));
+    let mut worker = must(ConnectorWorker::new(config(PREFILL), agent.clone()), "prefill worker");
+    must(worker.register_kv_caches(&caches(PREFILL_BLOCKS)), "registering");
+    let reader = must(fabric.agent("decode-agent"), "decode agent");
+    let prefill_name = must(reader.load_remote(&must(agent.local_metadata(), "metadata")), "loading");
+
+    let now = Instant::now();
+    let held: Vec<RequestId> =
+        ["req-0", "req-1", "cmpl-7f3a-0", ""].into_iter().map(RequestId::new).collect();
+    worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held.clone() });
+    let parts: Vec<&[u8]> = data.split(|&b| b == 0).take(64).collect();
+    for part in &parts {
+        must(reader.notify(&prefill_name, part), "notifying");
+    }
+    let mut released = worker.get_finished(now).sending;
+    let late: Vec<RequestId> =
+        parts.iter().filter_map(|p| std::str::from_utf8(p).ok()).take(8).map(RequestId::new).collect();
+    worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: late.clone() });
+    released.extend(worker.get_finished(now).sending);
+    let later = now + worker.config().hold_timeout + Duration::from_secs(1);
+    released.extend(worker.get_finished(later).sending);
+
+    let all_held: HashSet<&RequestId> = held.iter().chain(&late).collect();
+    for id in &released {
+        assert!(all_held.contains(id), "released {id:?}, which was never held");
+    }
+    for id in all_held {
+        assert!(released.contains(id), "hold {id:?} never released");
+    }
+    assert!(worker.is_idle(), "the prefill worker is not idle at the end: {:?}", worker.stats());
+}
+
+/// Seeds: ids that match holds, several at once, repeats, strays, and non-UTF-8 bytes.
+pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
+    [
+        ("held-id", &b"req-0"[..]),
+        ("vllm-id", b"cmpl-7f3a-0"),
+        ("two-ids", b"req-1\0req-0"),
+        ("repeated-id", b"req-0\0req-0\0req-0"),
+        ("stray-id", b"cmpl-unknown-9"),
+        ("empty", b""),
+        ("not-utf8", b"\xff\xfereq-0"),
+        ("prefix-of-held-id", b"req-"),
+        ("overlong-utf8", b"\xc0\xaf"),
+    ]
+    .into_iter()
+    .map(|(n, b)| Seed::new(n, b))
+    .chain(std::iter::once(Seed::new("long-id", vec![b'x'; 70 << 10])))
+    .collect()
+}
+
+/// A rank's report as rank 0 receives it: decoded, aggregated with rank 0's own report (the
+/// same), and handed to a scheduler. Only ids some rank reported come out.
+pub fn rank_report_aggregate(data: &[u8]) {
+    let Ok(report) = wire::decode::<RankReport>(data) else { return };
+    let mut aggregator = FinishedAggregator::new(2);
+    let out = aggregator.aggregate([report.finished.clone(), report.finished.clone()]);
+    let reported: HashSet<&RequestId> = report
+        .finished
+        .sending
+        .iter()
+        .chain(&report.finished.recving)
+        .chain(report.finished.failed_recving.iter().map(|f| &f.request_id))
+        .collect();
+    for id in out.sending.iter().chain(&out.recving).chain(out.failed_recving.iter().map(|f| &f.request_id)) {
+        assert!(reported.contains(id), "aggregated {id}, which no rank reported");
+    }
+    let mut scheduler = must(
+        ConnectorScheduler::new(SchedulerConfig {
+            engine_id: PREFILL.into(),
+            block_size: 16,
+            side_channel_host: "10.0.0.1".into(),
+            side_channel_port: 5600,
+        }),
+        "scheduler",
+    );
+    scheduler.update_finished(&out);
+    assert!(scheduler.is_idle());
+}
+
+/// Rank reports: empty, typical, with failures.
+pub(crate) fn rank_report_samples() -> Vec<(&'static str, RankReport)> {
+    vec![
+        (
+            "typical",
+            RankReport {
+                rank: 1,
+                finished: Finished {
+                    sending: vec!["cmpl-p-0".into()],
+                    recving: vec!["cmpl-d-0".into(), "cmpl-d-1".into()],
+                    failed_recving: vec![FailedRecv {
+                        request_id: "cmpl-d-2".into(),
+                        reason: "handshake failed: with engine prefill: timed out".into(),
+                    }],
+                },
+            },
+        ),
+        ("empty", RankReport::default()),
+        (
+            "repeated-ids",
+            RankReport {
+                rank: u32::MAX,
+                finished: Finished {
+                    sending: vec!["a".into(), "a".into()],
+                    recving: vec!["b".into()],
+                    failed_recving: vec![FailedRecv { request_id: "b".into(), reason: String::new() }],
+                },
+            },
+        ),
+    ]
+}
