@@ -141,11 +141,12 @@ impl<'a> Mutator<'a> {
         &mut self.rng
     }
 
-    /// Applies one to eight stacked mutations to `buf`; `pool` supplies splice partners.
+    /// Applies one or more stacked mutations to `buf` (each further one with probability 1/3);
+    /// `pool` supplies splice partners.
     pub fn mutate(&mut self, buf: &mut Vec<u8>, pool: &[Vec<u8>]) {
         loop {
             self.mutate_once(buf, pool);
-            if !self.rng.one_in(2) || buf.len() > self.max_len {
+            if !self.rng.one_in(3) || buf.len() > self.max_len {
                 break;
             }
         }
@@ -619,6 +620,8 @@ pub fn fuzz(target: &Target, config: &RunConfig) -> Report {
     };
 
     let mut pool: Vec<Vec<u8>> = Vec::new();
+    // Mutation bases: entries not named `hostile-`, picked 7 times in 8.
+    let mut bases: Vec<usize> = Vec::new();
     let mut named: Vec<(String, Vec<u8>)> = match read_corpus(target.name) {
         Ok(entries) => entries.into_iter().map(|(n, b)| (format!("corpus/{}/{n}", target.name), b)).collect(),
         Err(e) => {
@@ -652,13 +655,21 @@ pub fn fuzz(target: &Target, config: &RunConfig) -> Report {
 
     for (name, bytes) in named {
         report.corpus_runs += 1;
+        let hostile = name.rsplit(['/', ' ']).next().is_some_and(|n| n.starts_with("hostile-"));
         if let Some(failure) = run(&bytes, name) {
             report.failure = Some(finish_failure(target, failure));
             report.elapsed = start.elapsed();
             return report;
         }
+        if !hostile {
+            bases.push(pool.len());
+        }
         pool.push(bytes);
     }
+    let inner_pool: Vec<Vec<u8>> = match target.nest {
+        Some(nest) => pool.iter().filter_map(|b| (nest.unwrap)(b)).collect(),
+        None => Vec::new(),
+    };
 
     let mut mutator = Mutator::new(seed, &target.dict, config.max_len);
     let deadline = start + config.time;
@@ -667,12 +678,26 @@ pub fn fuzz(target: &Target, config: &RunConfig) -> Report {
         // Mostly keep mutating the last input (walks a few steps away from the corpus), sometimes
         // start again from a corpus entry.
         if current.is_empty() || mutator.rng().one_in(2) {
-            current = match pool.len() {
-                0 => Vec::new(),
-                n => pool[mutator.rng().below(n)].clone(),
+            current = if !bases.is_empty() && !mutator.rng().one_in(8) {
+                pool[bases[mutator.rng().below(bases.len())]].clone()
+            } else {
+                match pool.len() {
+                    0 => Vec::new(),
+                    n => pool[mutator.rng().below(n)].clone(),
+                }
             };
         }
-        mutator.mutate(&mut current, &pool);
+        let inner = match target.nest {
+            Some(nest) if mutator.rng().one_in(2) => (nest.unwrap)(&current).map(|i| (nest, i)),
+            _ => None,
+        };
+        match inner {
+            Some((nest, mut inner)) => {
+                mutator.mutate(&mut inner, &inner_pool);
+                current = (nest.wrap)(&current, &inner);
+            }
+            None => mutator.mutate(&mut current, &pool),
+        }
         report.mutation_runs += 1;
         if let Some(failure) = run(&current, format!("mutation #{}", report.mutation_runs)) {
             report.failure = Some(finish_failure(target, failure));

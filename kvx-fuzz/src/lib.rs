@@ -52,6 +52,8 @@ pub struct Target {
     pub dict: Vec<Vec<u8>>,
     /// The native library it needs.
     pub native: Native,
+    /// A format nested in its input that mutations also work inside.
+    pub nest: Option<seeds::Nest>,
 }
 
 impl fmt::Debug for Target {
@@ -78,6 +80,7 @@ impl Target {
             seeds: Box::new(seeds),
             dict: Vec::new(),
             native: Native::None,
+            nest: None,
         }
     }
 
@@ -90,6 +93,13 @@ impl Target {
         let about = format!("the wire envelope of {} (wire::decode)", std::any::type_name::<T>());
         Target::new(name, about, targets::wire_envelope::<T>, move || targets::wire_type_seeds(samples))
             .with_dict(dict::msgpack())
+            .with_nest(seeds::ENVELOPE_BODY)
+    }
+
+    /// With a nested format that mutations also work inside.
+    pub fn with_nest(mut self, nest: seeds::Nest) -> Self {
+        self.nest = Some(nest);
+        self
     }
 
     /// With a dictionary.

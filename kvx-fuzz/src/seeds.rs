@@ -3,11 +3,12 @@
 //! targets replay them before mutating; `kvx-fuzz seed-corpus` writes them to the committed
 //! corpus.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use kvx_core::wire::{self, MessageKind, WIRE_VERSION, WireMessage};
 
-/// One named input.
+/// One named input. Names starting `hostile-` are inputs that must be refused; the engine
+/// mutates the others more often (mutating garbage mostly makes more garbage).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seed {
     /// A file-name-safe name (`[a-z0-9._-]`).
@@ -46,6 +47,40 @@ struct RawEnvelope<'a> {
     body: &'a [u8],
 }
 
+/// The same envelope, read back (any magic, version and kind).
+#[derive(Deserialize)]
+struct OwnedEnvelope {
+    magic: serde_bytes::ByteBuf,
+    version: u16,
+    kind: MessageKind,
+    body: serde_bytes::ByteBuf,
+}
+
+fn read_envelope(bytes: &[u8]) -> Option<OwnedEnvelope> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    de.set_max_depth(wire::MAX_NESTING);
+    OwnedEnvelope::deserialize(&mut de).ok()
+}
+
+/// A format nested inside a target's input, which the engine mutates in place and wraps again:
+/// a byte inserted into a wire message's body then does not just break the envelope's length.
+#[derive(Debug, Clone, Copy)]
+pub struct Nest {
+    /// The inner bytes, if the input has the outer format.
+    pub unwrap: fn(&[u8]) -> Option<Vec<u8>>,
+    /// `outer` with its inner bytes replaced by `inner`.
+    pub wrap: fn(outer: &[u8], inner: &[u8]) -> Vec<u8>,
+}
+
+/// The body of a kvx wire envelope.
+pub const ENVELOPE_BODY: Nest = Nest {
+    unwrap: |bytes| read_envelope(bytes).map(|e| e.body.into_vec()),
+    wrap: |outer, inner| match read_envelope(outer) {
+        Some(e) => raw_envelope(&e.magic, e.version, e.kind, inner),
+        None => outer.to_vec(),
+    },
+};
+
 /// An envelope around `body`, with `version`, `kind` and `magic` as given.
 pub fn raw_envelope(magic: &[u8], version: u16, kind: MessageKind, body: &[u8]) -> Vec<u8> {
     rmp_serde::to_vec_named(&RawEnvelope { magic, version, kind, body }).unwrap_or_default()
@@ -73,7 +108,8 @@ pub fn wire_seeds<T: WireMessage>(samples: &[(&str, T)]) -> Vec<Seed> {
     seeds.push(Seed::new("hostile-empty-body", raw_envelope(b"KVX1", WIRE_VERSION, T::KIND, &[])));
     for variant in msgpack_hostile(&body) {
         let env = raw_envelope(b"KVX1", WIRE_VERSION, T::KIND, &variant.bytes);
-        seeds.push(Seed::new(format!("hostile-body-{}", variant.name), env));
+        let what = variant.name.trim_start_matches("hostile-");
+        seeds.push(Seed::new(format!("hostile-body-{what}"), env));
     }
     seeds.extend(msgpack_hostile(&valid));
     seeds.push(Seed::new("hostile-unknown-key-deeply-nested", with_unknown_key(&valid, &deep_array(2000))));
@@ -103,14 +139,14 @@ pub fn with_unknown_key(valid: &[u8], value: &[u8]) -> Vec<u8> {
 /// container's and the first bin's and string's lengths set to 2^32 - 1, and lone 2^32 - 1 headers.
 pub fn msgpack_hostile(valid: &[u8]) -> Vec<Seed> {
     let mut seeds = vec![
-        Seed::new("empty", Vec::new()),
-        Seed::new("truncated-half", &valid[..valid.len() / 2]),
-        Seed::new("truncated-last-byte", &valid[..valid.len().saturating_sub(1)]),
-        Seed::new("trailing-byte", [valid, &[0]].concat()),
-        Seed::new("array32-of-2pow32-minus-1", vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0]),
-        Seed::new("map32-of-2pow32-minus-1", vec![0xdf, 0xff, 0xff, 0xff, 0xff, 0xa1, b'a', 0xc0]),
-        Seed::new("bin32-of-2pow32-minus-1", vec![0xc6, 0xff, 0xff, 0xff, 0xff, 1, 2, 3]),
-        Seed::new("nested-arrays-2000-deep", deep_array(2000)),
+        Seed::new("hostile-empty", Vec::new()),
+        Seed::new("hostile-truncated-half", &valid[..valid.len() / 2]),
+        Seed::new("hostile-truncated-last-byte", &valid[..valid.len().saturating_sub(1)]),
+        Seed::new("hostile-trailing-byte", [valid, &[0]].concat()),
+        Seed::new("hostile-array32-of-2pow32-minus-1", vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0]),
+        Seed::new("hostile-map32-of-2pow32-minus-1", vec![0xdf, 0xff, 0xff, 0xff, 0xff, 0xa1, b'a', 0xc0]),
+        Seed::new("hostile-bin32-of-2pow32-minus-1", vec![0xc6, 0xff, 0xff, 0xff, 0xff, 1, 2, 3]),
+        Seed::new("hostile-nested-arrays-2000-deep", deep_array(2000)),
     ];
     let mut widen = |name: &str, is_marker: fn(u8) -> bool, wide: fn(u8) -> u8, skip: fn(u8) -> usize| {
         if let Some(at) = valid.iter().position(|&b| is_marker(b)) {
@@ -122,7 +158,7 @@ pub fn msgpack_hostile(valid: &[u8]) -> Vec<Seed> {
         }
     };
     widen(
-        "first-container-2pow32-minus-1",
+        "hostile-first-container-2pow32-minus-1",
         |b| matches!(b, 0x80..=0x9f | 0xdc..=0xdf),
         |b| if matches!(b, 0x80..=0x8f | 0xde | 0xdf) { 0xdf } else { 0xdd },
         |b| match b {
@@ -132,7 +168,7 @@ pub fn msgpack_hostile(valid: &[u8]) -> Vec<Seed> {
         },
     );
     widen(
-        "first-bin-2pow32-minus-1",
+        "hostile-first-bin-2pow32-minus-1",
         |b| matches!(b, 0xc4..=0xc6),
         |_| 0xc6,
         |b| match b {
@@ -142,7 +178,7 @@ pub fn msgpack_hostile(valid: &[u8]) -> Vec<Seed> {
         },
     );
     widen(
-        "first-str-2pow32-minus-1",
+        "hostile-first-str-2pow32-minus-1",
         |b| matches!(b, 0xa0..=0xbf | 0xd9..=0xdb),
         |_| 0xdb,
         |b| match b {
@@ -184,32 +220,32 @@ pub fn transfer_params_json() -> Vec<Seed> {
             r#"{"do_remote_prefill":true,"remote_block_ids":[[4,5]],"remote_engine_id":"p","remote_host":"h","remote_port":1,"tp_size":8,"remote_dp_size":1,"x":{"a":[1,{"b":null}],"c":"d"}}"#.into(),
         ),
         ("huge-block-ids", r#"{"remote_block_ids":[[4294967295,4294967296]]}"#.into()),
-        ("port-out-of-range", r#"{"remote_port":65536}"#.into()),
-        ("negative-block-id", r#"{"remote_block_ids":[-1]}"#.into()),
+        ("hostile-port-out-of-range", r#"{"remote_port":65536}"#.into()),
+        ("hostile-negative-block-id", r#"{"remote_block_ids":[-1]}"#.into()),
         ("huge-extra-numbers", r#"{"x":18446744073709551616,"y":-9223372036854775809,"z":1e308}"#.into()),
-        ("number-out-of-range", r#"{"x":1e999}"#.into()),
-        ("two-groups", r#"{"remote_block_ids":[[1],[2]]}"#.into()),
+        ("hostile-number-out-of-range", r#"{"x":1e999}"#.into()),
+        ("hostile-two-groups", r#"{"remote_block_ids":[[1],[2]]}"#.into()),
         ("empty-group", r#"{"remote_block_ids":[[]]}"#.into()),
         ("empty-list", r#"{"remote_block_ids":[]}"#.into()),
-        ("nested-groups", r#"{"remote_block_ids":[[[[[1]]]]]}"#.into()),
-        ("ids-as-string", r#"{"remote_block_ids":"1,2"}"#.into()),
-        ("duplicate-key", r#"{"remote_port":1,"remote_port":2}"#.into()),
+        ("hostile-nested-groups", r#"{"remote_block_ids":[[[[[1]]]]]}"#.into()),
+        ("hostile-ids-as-string", r#"{"remote_block_ids":"1,2"}"#.into()),
+        ("hostile-duplicate-key", r#"{"remote_port":1,"remote_port":2}"#.into()),
         ("duplicate-extra-key", r#"{"x":1,"x":[2]}"#.into()),
         (
             "unicode-host",
             r#"{"do_remote_prefill":true,"remote_block_ids":[1],"remote_engine_id":"\u00e9","remote_host":"\ud83d\ude00","remote_port":2}"#.into(),
         ),
-        ("lone-surrogate", r#"{"remote_host":"\ud800"}"#.into()),
+        ("hostile-lone-surrogate", r#"{"remote_host":"\ud800"}"#.into()),
         ("empty-host", r#"{"do_remote_prefill":true,"remote_block_ids":[1],"remote_engine_id":"e","remote_host":"","remote_port":2}"#.into()),
-        ("not-an-object-array", "[]".into()),
-        ("not-an-object-null", "null".into()),
-        ("not-an-object-number", "123".into()),
-        ("trailing-garbage", "{}x".into()),
-        ("truncated", r#"{"do_remote_prefill":true,"remote_block_ids":[[1,2"#.into()),
-        ("deeply-nested-ids", deep),
-        ("deeply-nested-extra", deep_extra),
+        ("hostile-not-an-object-array", "[]".into()),
+        ("hostile-not-an-object-null", "null".into()),
+        ("hostile-not-an-object-number", "123".into()),
+        ("hostile-trailing-garbage", "{}x".into()),
+        ("hostile-truncated", r#"{"do_remote_prefill":true,"remote_block_ids":[[1,2"#.into()),
+        ("hostile-deeply-nested-ids", deep),
+        ("hostile-deeply-nested-extra", deep_extra),
         ("a-thousand-block-ids", long_ids),
-        ("bool-as-string", r#"{"do_remote_prefill":"true"}"#.into()),
+        ("hostile-bool-as-string", r#"{"do_remote_prefill":"true"}"#.into()),
     ];
     let mut seeds: Vec<Seed> = cases.into_iter().map(|(n, j)| Seed::new(n, j.into_bytes())).collect();
     // The same decode request, with scheduler choices after a NUL (see `transfer_params`).
@@ -232,10 +268,10 @@ pub fn nonces() -> Vec<Seed> {
         ("valid", "00112233445566778899aabbccddeeff"),
         ("uppercase", "00112233445566778899AABBCCDDEEFF"),
         ("json-string", "\"00112233445566778899aabbccddeeff\""),
-        ("31-digits", "00112233445566778899aabbccddeef"),
-        ("33-digits", "00112233445566778899aabbccddeeff0"),
-        ("non-hex", "g0112233445566778899aabbccddeeff"),
-        ("multibyte", "\u{e9}0112233445566778899aabbccddeef"),
+        ("hostile-31-digits", "00112233445566778899aabbccddeef"),
+        ("hostile-33-digits", "00112233445566778899aabbccddeeff0"),
+        ("hostile-non-hex", "g0112233445566778899aabbccddeeff"),
+        ("hostile-multibyte", "\u{e9}0112233445566778899aabbccddeef"),
         ("empty", ""),
     ]
     .into_iter()
@@ -256,8 +292,19 @@ mod tests {
             assert!(wire::decode::<RankReport>(&s.bytes).is_err(), "{} decodes", s.name);
         }
         let names: Vec<&str> = seeds.iter().map(|s| s.name.as_str()).collect();
-        assert!(names.contains(&"first-container-2pow32-minus-1"), "{names:?}");
+        assert!(names.contains(&"hostile-first-container-2pow32-minus-1"), "{names:?}");
         assert!(names.contains(&"hostile-body-first-container-2pow32-minus-1"), "{names:?}");
+    }
+
+    #[test]
+    fn envelope_bodies_unwrap_and_wrap_again() {
+        let bytes = wire::encode(&RankReport { rank: 3, ..Default::default() }).unwrap();
+        let body = (ENVELOPE_BODY.unwrap)(&bytes).unwrap();
+        assert_eq!((ENVELOPE_BODY.wrap)(&bytes, &body), bytes);
+        let other = rmp_serde::to_vec_named(&RankReport { rank: 4, ..Default::default() }).unwrap();
+        let back: RankReport = wire::decode(&(ENVELOPE_BODY.wrap)(&bytes, &other)).unwrap();
+        assert_eq!(back.rank, 4);
+        assert_eq!((ENVELOPE_BODY.unwrap)(b"junk"), None);
     }
 
     #[test]

@@ -87,8 +87,8 @@ fn loopback_fixture() -> Rc<LoadFixture> {
                 let seeds = vec![
                     Seed::new("live-peer", must(peer.local_metadata(), "metadata")),
                     Seed::new("own-metadata", must(loader.local_metadata(), "metadata")),
-                    Seed::new("stale-peer", gone),
-                    Seed::new("other-fabric", elsewhere),
+                    Seed::new("hostile-stale-peer", gone),
+                    Seed::new("hostile-other-fabric", elsewhere),
                 ];
                 Rc::new(LoadFixture {
                     loader: Box::new(loader),

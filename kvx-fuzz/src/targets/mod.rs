@@ -42,7 +42,8 @@ pub fn all() -> Vec<Target> {
             worker_handshake,
             worker::worker_handshake_seeds,
         )
-        .with_dict(dict::msgpack()),
+        .with_dict(dict::msgpack())
+        .with_nest(seeds::ENVELOPE_BODY),
         Target::new(
             "worker_handshake_fields",
             "a valid HandshakePayload with fuzzed fields into ConnectorWorker::handle_handshake",
@@ -55,7 +56,8 @@ pub fn all() -> Vec<Target> {
             worker_connector_metadata,
             worker::worker_connector_metadata_seeds,
         )
-        .with_dict(dict::msgpack()),
+        .with_dict(dict::msgpack())
+        .with_nest(seeds::ENVELOPE_BODY),
         Target::new(
             "worker_notification",
             "notification bytes to a prefill ConnectorWorker holding requests",
@@ -68,7 +70,8 @@ pub fn all() -> Vec<Target> {
             rank_report_aggregate,
             wire::rank_report_seeds,
         )
-        .with_dict(dict::msgpack()),
+        .with_dict(dict::msgpack())
+        .with_nest(seeds::ENVELOPE_BODY),
         Target::new(
             "loopback_metadata",
             "kvx-loopback agent metadata (LoopbackAgent::load_remote)",
