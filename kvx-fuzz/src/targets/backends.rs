@@ -22,8 +22,21 @@ struct LoadFixture {
     peer_memory: kvx_core::MemRegion,
     /// Live metadata: the peer's, the loader's own, and others the backend offers.
     seeds: Vec<Seed>,
-    /// Keeps peers alive (their metadata stays current).
+    /// The peers (alive, so their metadata stays current), progressed after every load as
+    /// their engines would.
+    peers: Vec<Box<dyn TransferAgent>>,
+    /// Keeps the rest alive (memory, a fabric).
     _keep: Vec<Box<dyn std::any::Any>>,
+}
+
+impl LoadFixture {
+    /// Lets every agent finish what a load started (UCX: endpoint wire-up and close).
+    fn progress(&self) {
+        let _ = self.loader.progress();
+        for peer in &self.peers {
+            let _ = peer.progress();
+        }
+    }
 }
 
 /// Loads `data` with the fixture's loader; on success prepares a list over the peer's memory
@@ -31,7 +44,10 @@ struct LoadFixture {
 fn load(fixture: &LoadFixture, data: &[u8]) {
     let name = match fixture.loader.load_remote(data) {
         Ok(name) => name,
-        Err(_) => return,
+        Err(_) => {
+            fixture.progress();
+            return;
+        }
     };
     let list = BlockList {
         kind: MemKind::Dram,
@@ -44,6 +60,7 @@ fn load(fixture: &LoadFixture, data: &[u8]) {
     if let Err(e) = fixture.loader.forget_remote(&name) {
         panic!("a peer that loaded ({name}) cannot be forgotten: {e}");
     }
+    fixture.progress();
 }
 
 fn seeds_of(fixture: &LoadFixture) -> Vec<Seed> {
@@ -94,7 +111,8 @@ fn loopback_fixture() -> Rc<LoadFixture> {
                     loader: Box::new(loader),
                     peer_memory: memory.region(),
                     seeds,
-                    _keep: vec![Box::new(peer), Box::new(fabric), Box::new(memory)],
+                    peers: vec![Box::new(peer)],
+                    _keep: vec![Box::new(fabric), Box::new(memory)],
                 })
             })
             .clone()
@@ -223,7 +241,8 @@ mod ucx {
                 loader: Box::new(loader),
                 peer_memory: memory.region(),
                 seeds,
-                _keep: vec![Box::new(peer), Box::new(tcp_peer), Box::new(memory)],
+                peers: vec![Box::new(peer), Box::new(tcp_peer)],
+                _keep: vec![Box::new(memory)],
             };
             let fixture = Rc::new(UcxFixture { load, live });
             *f.borrow_mut() = Some(fixture.clone());
@@ -291,7 +310,8 @@ mod nixl {
                 loader: Box::new(loader),
                 peer_memory: memory.region(),
                 seeds,
-                _keep: vec![Box::new(peer), Box::new(memory)],
+                peers: vec![Box::new(peer)],
+                _keep: vec![Box::new(memory)],
             });
             *f.borrow_mut() = Some(fixture.clone());
             Ok(fixture)
