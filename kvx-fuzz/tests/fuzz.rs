@@ -76,3 +76,18 @@ fn every_seed_a_target_makes_is_in_its_committed_corpus() {
         }
     }
 }
+
+#[test]
+fn the_cargo_fuzz_harness_has_a_binary_for_every_target() {
+    let fuzz = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+    let manifest = std::fs::read_to_string(fuzz.join("Cargo.toml")).unwrap();
+    for target in kvx_fuzz::targets() {
+        let name = target.name;
+        assert!(manifest.contains(&format!("name = \"{name}\"")), "fuzz/Cargo.toml has no [[bin]] {name}");
+        let source = std::fs::read_to_string(fuzz.join(format!("fuzz_targets/{name}.rs"))).unwrap();
+        assert!(
+            source.contains(&format!("run(\"{name}\", data)")),
+            "fuzz/fuzz_targets/{name}.rs runs another target"
+        );
+    }
+}

@@ -128,24 +128,30 @@ pub(crate) fn recv(id: &str, local: Vec<u32>, remote: Vec<u32>) -> RecvRequest {
     }
 }
 
-/// Runs a decode rank through a whole session: starts `meta`, answers each handshake fetch with
-/// `answer(engine)`, steps, then steps far in the future (every hold and handshake times out).
-/// Checks what a session must guarantee whatever the peer sent: every load is reported exactly
-/// once (done or failed), nothing that was not asked for is reported, and the worker ends idle.
+/// Runs a decode rank through a whole session: starts each step's metadata in turn, answering
+/// the handshake fetches each step queues with `answer(engine)` (`None`: no answer, the
+/// handshake times out), steps, then steps far in the future (every hold and handshake times
+/// out). Checks what a session must guarantee whatever the peer or the metadata said: every load
+/// is reported exactly once (done or failed), nothing that was not asked for is reported, every
+/// hold is released, and the worker ends idle.
 pub(crate) fn decode_session(
     prefill: &Prefill,
-    meta: &ConnectorMetadata,
-    mut answer: impl FnMut(&EngineId) -> kvx_core::Result<Vec<u8>>,
+    steps: &[ConnectorMetadata],
+    mut answer: impl FnMut(&EngineId) -> Option<kvx_core::Result<Vec<u8>>>,
 ) {
     let mut worker = decode_worker(prefill);
     let now = Instant::now();
-    worker.start_load_kv(now, meta);
     let mut finished = Finished::default();
-    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = worker.poll_command() {
-        let result = answer(&engine_id);
-        worker.handle_handshake(now, &engine_id, result);
+    for meta in steps {
+        worker.start_load_kv(now, meta);
+        while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = worker.poll_command() {
+            if let Some(result) = answer(&engine_id) {
+                worker.handle_handshake(now, &engine_id, result);
+            }
+        }
+        finished.extend(worker.get_finished(now));
     }
-    for _ in 0..3 {
+    for _ in 0..2 {
         finished.extend(worker.get_finished(now));
     }
     let later = now + Duration::from_secs(7 * 24 * 3600);
@@ -154,7 +160,11 @@ pub(crate) fn decode_session(
     worker.handle_handshake(later, &PREFILL.into(), Ok(prefill.payload.clone()));
     finished.extend(worker.get_finished(later));
     prefill.drain();
-    check_session(meta, &finished);
+    let all = ConnectorMetadata {
+        reqs_to_recv: steps.iter().flat_map(|m| m.reqs_to_recv.iter().cloned()).collect(),
+        reqs_to_send: steps.iter().flat_map(|m| m.reqs_to_send.iter().cloned()).collect(),
+    };
+    check_session(&all, &finished);
     assert!(
         worker.is_idle(),
         "the decode worker is not idle at the end of the session: {:?}",

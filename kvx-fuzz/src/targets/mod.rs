@@ -12,7 +12,7 @@ pub use params::{nonce, transfer_params};
 pub use wire::wire_envelope;
 pub use worker::{
     rank_report_aggregate, worker_connector_metadata, worker_handshake, worker_handshake_fields,
-    worker_notification,
+    worker_metadata_fields, worker_notification,
 };
 
 use kvx_core::wire::HandshakePayload;
@@ -58,6 +58,12 @@ pub fn all() -> Vec<Target> {
         )
         .with_dict(dict::msgpack())
         .with_nest(seeds::ENVELOPE_BODY),
+        Target::new(
+            "worker_metadata_fields",
+            "valid ConnectorMetadata with fuzzed loads and holds, two steps, fuzzed handshake answers",
+            worker_metadata_fields,
+            worker::worker_metadata_fields_seeds,
+        ),
         Target::new(
             "worker_notification",
             "notification bytes to a prefill ConnectorWorker holding requests",

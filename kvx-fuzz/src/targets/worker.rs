@@ -30,7 +30,7 @@ fn handshake_requests() -> Vec<RecvRequest> {
 pub fn worker_handshake(data: &[u8]) {
     let prefill = prefill();
     let meta = ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![] };
-    decode_session(&prefill, &meta, |_| Ok(data.to_vec()));
+    decode_session(&prefill, &[meta], |_| Some(Ok(data.to_vec())));
 }
 
 /// Seeds: the live prefill rank's payload (which passes every check), then the wire seeds.
@@ -51,7 +51,7 @@ pub fn worker_handshake_fields(data: &[u8]) {
     let bytes = must(wire::encode(&payload), "encoding a payload");
     let reqs = fuzzed_requests(&mut src);
     let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] };
-    decode_session(&prefill, &meta, |_| Ok(bytes.clone()));
+    decode_session(&prefill, &[meta], |_| Some(Ok(bytes.clone())));
 }
 
 fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u8]) -> HandshakePayload {
@@ -190,8 +190,8 @@ pub fn worker_connector_metadata(data: &[u8]) {
     let Ok(meta) = wire::decode::<ConnectorMetadata>(data) else { return };
     let prefill = prefill();
     let payload = prefill.payload.clone();
-    decode_session(&prefill, &meta, |engine| {
-        if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) }
+    decode_session(&prefill, &[meta], |engine| {
+        Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
     });
 }
 
@@ -224,6 +224,118 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
         reqs_to_send: vec!["held-a".into(), "held-b".into()],
     };
     seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
+    seeds
+}
+
+/// Loads and holds that the fuzz bytes pick, in two engine steps (the second after the
+/// handshake, so that loads also go to a peer that is already ready), into a decode worker; the
+/// bytes also pick how the prefill engine answers the handshake (its payload, an error, never,
+/// another engine's payload, half a payload). The metadata is always valid MessagePack: the
+/// worker's own checks (block ranges, duplicates, its own engine, ports, repeated ids) are what
+/// is exercised, and `decode_session`'s guarantees are checked.
+pub fn worker_metadata_fields(data: &[u8]) {
+    let prefill = prefill();
+    let mut src = ByteSource::new(data);
+    let answer = src.below(5);
+    let steps = [fuzzed_metadata(&mut src, 0), fuzzed_metadata(&mut src, 1)];
+    let payload = prefill.payload.clone();
+    let other_engine = HandshakePayload { engine_id: "elsewhere".into(), ..prefill.decoded_payload() };
+    let other = must(wire::encode(&other_engine), "encoding a payload");
+    decode_session(&prefill, &steps, |engine| match answer {
+        0 => {
+            Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
+        }
+        1 => Some(Err(unreachable_peer(engine))),
+        2 => None,
+        3 => Some(Ok(other.clone())),
+        _ => Some(Ok(payload[..payload.len() / 2].to_vec())),
+    });
+}
+
+/// One step's metadata: by default one load of two fresh blocks from the prefill engine in the
+/// first step, nothing in the second.
+fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize) -> ConnectorMetadata {
+    let loads = if step == 0 { 1 + src.below(4) } else { src.below(4) };
+    let reqs_to_recv = (0..loads)
+        .map(|i| {
+            let request_id = match src.below(4) {
+                0 => format!("s{step}-r{i}"),
+                1 => "s0-r0".to_owned(),
+                2 => src.string(8),
+                _ => String::new(),
+            };
+            let local_len = match src.below(5) {
+                0 => 2,
+                n => n - 1,
+            };
+            let offset = (step * 8 + i * 2) as u32;
+            let local_block_ids = (0..local_len as u32)
+                .map(|k| match src.below(5) {
+                    0 => offset + k,
+                    1 => DECODE_BLOCKS - 1,
+                    2 => DECODE_BLOCKS,
+                    3 => offset,
+                    _ => src.edgy_u32(),
+                })
+                .collect();
+            let remote_len = local_len + src.below(3);
+            let remote_block_ids = (0..remote_len as u32)
+                .map(|k| match src.below(4) {
+                    0 => PREFILL_BLOCKS - 1 - (offset + k) % PREFILL_BLOCKS,
+                    1 => PREFILL_BLOCKS,
+                    2 => u32::MAX,
+                    _ => src.edgy_u32(),
+                })
+                .collect();
+            let engine_id = match src.below(4) {
+                0 => PREFILL.into(),
+                1 => DECODE.into(),
+                2 => "elsewhere".into(),
+                _ => src.string(8).into(),
+            };
+            let port = [5600, u16::MAX, 0][src.below(3)];
+            let remote_request_id = match src.below(3) {
+                0 => None,
+                1 => Some(format!("cmpl-p-{i}").into()),
+                _ => Some(src.string(8).into()),
+            };
+            RecvRequest {
+                request_id: request_id.into(),
+                remote_request_id,
+                local_block_ids,
+                remote_block_ids,
+                remote: kvx_core::RemoteCoordinates { engine_id, host: "10.0.0.1".into(), port },
+            }
+        })
+        .collect();
+    let reqs_to_send = (0..src.below(4))
+        .map(|k| {
+            match src.below(3) {
+                0 => format!("held-{step}-{k}"),
+                1 => "held-0-0".to_owned(),
+                _ => src.string(8),
+            }
+            .into()
+        })
+        .collect();
+    ConnectorMetadata { reqs_to_recv, reqs_to_send }
+}
+
+/// Seeds: no choice (one valid load), each answer, and a few loads with one field changed.
+pub(crate) fn worker_metadata_fields_seeds() -> Vec<Seed> {
+    let mut seeds = vec![Seed::new("one-valid-load", Vec::new())];
+    for answer in 1..5u8 {
+        seeds.push(Seed::new(format!("answer-{answer}"), [answer]));
+    }
+    for field in 0..9 {
+        // answer 0, 4 loads, then `field` zero choices and a 1.
+        let mut choice = vec![0u8, 3];
+        choice.extend(std::iter::repeat_n(0, field));
+        choice.push(1);
+        seeds.push(Seed::new(format!("four-loads-field-{field}-changed"), choice));
+    }
+    seeds
+        .push(Seed::new("loads-in-both-steps", [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]));
     seeds
 }
 
