@@ -287,12 +287,55 @@ pub(crate) fn ucx_available() -> Result<(), String> {
 mod nixl {
     use super::*;
     use kvx_nixl::{NixlAgent, NixlConfig};
+    use serde::Deserialize;
 
-    thread_local! {
-        static NIXL: RefCell<Option<Rc<LoadFixture>>> = const { RefCell::new(None) };
+    /// The NIXL agents, and the NIXL blobs they made.
+    pub(super) struct NixlFixture {
+        pub(super) load: LoadFixture,
+        live: Vec<Vec<u8>>,
     }
 
-    pub(super) fn fixture() -> kvx_core::Result<Rc<LoadFixture>> {
+    /// The shape of kvx-nixl's metadata (`kvx_nixl::metadata::Envelope`, private), the same serde
+    /// derive so that it decodes exactly what kvx-nixl decodes. Used only to keep foreign NIXL
+    /// blobs away from NIXL: the blob carries UCX worker addresses, which NIXL hands to its
+    /// bundled UCX, and a malformed one aborts the process there (`address.c: Assertion
+    /// *addr_version == UCP_OBJECT_VERSION_V2 failed`, found by this target).
+    #[derive(Deserialize)]
+    struct Shape {
+        #[allow(dead_code)]
+        magic: String,
+        #[allow(dead_code)]
+        version: u32,
+        #[allow(dead_code)]
+        name: String,
+        #[allow(dead_code)]
+        regions: Vec<kvx_core::MemRegion>,
+        nixl: Vec<u8>,
+    }
+
+    fn shape(data: &[u8]) -> Result<Shape, rmp_serde::decode::Error> {
+        let mut de = rmp_serde::Deserializer::from_read_ref(data);
+        de.set_max_depth(kvx_core::wire::MAX_NESTING);
+        Shape::deserialize(&mut de)
+    }
+
+    impl NixlFixture {
+        /// Whether NIXL would see only a blob a live agent made: then kvx-nixl's decoder and
+        /// checks run on `data`. Bytes without the shape are refused by kvx-nixl's decoder before
+        /// NIXL sees them.
+        pub(super) fn safe_for_nixl(&self, data: &[u8]) -> bool {
+            match shape(data) {
+                Err(_) => true,
+                Ok(s) => self.live.contains(&s.nixl),
+            }
+        }
+    }
+
+    thread_local! {
+        static NIXL: RefCell<Option<Rc<NixlFixture>>> = const { RefCell::new(None) };
+    }
+
+    pub(super) fn fixture() -> kvx_core::Result<Rc<NixlFixture>> {
         NIXL.with(|f| {
             if let Some(existing) = f.borrow().as_ref() {
                 return Ok(existing.clone());
@@ -306,13 +349,24 @@ mod nixl {
                 Seed::new("live-peer", peer.local_metadata()?),
                 Seed::new("own-metadata", loader.local_metadata()?),
             ];
-            let fixture = Rc::new(LoadFixture {
+            let mut live = Vec::new();
+            for seed in &seeds {
+                match shape(&seed.bytes) {
+                    Ok(s) => live.push(s.nixl),
+                    Err(e) => panic!(
+                        "kvx-fuzz's copy of kvx-nixl's metadata shape is out of date ({e}): update `Shape` \
+                         in kvx-fuzz/src/targets/backends.rs"
+                    ),
+                }
+            }
+            let load = LoadFixture {
                 loader: Box::new(loader),
                 peer_memory: memory.region(),
                 seeds,
                 peers: vec![Box::new(peer)],
                 _keep: vec![Box::new(memory)],
-            });
+            };
+            let fixture = Rc::new(NixlFixture { load, live });
             *f.borrow_mut() = Some(fixture.clone());
             Ok(fixture)
         })
@@ -320,16 +374,23 @@ mod nixl {
 }
 
 /// kvx-nixl's agent metadata (its envelope around NIXL's own blob), loaded by a NIXL agent.
+/// Inputs whose NIXL blob is not one a live agent made are not loaded (see `Shape`): NIXL's UCX
+/// aborts on malformed addresses inside it.
 pub fn nixl_metadata(data: &[u8]) {
     #[cfg(feature = "nixl")]
-    load(&must::<Rc<LoadFixture>>(nixl::fixture(), "NIXL agents"), data);
+    {
+        let fixture = must(nixl::fixture(), "NIXL agents");
+        if fixture.safe_for_nixl(data) {
+            load(&fixture.load, data);
+        }
+    }
     #[cfg(not(feature = "nixl"))]
     let _ = data;
 }
 
 pub(crate) fn nixl_metadata_seeds() -> Vec<Seed> {
     #[cfg(feature = "nixl")]
-    return seeds_of(&must::<Rc<LoadFixture>>(nixl::fixture(), "NIXL agents"));
+    return seeds_of(&must(nixl::fixture(), "NIXL agents").load);
     #[cfg(not(feature = "nixl"))]
     Vec::new()
 }
