@@ -33,9 +33,9 @@ fn every_target_survives_its_corpus_and_mutations() {
     assert!(failed.is_empty(), "{} fuzz targets failed:\n{}", failed.len(), {
         failed.iter().map(|o| o.to_string()).collect::<Vec<_>>().join("\n")
     });
-    if !config.only.is_empty() {
-        let ran = outcomes.iter().filter(|o| matches!(o, Outcome::Ran(_))).count();
-        assert!(ran > 0, "KVX_FUZZ_TARGETS={:?} selected no target that runs here", config.only);
+    let names: Vec<&str> = kvx_fuzz::targets().iter().map(|t| t.name).collect();
+    for wanted in &config.only {
+        assert!(names.contains(&wanted.as_str()), "KVX_FUZZ_TARGETS names {wanted:?}, which is no target");
     }
 }
 
