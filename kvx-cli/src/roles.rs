@@ -57,6 +57,7 @@ fn engine_config(id: &str, host: &str, model: &ModelArgs) -> EngineConfig {
         side_channel: SideChannel::Zmq { host: host.to_owned() },
         handshake_timeout: Duration::from_secs(10),
         hold_timeout: Duration::from_secs(60),
+        auth_key: None,
     }
 }
 

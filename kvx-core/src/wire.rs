@@ -26,6 +26,8 @@ pub enum MessageKind {
     FinishedReport,
     /// A request for a worker's handshake payload over the side channel.
     MetadataRequest,
+    /// A decode worker's notification that frees a prefill engine's hold.
+    HoldRelease,
 }
 
 /// A message type that travels inside an [`Envelope`].

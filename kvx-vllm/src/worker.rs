@@ -43,6 +43,8 @@ pub struct WorkerOptions {
     pub hold_timeout_s: f64,
     /// Threads of the worker's tokio runtime (side channel and handshakes).
     pub runtime_threads: usize,
+    /// The deployment's shared key (authenticated mode), or none.
+    pub auth_key: Option<String>,
 }
 
 #[pymethods]
@@ -50,7 +52,7 @@ impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
         world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, hold_timeout_s = 120.0,
-        runtime_threads = 1))]
+        runtime_threads = 1, auth_key = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -63,6 +65,7 @@ impl WorkerOptions {
         handshake_timeout_s: f64,
         hold_timeout_s: f64,
         runtime_threads: usize,
+        auth_key: Option<String>,
     ) -> Self {
         WorkerOptions {
             engine_id,
@@ -75,11 +78,15 @@ impl WorkerOptions {
             handshake_timeout_s,
             hold_timeout_s,
             runtime_threads,
+            auth_key,
         }
     }
 
     fn __repr__(&self) -> String {
-        format!("{self:?}")
+        // The key is a secret: say only whether there is one.
+        let redacted =
+            WorkerOptions { auth_key: self.auth_key.as_ref().map(|_| "<redacted>".into()), ..self.clone() };
+        format!("{redacted:?}")
     }
 }
 
@@ -141,6 +148,7 @@ impl Worker {
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
+        config.auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::runtime::Runtime;
 
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
+    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
     FinishReason, Finished, InProcessGroup, LayerCache, RequestId, Result, SchedulerConfig, TransferAgent,
     TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
@@ -97,6 +97,8 @@ pub struct EngineConfig {
     pub handshake_timeout: Duration,
     /// How long a prefill engine holds blocks for a reader that does not come.
     pub hold_timeout: Duration,
+    /// The deployment's shared key (authenticated mode), or none.
+    pub auth_key: Option<AuthKey>,
 }
 
 impl EngineConfig {
@@ -117,6 +119,7 @@ impl EngineConfig {
             side_channel: SideChannel::InProcess(net.clone()),
             handshake_timeout: Duration::from_secs(5),
             hold_timeout: Duration::from_secs(30),
+            auth_key: None,
         }
     }
 }
@@ -270,6 +273,7 @@ impl SimEngine {
             block_size: model.block_size,
             side_channel_host: host,
             side_channel_port: base_port,
+            auth_key: config.auth_key.clone(),
         })?;
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
@@ -283,6 +287,7 @@ impl SimEngine {
                     compat_tag: model.compat_tag(),
                     handshake_timeout: config.handshake_timeout,
                     hold_timeout: config.hold_timeout,
+                    auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
                 agent,
