@@ -17,7 +17,7 @@ mod model;
 mod pool;
 mod side_channel;
 
-pub use cluster::Cluster;
+pub use cluster::{ClientHook, ClientRequest, Cluster};
 pub use engine::{EngineConfig, EngineStats, RequestState, SideChannel, SimBackend, SimEngine};
 pub use model::{KvShape, ModelSpec, VOCAB};
 pub use pool::{BlockHash, BlockPool, PoolError};
