@@ -717,7 +717,7 @@ impl FinishedAggregator {
         for report in reports {
             for id in report.sending {
                 let n = self.sending.entry(id.clone()).or_insert(0);
-                *n += 1;
+                *n = n.saturating_add(1);
                 if *n >= self.world_size {
                     self.sending.remove(&id);
                     out.sending.push(id);
@@ -727,7 +727,7 @@ impl FinishedAggregator {
             let fails = report.failed_recving.into_iter().map(|f| (f.request_id, Some(f.reason)));
             for (id, failure) in recvs.chain(fails) {
                 let entry = self.recving.entry(id.clone()).or_insert((0, None));
-                entry.0 += 1;
+                entry.0 = entry.0.saturating_add(1);
                 if entry.1.is_none() {
                     entry.1 = failure;
                 }
