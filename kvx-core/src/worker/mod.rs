@@ -23,8 +23,8 @@ use crate::wire::{self, HandshakePayload};
 mod early;
 use early::EarlyReleases;
 
-/// The longest request id kvx accepts from a peer or a client, in bytes.
-pub const MAX_REQUEST_ID_LEN: usize = 1024;
+/// The longest request or engine id kvx accepts from a peer or a client, in bytes.
+pub const MAX_ID_LEN: usize = 1024;
 
 /// The longest side-channel host kvx accepts from a client (a DNS name is at most 253).
 pub const MAX_HOST_LEN: usize = 255;
@@ -320,12 +320,16 @@ impl ConnectorWorker {
         if let Some(key) = &self.config.auth_key {
             offer.verify(key, req.mac.as_ref())?;
         }
-        let id = req.prefill_request_id().as_str();
-        if id.len() > MAX_REQUEST_ID_LEN {
-            return Err(Error::invalid_peer_data(format!(
-                "remote request id {} is over {MAX_REQUEST_ID_LEN} bytes",
-                quote(id)
-            )));
+        for (what, id) in [
+            ("remote request id", req.prefill_request_id().as_str()),
+            ("remote engine id", req.remote.engine_id.as_str()),
+        ] {
+            if id.len() > MAX_ID_LEN {
+                return Err(Error::invalid_peer_data(format!(
+                    "{what} {} is over {MAX_ID_LEN} bytes",
+                    quote(id)
+                )));
+            }
         }
         if req.remote.host.len() > MAX_HOST_LEN {
             return Err(Error::invalid_peer_data(format!(
@@ -605,7 +609,7 @@ impl ConnectorWorker {
         }
         for n in std::mem::take(&mut self.notifications) {
             let release = match wire::decode::<HoldRelease>(&n.msg) {
-                Ok(r) if r.request_id.as_str().len() <= MAX_REQUEST_ID_LEN => r,
+                Ok(r) if r.request_id.as_str().len() <= MAX_ID_LEN => r,
                 Ok(_) | Err(_) => {
                     debug!(from = %n.from, len = n.msg.len(), "undecodable notification dropped");
                     self.stats.stray_notifications += 1;

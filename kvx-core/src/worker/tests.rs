@@ -342,6 +342,17 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
             },
         ),
         (
+            "a 10 MB engine id",
+            RecvRequest {
+                remote: RemoteCoordinates {
+                    engine_id: "e".repeat(10 << 20).into(),
+                    host: "h".into(),
+                    port: 1,
+                },
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+        (
             "a 10 MB host",
             RecvRequest {
                 remote: RemoteCoordinates {
