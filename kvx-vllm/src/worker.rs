@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvx_core::net::ZmqSideChannel;
+use kvx_core::net::SideChannel;
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RequestId, SingleRank,
     TransferAgent, WorkerConfig, WorkerDriver, wire,
@@ -131,7 +131,7 @@ impl Worker {
             .ok_or_else(|| PyRuntimeError::new_err("side-channel port + rank overflows"))?;
         let host = options.side_channel_host.clone();
         let channel =
-            runtime.block_on(async move { ZmqSideChannel::bind(&host, port).await }).map_err(py_err)?;
+            runtime.block_on(async move { SideChannel::bind(&host, port).await }).map_err(py_err)?;
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
