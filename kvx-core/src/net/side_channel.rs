@@ -16,9 +16,10 @@ use crate::wire::{self, MessageKind, WireMessage};
 /// Room in a reply frame for the envelopes around a payload.
 const FRAME_HEADROOM: usize = 1024;
 
-/// A client's request for the published payload (the body of a session request).
+/// A client's request for the published payload: the body of the session request a
+/// [`SideChannel`] fetch sends (`wire::encode(&MetadataRequest {})`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct MetadataRequest {}
+pub struct MetadataRequest {}
 
 impl WireMessage for MetadataRequest {
     const KIND: MessageKind = MessageKind::MetadataRequest;
