@@ -12,6 +12,7 @@ use tracing::warn;
 use super::server::{Server, ServerStats, Service};
 use super::session::Connection;
 use super::{NetConfig, endpoint};
+use crate::auth::random_bytes;
 use crate::error::{Error, ErrorKind, Result};
 use crate::group::{GatherInbox, ParallelGroup};
 use crate::meta::Finished;
@@ -22,9 +23,10 @@ use crate::wire::{self, MessageKind, WireMessage};
 enum GroupMessage {
     /// A rank joins (checks that rank 0 takes it, and authenticates the connection).
     Join { rank: u32, world_size: u32 },
-    /// A rank's report. `seq` grows by one per new report of the rank; a report re-sent after a
-    /// lost acknowledgement carries its old `seq`, and rank 0 takes it as an empty report.
-    Report { rank: u32, seq: u64, finished: Finished },
+    /// A rank's report. `seq` grows by one per new report of the rank's process (`epoch`, random
+    /// per join, so a restarted rank starts afresh); a report re-sent after a lost
+    /// acknowledgement carries its old `seq`, and rank 0 takes it as an empty report.
+    Report { rank: u32, epoch: u64, seq: u64, finished: Finished },
 }
 
 impl WireMessage for GroupMessage {
@@ -35,8 +37,8 @@ impl WireMessage for GroupMessage {
 struct Inbox {
     world_size: u32,
     reports: SyncSender<(u32, Finished)>,
-    /// The last `seq` taken from each rank.
-    last: Mutex<HashMap<u32, u64>>,
+    /// The epoch and last `seq` taken from each rank.
+    last: Mutex<HashMap<u32, (u64, u64)>>,
 }
 
 #[async_trait::async_trait]
@@ -59,15 +61,15 @@ impl Service for Inbox {
                     ));
                 }
             }
-            GroupMessage::Report { rank, seq, finished } => {
+            GroupMessage::Report { rank, epoch, seq, finished } => {
                 check(rank)?;
                 let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-                let seen = last.get(&rank).is_some_and(|&l| seq <= l);
+                let seen = last.get(&rank).is_some_and(|&(e, l)| e == epoch && seq <= l);
                 let finished = if seen { Finished::default() } else { finished };
                 match self.reports.try_send((rank, finished)) {
                     Ok(()) => {
                         if !seen {
-                            last.insert(rank, seq);
+                            last.insert(rank, (epoch, seq));
                         }
                     }
                     Err(TrySendError::Full(_)) => {
@@ -97,12 +99,13 @@ struct Sender {
     conn: Option<Connection>,
     pending: Option<GroupMessage>,
     unsent: Finished,
+    epoch: u64,
     seq: u64,
 }
 
 impl Sender {
-    /// Sends `msg` on the connection, re-connecting once if a kept connection broke (rank 0 drops
-    /// idle connections).
+    /// Sends `msg` on the connection (connecting first when there is none), re-connecting once if
+    /// a kept connection broke (rank 0 drops idle connections).
     async fn send(&mut self, msg: &GroupMessage) -> Result<()> {
         let body = wire::encode(msg)?;
         let reused = self.conn.is_some();
@@ -186,34 +189,30 @@ impl TcpGroup {
                 conn: None,
                 pending: None,
                 unsent: Finished::default(),
+                epoch: u64::from_le_bytes(random_bytes::<8>()?),
                 seq: 0,
             };
-            let deadline = Instant::now() + timeout;
-            let mut pause = Duration::from_millis(10);
-            loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let joined =
-                    tokio::time::timeout(left, sender.send(&GroupMessage::Join { rank, world_size })).await;
-                match joined {
-                    Ok(Ok(())) => return Ok(GroupEnd::Other(Box::new(sender))),
-                    Ok(Err(e)) if e.kind() == ErrorKind::Handshake && left > pause => {
-                        tracing::debug!(error = %e, "rank 0 not reachable yet");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_millis(200));
+            let at = endpoint(host, port);
+            let join = async {
+                // Rank 0 may start a moment after this rank: retry a refused connection.
+                let mut pause = Duration::from_millis(10);
+                loop {
+                    match Connection::connect(host, port, &sender.config).await {
+                        Ok(conn) => break sender.conn = Some(conn),
+                        Err(e) => tracing::debug!(error = %e, "rank 0 not reachable yet"),
                     }
-                    Ok(Err(e)) => {
-                        return Err(e.context(format!("joining rank 0 at {}", endpoint(host, port))));
-                    }
-                    Err(_) => {
-                        return Err(Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "rank 0 at {} did not take rank {rank} within {timeout:?}",
-                                endpoint(host, port)
-                            ),
-                        ));
-                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
                 }
+                sender.send(&GroupMessage::Join { rank, world_size }).await
+            };
+            match tokio::time::timeout(timeout, join).await {
+                Ok(Ok(())) => Ok(GroupEnd::Other(Box::new(sender))),
+                Ok(Err(e)) => Err(e.context(format!("joining rank 0 at {at}"))),
+                Err(_) => Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("rank 0 at {at} did not take rank {rank} within {timeout:?}"),
+                )),
             }
         })?;
         Ok(TcpGroup { rank, world_size, timeout, end: Mutex::new(end), runtime })
@@ -255,7 +254,12 @@ impl ParallelGroup for TcpGroup {
                     None => {
                         sender.seq += 1;
                         let finished = std::mem::take(&mut sender.unsent);
-                        GroupMessage::Report { rank: self.rank, seq: sender.seq, finished }
+                        GroupMessage::Report {
+                            rank: self.rank,
+                            epoch: sender.epoch,
+                            seq: sender.seq,
+                            finished,
+                        }
                     }
                 };
                 let sent = self
@@ -335,6 +339,24 @@ mod tests {
             all.extend(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].sending.clone());
         }
         assert_eq!(all, vec![RequestId::new("a"), RequestId::new("b"), RequestId::new("c")]);
+    }
+
+    #[test]
+    fn a_restarted_rank_is_heard_and_a_mismatched_one_refused_at_once() {
+        let port = free_port();
+        let r0 = TcpGroup::join(0, 2, "127.0.0.1", port, T).unwrap();
+        let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
+        assert_eq!(r1.gather_finished(rep("before")).unwrap(), None);
+        drop(r1);
+        // The new process numbers its reports from 1 again: not taken for duplicates.
+        let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
+        assert_eq!(r1.gather_finished(rep("after")).unwrap(), None);
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("before"));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("after"));
+        let start = Instant::now();
+        let e = TcpGroup::join(1, 3, "127.0.0.1", port, T).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Incompatible, "{e}");
+        assert!(start.elapsed() < T, "refused, not retried until the timeout");
     }
 
     #[test]

@@ -13,8 +13,9 @@
 use async_trait::async_trait;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
@@ -133,6 +134,31 @@ struct Shared<S> {
     name: &'static str,
     stats: watch::Sender<ServerStats>,
     shutdown: watch::Receiver<bool>,
+    warnings: Warnings,
+}
+
+/// Warnings at most once a second per server, so that a flood of hostile connections does not
+/// flood the log as well; the ones in between go to `debug` and are counted in the next warning
+/// (every one of them is in [`ServerStats`]).
+#[derive(Default)]
+struct Warnings {
+    last: Mutex<Option<Instant>>,
+    quiet: AtomicU64,
+}
+
+impl Warnings {
+    fn warn(&self, name: &str, what: fmt::Arguments<'_>) {
+        let now = Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            self.quiet.fetch_add(1, Ordering::Relaxed);
+            debug!(name, "{what}");
+        } else {
+            *last = Some(now);
+            let quiet = self.quiet.swap(0, Ordering::Relaxed);
+            warn!(name, more_since_last_warning = quiet, "{what}");
+        }
+    }
 }
 
 /// A bound, serving server. Dropping it stops accepting at once; each connection closes when it
@@ -176,6 +202,7 @@ impl Server {
             name,
             stats: stats.clone(),
             shutdown: shutdown_rx,
+            warnings: Warnings::default(),
         });
         let accept = tokio::spawn(accept_loop(listener, shared));
         debug!(name, %addr, "serving");
@@ -266,7 +293,9 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                         End::Closed | End::Shutdown => {
                             debug!(name = shared.name, %peer, ?end, "connection ended")
                         }
-                        _ => warn!(name = shared.name, %peer, ?end, "connection dropped"),
+                        _ => shared
+                            .warnings
+                            .warn(shared.name, format_args!("connection from {peer} dropped: {end:?}")),
                     }
                     shared.stats.send_modify(|s| {
                         s.active -= 1;
@@ -279,7 +308,7 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                 // EMFILE, ENFILE, ENOBUFS, a connection reset before it was accepted: the
                 // listener stays; pause so that a lasting condition does not spin this loop.
                 shared.stats.send_modify(|s| s.accept_errors += 1);
-                warn!(name = shared.name, error = %e, pause = ?backoff, "accept failed");
+                shared.warnings.warn(shared.name, format_args!("accept failed ({e}); pausing {backoff:?}"));
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(shared.limits.max_accept_backoff.max(min_backoff));
             }

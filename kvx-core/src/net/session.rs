@@ -302,10 +302,16 @@ impl Connection {
             SessionReply::Refused { refusal: Refusal::Unauthenticated, reason } => {
                 self.unauthenticated(&format!("refused: {}", quote(&reason)))
             }
-            SessionReply::Refused { refusal, reason } => {
-                let what = if refusal == Refusal::Malformed { "a malformed request" } else { "the request" };
-                Error::new(ErrorKind::Handshake, format!("{} refused {what}: {}", self.peer, quote(&reason)))
-            }
+            // The server did not understand what this end sent: another kvx version, or a
+            // request it does not take (retrying it will not help).
+            SessionReply::Refused { refusal: Refusal::Malformed, reason } => Error::new(
+                ErrorKind::Incompatible,
+                format!("{} refused the request as malformed: {}", self.peer, quote(&reason)),
+            ),
+            SessionReply::Refused { refusal: Refusal::Rejected, reason } => Error::new(
+                ErrorKind::Handshake,
+                format!("{} refused the request: {}", self.peer, quote(&reason)),
+            ),
             SessionReply::Challenge { .. } => {
                 self.unauthenticated("asked for authentication; this end has no auth key")
             }
