@@ -42,8 +42,9 @@ pub use side_channel::{MetadataRequest, SideChannel};
 pub struct ServeLimits {
     /// The largest frame read from a peer, in bytes: requests on a server, replies on a client.
     /// A longer frame is refused from its 4-byte header, before anything is allocated, and the
-    /// connection dropped. Default 16 MiB: the largest handshake payload kvx has seen (NIXL's
-    /// agent metadata with rkeys of many regions) is well under 1 MiB.
+    /// connection dropped. Default 16 MiB: a handshake payload (agent metadata with a remote
+    /// key per registered region, and the region addresses) takes kilobytes to a few hundred
+    /// kilobytes, so this leaves ample headroom while bounding what a peer can make kvx hold.
     pub max_frame: usize,
     /// The most connections a server holds at once. More are closed at once, and counted.
     /// Default 256.

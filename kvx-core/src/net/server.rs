@@ -269,7 +269,7 @@ async fn wait_for_stats(
 }
 
 async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) {
-    let permits = Arc::new(Semaphore::new(shared.limits.max_connections));
+    let permits = Arc::new(Semaphore::new(shared.limits.max_connections.min(Semaphore::MAX_PERMITS)));
     let min_backoff = Duration::from_millis(1);
     let mut backoff = min_backoff;
     loop {
@@ -279,7 +279,10 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                 let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
                     drop(stream);
                     shared.stats.send_modify(|s| s.refused += 1);
-                    debug!(name = shared.name, %peer, "connection refused: at max_connections");
+                    let max = shared.limits.max_connections;
+                    shared
+                        .warnings
+                        .warn(shared.name, format_args!("connection from {peer} refused: {max} open"));
                     continue;
                 };
                 shared.stats.send_modify(|s| {

@@ -281,7 +281,10 @@ impl Connection {
             .map_err(|e| self.frame_error("receiving", e))?;
         wire::decode::<SessionReply>(&reply).map_err(|e| {
             let kind = if e.kind() == ErrorKind::Incompatible { e.kind() } else { ErrorKind::Handshake };
-            Error::new(kind, format!("{} sent a frame that is not a kvx reply: {}", self.peer, e.message()))
+            Error::new(
+                kind,
+                format!("{} sent a frame that is not a kvx reply: {}", self.peer, quote(e.message())),
+            )
         })
     }
 
