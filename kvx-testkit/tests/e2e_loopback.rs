@@ -257,15 +257,15 @@ fn an_abort_during_a_read_keeps_the_blocks_until_the_read_ends() {
 }
 
 #[test]
-fn zeromq_side_channels() {
+fn tcp_side_channels() {
     let lb = Loopback::default();
     let m = model();
     let config = |name| EngineConfig {
-        side_channel: SideChannel::Zmq { host: "127.0.0.1".into() },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into() },
         ..lb.config(name, &m)
     };
     let mut c = Cluster::new(vec![lb.engine(config("prefill"))], lb.engine(config("decode"))).unwrap();
-    let ids: Vec<_> = (0..10).map(|i| id(format!("zmq-{i}"))).collect();
+    let ids: Vec<_> = (0..10).map(|i| id(format!("tcp-{i}"))).collect();
     for (i, rid) in ids.iter().enumerate() {
         c.submit(rid.clone(), prompt(i as u64, BS + 3 * i), 2).unwrap();
     }

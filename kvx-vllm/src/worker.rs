@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvx_core::net::ZmqSideChannel;
+use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RequestId, SingleRank,
     TransferAgent, WorkerConfig, WorkerDriver, wire,
@@ -137,8 +137,11 @@ impl Worker {
             .checked_add(u16::try_from(options.rank).unwrap_or(u16::MAX))
             .ok_or_else(|| PyRuntimeError::new_err("side-channel port + rank overflows"))?;
         let host = options.side_channel_host.clone();
-        let channel =
-            runtime.block_on(async move { ZmqSideChannel::bind(&host, port).await }).map_err(py_err)?;
+        let auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
+        let net = NetConfig::with_key(auth_key.clone());
+        let channel = runtime
+            .block_on(async move { SideChannel::bind_with(&host, port, net).await })
+            .map_err(py_err)?;
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
@@ -148,7 +151,7 @@ impl Worker {
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
-        config.auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
+        config.auth_key = auth_key;
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

@@ -282,7 +282,7 @@ class KvxConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self):
         """None: kvx does not route its handshake through vLLM's out-of-band metadata (which
         NixlConnector serves from EngineCore). Each worker publishes its payload on its own
-        ZeroMQ side channel when it registers its KV caches, so a peer's handshake needs no
+        TCP side channel when it registers its KV caches, so a peer's handshake needs no
         EngineCore round trip and works for any number of ranks."""
         return None
 
