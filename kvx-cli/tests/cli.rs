@@ -178,40 +178,6 @@ fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
     check_pair(decode, prefill.child, 30);
 }
 
-/// Sends `bytes` to `port` and waits (bounded) until the server closes the connection.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-fn attack(port: u16, bytes: &[u8]) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(LIMIT)).unwrap();
-    let _ = s.write_all(bytes);
-    let mut sink = [0u8; 1024];
-    loop {
-        match s.read(&mut sink) {
-            Ok(0) => return,
-            Ok(_) => {}
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut =>
-            {
-                panic!("port {port} did not close the connection")
-            }
-            Err(_) => return,
-        }
-    }
-}
-
-/// The 64-byte ZMTP 3.0 greeting and a command frame header claiming 2^40 bytes: 73 bytes that
-/// aborted a zeromq-based kvx.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-fn zmtp_73() -> Vec<u8> {
-    let mut b = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0x7F, 3, 0];
-    b.extend(b"NULL");
-    b.resize(64, 0);
-    b.push(0x06);
-    b.extend((1u64 << 40).to_be_bytes());
-    b
-}
-
 /// Every listening port of a `kvx prefill` process (the request API and each rank's side
 /// channel) gets the 73-byte ZMTP frame and a length header claiming u32::MAX bytes; the process
 /// stays up and a following `kvx decode` succeeds.
@@ -220,8 +186,9 @@ fn zmtp_73() -> Vec<u8> {
 fn prefill_survives_hostile_bytes_on_every_port() {
     let prefill = start_prefill(&[], &[]);
     for &port in &prefill.ports {
-        attack(port, &zmtp_73());
-        attack(port, &[&u32::MAX.to_be_bytes()[..], b"tail"].concat());
+        kvx_testkit::hostile::attack(port, &kvx_testkit::hostile::zmtp_73(), false, LIMIT).unwrap();
+        kvx_testkit::hostile::attack(port, &[&u32::MAX.to_be_bytes()[..], b"tail"].concat(), false, LIMIT)
+            .unwrap();
     }
     let decode = run_decode(&prefill.api, 10, &[]);
     check_pair(decode, prefill.child, 10);

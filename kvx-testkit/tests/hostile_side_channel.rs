@@ -5,12 +5,11 @@
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use kvx_core::{AuthKey, FinishReason, RequestId, TransferAgent};
 use kvx_loopback::Fabric;
+use kvx_testkit::hostile::zmtp_73;
 use kvx_testkit::sim::{
     Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SideChannel, SimBackend, SimEngine,
 };
@@ -56,42 +55,19 @@ fn run(c: &mut Cluster, n: usize) -> Vec<RequestId> {
     ids
 }
 
-fn zmtp_73() -> Vec<u8> {
-    let mut b = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0x7F, 3, 0];
-    b.extend(b"NULL");
-    b.resize(64, 0);
-    b.push(0x06);
-    b.extend((1u64 << 40).to_be_bytes());
-    b
-}
-
-/// Sends `bytes` to `port` and waits (bounded) until the server closes the connection.
-fn attack(port: u16, bytes: &[u8], half_close: bool) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(LIMIT)).unwrap();
-    let _ = s.write_all(bytes);
-    if half_close {
-        let _ = s.shutdown(std::net::Shutdown::Write);
-    }
-    let mut sink = [0u8; 1024];
-    loop {
-        match s.read(&mut sink) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-    }
-}
-
 #[test]
 fn attacked_side_channels_still_serve_handshakes_and_reads() {
     let fabric = Fabric::new();
     let prefill = engine(&fabric, "prefill", None);
     let base = prefill.side_channel_port();
     for port in [base, base + 1] {
-        attack(port, &zmtp_73(), false);
-        attack(port, &[&u32::MAX.to_be_bytes()[..], b"x"].concat(), false);
-        attack(port, &[&64u32.to_be_bytes()[..], &[0xAB; 64]].concat(), false);
-        attack(port, &[&100u32.to_be_bytes()[..], &[1; 10]].concat(), true);
+        kvx_testkit::hostile::attack(port, &zmtp_73(), false, LIMIT).unwrap();
+        kvx_testkit::hostile::attack(port, &[&u32::MAX.to_be_bytes()[..], b"x"].concat(), false, LIMIT)
+            .unwrap();
+        kvx_testkit::hostile::attack(port, &[&64u32.to_be_bytes()[..], &[0xAB; 64]].concat(), false, LIMIT)
+            .unwrap();
+        kvx_testkit::hostile::attack(port, &[&100u32.to_be_bytes()[..], &[1; 10]].concat(), true, LIMIT)
+            .unwrap();
     }
     let mut c = Cluster::new(vec![prefill], engine(&fabric, "decode", None)).unwrap();
     let ids = run(&mut c, 8);

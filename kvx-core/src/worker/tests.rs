@@ -592,20 +592,13 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
 
 #[test]
 fn holds_end_on_notification_or_expiry() {
-    let queue = Arc::new(Mutex::new(vec![
+    let (mut w, queue) = prefill_worker(config(0));
+    queue.lock().unwrap().extend([
         notif(&release("early")),
         notif(&release("held")),
         notif(b"\xff\xfe"),
         notif(&release("held")),
-    ]));
-    let q = queue.clone();
-    let mut a = MockTransferAgent::new();
-    a.expect_drain_notifications().returning(move |out| {
-        out.append(&mut q.lock().unwrap());
-        Ok(())
-    });
-    let a = agent(Arc::default(), |m| *m = std::mem::replace(&mut a, MockTransferAgent::new()));
-    let mut w = worker_with(a, 0, &[None, None]);
+    ]);
     let now = Instant::now();
     let send = |ids: &[&str]| ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(ids) };
     w.start_load_kv(now, &send(&["held", "forgotten"]));

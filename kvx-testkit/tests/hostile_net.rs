@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream as StdStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -19,6 +19,12 @@ use kvx_core::net::frame::{read_frame, write_frame};
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
 use kvx_core::{AuthKey, ErrorKind, Finished, MetadataExchange, ParallelGroup, RequestId, wire};
+use kvx_testkit::hostile::zmtp_73;
+
+/// Sends `bytes` and waits (bounded) until the server closes the connection.
+fn attack(port: u16, bytes: &[u8]) {
+    kvx_testkit::hostile::attack(port, bytes, false, T).unwrap();
+}
 
 /// A generous bound that only proves "did not hang".
 const T: Duration = Duration::from_secs(20);
@@ -28,18 +34,6 @@ const ROLE: &str = "KVX_HOSTILE_NET_ROLE";
 
 fn rt() -> Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
-}
-
-/// 64 bytes of ZMTP 3.0 greeting (NULL mechanism), then a long command frame header that claims
-/// 2^40 bytes: what used to abort any process that served or fetched a zeromq side channel.
-fn zmtp_73() -> Vec<u8> {
-    let mut b = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0x7F, 3, 0];
-    b.extend(b"NULL");
-    b.resize(64, 0);
-    b.push(0x06);
-    b.extend((1u64 << 40).to_be_bytes());
-    assert_eq!(b.len(), 73);
-    b
 }
 
 /// Requests a server must drop, with their names.
@@ -52,26 +46,6 @@ fn header_attacks() -> Vec<(&'static str, Vec<u8>)> {
         // Read as a 4-byte length, 2^40 in 8 bytes claims 256 bytes and sends 4: dropped as slow.
         ("2^40 as a 64-bit length", (1u64 << 40).to_be_bytes().to_vec()),
     ]
-}
-
-/// Sends `bytes` and waits (bounded) until the server closes the connection.
-fn attack(port: u16, bytes: &[u8]) {
-    let mut s = StdStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(T)).unwrap();
-    let _ = s.write_all(bytes);
-    let mut sink = [0u8; 4096];
-    loop {
-        match s.read(&mut sink) {
-            Ok(0) => return,
-            Ok(_) => {}
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut =>
-            {
-                panic!("the server did not close the connection")
-            }
-            Err(_) => return, // reset: closed with our bytes unread
-        }
-    }
 }
 
 fn rss_mib() -> u64 {
