@@ -5,7 +5,8 @@
 #   scripts/test-vllm.sh            # proof (kvx over UCX and over NIXL) + comparison table
 #   KVX_VLLM_CONFIGS="kvx-ucx" scripts/test-vllm.sh      # a subset
 #
-# Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute"),
+# Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
+# kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY),
 # nixl-noprog (NixlConnector with NIXL's progress thread off, as in shared/probes/vllm-cpu-pd) and
 # nixl-default (NixlConnector as shipped). Installs vLLM when missing (scripts/install-vllm.sh;
 # a failed install fails this script). Servers run in their own process groups and are stopped by
@@ -71,6 +72,8 @@ start() { # config name http_port side_port role policy
     local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side")
     [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
     [ "$cfg" = kvx-nixl ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
+    # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
+    [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
     env "${env[@]}" setsid "$PY" "$TOOLS/vllm_cli.py" serve "$MODEL" --host 127.0.0.1 --port "$port" \
         --dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.15 \
         --no-enable-prefix-caching --kv-transfer-config "$(kvcfg "$cfg" "$role" "$policy" "$side")" \
@@ -129,6 +132,13 @@ for cfg in $CONFIGS; do
     echo "$summary" | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(prefill_ready_s=$p_ready, decode_ready_s=$d_ready); print(json.dumps(d))" >>"$OUT/summary.jsonl"
     tail -1 "$OUT/summary.jsonl"
     grep -h "kvx worker stats" "$OUT/$cfg-decode.log" | tail -1 || true
+    if [ "$cfg" = kvx-nixl ]; then
+        for name in prefill decode; do
+            if ! grep -q "authenticated (shared key)" "$OUT/$cfg-$name.log"; then
+                echo "test-vllm: $cfg $name did not run with the shared key" >&2; status=1
+            fi
+        done
+    fi
     stop_all
 done
 

@@ -8,6 +8,7 @@ use kvx_core::Result;
 use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, SimEngine};
 
 use crate::backend::Backend;
+use crate::roles::AuthArgs;
 use crate::summary::Summary;
 use crate::workload::{ModelArgs, WorkloadArgs};
 
@@ -21,6 +22,8 @@ pub(crate) struct DemoArgs {
     model: ModelArgs,
     #[command(flatten)]
     workload: WorkloadArgs,
+    #[command(flatten)]
+    auth: AuthArgs,
 }
 
 /// Runs the demo and returns its summary.
@@ -28,8 +31,12 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(false)?;
     println!("kvx demo: {} backend, {}", args.backend.name(), args.model.describe());
     let net = InProcessSideChannels::new();
+    let auth_key = args.auth.key()?;
     let engine = |id: &str| {
-        let config = EngineConfig::new(id, args.model.tp, args.model.blocks, args.model.model(), &net);
+        let config = EngineConfig {
+            auth_key: auth_key.clone(),
+            ..EngineConfig::new(id, args.model.tp, args.model.blocks, args.model.model(), &net)
+        };
         SimEngine::new(config, &backend)
     };
     let mut cluster = Cluster::new(vec![engine("prefill")?], engine("decode")?)?;

@@ -1,22 +1,26 @@
 //! `kvx prefill` and `kvx decode`: the two engines as two processes.
 //!
 //! The engines find each other as in a real deployment: the decode workers fetch the prefill
-//! workers' handshake payloads over the ZeroMQ side channel (the port in the params), then READ the
+//! workers' handshake payloads over the TCP side channel (the port in the params), then READ the
 //! blocks with the chosen backend. In place of a router, the prefill process serves a tiny request
-//! API on a ZeroMQ ROUTER socket (REQ/REP style): the decode process sends each prompt, the prefill engine runs it
-//! with `do_remote_decode` and answers with the request's `kv_transfer_params` (vLLM's JSON), which
-//! the decode process submits with the prompt. Last, the decode process says it is done; the
-//! prefill process answers once every hold is released, with its errors and leaked blocks.
+//! API on kvx's bounded request/response server (`kvx_core::net::Server`, the one the side
+//! channels run on, with the same limits): the decode process sends each prompt, the prefill
+//! engine runs it with `do_remote_decode` and answers with the request's `kv_transfer_params`
+//! (vLLM's JSON), which the decode process submits with the prompt. Last, the decode process says
+//! it is done; the prefill process answers once every hold is released, with its errors and leaked
+//! blocks. With `--auth-key` (or `KVX_AUTH_KEY`), the side channels and the API authenticate every
+//! connection with the key.
 
+use async_trait::async_trait;
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
-use zeromq::{ReqSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
+use kvx_core::net::{Connection, NetConfig, Server, Service, parse_endpoint};
+use kvx_core::{AuthKey, Error, ErrorKind, RequestId, Result, TransferParams};
 use kvx_testkit::sim::{EngineConfig, SideChannel, SimEngine};
 
 use crate::backend::Backend;
@@ -48,13 +52,30 @@ fn runtime() -> Result<Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?)
 }
 
-fn engine_config(id: &str, host: &str, model: &ModelArgs) -> EngineConfig {
+/// The deployment's shared key, from `--auth-key` or `KVX_AUTH_KEY`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct AuthArgs {
+    /// Shared key of the deployment (at least 16 bytes): the side channels and the request API
+    /// authenticate every connection with it and refuse peers without it. Prefer the
+    /// environment variable: a command line is visible to other users.
+    #[arg(long, env = "KVX_AUTH_KEY", hide_env_values = true)]
+    auth_key: Option<String>,
+}
+
+impl AuthArgs {
+    pub(crate) fn key(&self) -> Result<Option<AuthKey>> {
+        self.auth_key.as_deref().map(AuthKey::new).transpose()
+    }
+}
+
+fn engine_config(id: &str, host: &str, model: &ModelArgs, auth_key: Option<AuthKey>) -> EngineConfig {
     EngineConfig {
         engine_id: id.into(),
         tp: model.tp,
         num_blocks: model.blocks,
         model: model.model(),
-        side_channel: SideChannel::Zmq { host: host.to_owned() },
+        side_channel: SideChannel::Tcp { host: host.to_owned() },
+        auth_key,
         handshake_timeout: Duration::from_secs(10),
         hold_timeout: Duration::from_secs(60),
     }
@@ -74,6 +95,8 @@ pub(crate) struct PrefillArgs {
     api_port: u16,
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    auth: AuthArgs,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
@@ -81,22 +104,45 @@ pub(crate) struct PrefillArgs {
 
 type Pending = (ApiRequest, tokio::sync::oneshot::Sender<ApiReply>);
 
+/// The request API: hands each request to the engine loop and answers with what it replies.
+struct Api {
+    engine: mpsc::Sender<Pending>,
+}
+
+#[async_trait]
+impl Service for Api {
+    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+        let request = serde_json::from_slice::<ApiRequest>(&request)
+            .map_err(|e| Error::new(ErrorKind::Wire, format!("malformed API request: {e}")))?;
+        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+        self.engine
+            .send((request, reply_tx))
+            .map_err(|_| Error::new(ErrorKind::State, "the prefill engine stopped"))?;
+        let reply = reply_rx.await.unwrap_or_else(|_| ApiReply::Error("the prefill engine stopped".into()));
+        serde_json::to_vec(&reply).map_err(|e| api_error("encoding a reply", e))
+    }
+}
+
 /// Runs the prefill engine until the decode process is done with it.
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
-    let mut engine = SimEngine::new(engine_config("prefill", &args.host, &args.model), &backend)?;
+    let key = args.auth.key()?;
+    let config = engine_config("prefill", &args.host, &args.model, key.clone());
+    let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
-    let mut socket = RouterSocket::new();
-    let ep = format!("tcp://{}:{}", args.host, args.api_port);
-    let bound = rt.block_on(socket.bind(&ep)).map_err(|e| api_error(&format!("binding {ep}"), e))?;
-    // The line a launcher waits for.
+    let api = NetConfig::with_key(key);
+    let server =
+        rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
+    let base = engine.side_channel_port();
+    let last = u32::from(base) + args.model.tp.saturating_sub(1);
+    // The line a launcher waits for (the request API's endpoint comes last).
     println!(
-        "kvx prefill: {} backend, {}; request API on {bound}",
+        "kvx prefill: {} backend, {}; side channels on ports {base}-{last}; request API on tcp://{}",
         args.backend.name(),
-        args.model.describe()
+        args.model.describe(),
+        server.local_addr()
     );
-    let server = rt.spawn(serve(socket, tx));
 
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.timeout);
@@ -141,46 +187,17 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
             if let Some(reply) = done.take() {
                 let (leaked, errors) = (summary.leaked(), summary.errors().to_vec());
                 let _ = reply.send(ApiReply::Finished { leaked, errors });
-                // The server stops once that reply is sent; wait for it (bounded) before the
-                // runtime goes with this function.
-                let wait = deadline.saturating_duration_since(Instant::now());
-                let _ = rt.block_on(async { tokio::time::timeout(wait, server).await });
+                // Let the server write that reply (and close idle connections) before the
+                // runtime goes with this function; bounded.
+                let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(10));
+                if let Err(e) = rt.block_on(server.shutdown(wait)) {
+                    eprintln!("kvx prefill: {e}");
+                }
             }
             println!("kvx prefill: served {served} requests");
             return Ok(summary);
         }
         std::thread::yield_now();
-    }
-}
-
-/// Answers API requests one at a time, handing each to the engine loop, until it has sent the
-/// final `Finished` reply. A ROUTER socket (as
-/// kvx-core's side channel uses) answers REQ clients: the reply goes back with the request's
-/// routing frames.
-async fn serve(mut socket: RouterSocket, tx: mpsc::Sender<Pending>) {
-    loop {
-        let Ok(msg) = socket.recv().await else { continue };
-        let mut frames = msg.into_vec();
-        let Some(body) = frames.pop() else { continue };
-        let reply = match serde_json::from_slice::<ApiRequest>(&body) {
-            Ok(request) => {
-                let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-                if tx.send((request, reply_tx)).is_err() {
-                    return;
-                }
-                reply_rx.await.unwrap_or_else(|_| ApiReply::Error("the prefill engine stopped".into()))
-            }
-            Err(e) => ApiReply::Error(format!("malformed request: {e}")),
-        };
-        let last = matches!(reply, ApiReply::Finished { .. });
-        frames.push(serde_json::to_vec(&reply).unwrap_or_default().into());
-        if let Ok(reply) = ZmqMessage::try_from(frames) {
-            // A client that went away is not the server's failure.
-            let _ = socket.send(reply).await;
-        }
-        if last {
-            return;
-        }
     }
 }
 
@@ -193,19 +210,23 @@ pub(crate) struct DecodeArgs {
     /// Host of this engine's side channel.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// The prefill process's request API.
+    /// The prefill process's request API (`tcp://host:port` or `host:port`).
     #[arg(long, default_value = "tcp://127.0.0.1:5600")]
     prefill: String,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     workload: WorkloadArgs,
+    #[command(flatten)]
+    auth: AuthArgs,
 }
 
 /// Runs the workload through the prefill process and this decode engine.
 pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
-    let mut engine = SimEngine::new(engine_config("decode", &args.host, &args.model), &backend)?;
+    let key = args.auth.key()?;
+    let (api_host, api_port) = parse_endpoint(&args.prefill)?;
+    let mut engine = SimEngine::new(engine_config("decode", &args.host, &args.model, key.clone()), &backend)?;
     println!(
         "kvx decode: {} backend, {}; prefill at {}",
         args.backend.name(),
@@ -213,27 +234,25 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
         args.prefill
     );
     let rt = runtime()?;
+    let api = NetConfig::with_key(key);
     let limit = Duration::from_secs(args.workload.timeout);
     let deadline = Instant::now() + limit;
-    // One REQ socket per exchange, as kvx-core's side channel does: a fresh connection each time
-    // keeps a lost reply from wedging the REQ state machine.
+    // One connection per request: a lost reply cannot wedge the next one.
     let ask = |request: &ApiRequest| -> Result<ApiReply> {
         let body = serde_json::to_vec(request).map_err(|e| api_error("encoding", e))?;
         let wait = deadline.saturating_duration_since(Instant::now());
         let reply = rt
             .block_on(async {
                 let exchange = async {
-                    let mut socket = ReqSocket::new();
-                    socket.connect(&args.prefill).await?;
-                    socket.send(ZmqMessage::from(body)).await?;
-                    socket.recv().await
+                    let mut conn = Connection::connect(&api_host, api_port, &api).await?;
+                    conn.request(body).await
                 };
                 tokio::time::timeout(wait, exchange).await
             })
-            .map_err(|_| api_error("waiting for the prefill process", "timed out"))?
-            .map_err(|e| api_error(&format!("exchanging with {}", args.prefill), e))?;
-        let body = reply.into_vec().pop().unwrap_or_default();
-        serde_json::from_slice(&body).map_err(|e| api_error("decoding the reply", e))
+            .map_err(|_| Error::new(ErrorKind::Timeout, "request API: the prefill process did not answer"))?
+            .map_err(|e| e.context("request API"))?;
+        serde_json::from_slice(&reply)
+            .map_err(|e| Error::invalid_peer_data(format!("request API: decoding the reply: {e}")))
     };
     let start = Instant::now();
     for (id, prompt) in args.workload.prompts() {

@@ -98,46 +98,66 @@ fn prefill_and_decode_processes_over_tcp() {
     prefill_and_decode_processes_with(&[("UCX_TLS", "tcp")]);
 }
 
+/// A `kvx prefill` process and the ports it listens on.
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
+struct Prefill {
+    child: Child,
+    /// The request API, as printed (`tcp://host:port`).
+    api: String,
+    /// Every port it listens on: the request API's and each rank's side channel.
+    ports: Vec<u16>,
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn start_prefill(args: &[&str], env: &[(&str, &str)]) -> Prefill {
     use std::io::{BufRead, BufReader};
-    let mut prefill = Command::new(KVX)
+    let mut child = Command::new(KVX)
+        .env_remove("KVX_AUTH_KEY")
         .envs(env.iter().copied())
         .args(["prefill", "--backend", NATIVE, "--api-port", "0"])
+        .args(args)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // The first line names the request API's endpoint.
+    // The first line names the side-channel ports and, last, the request API's endpoint.
     let mut first = String::new();
-    BufReader::new(prefill.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
     let api = first.trim().rsplit(' ').next().unwrap().to_owned();
     assert!(api.starts_with("tcp://"), "{first}");
+    let mut ports = vec![api.rsplit(':').next().unwrap().parse().unwrap()];
+    let range = first.split("side channels on ports ").nth(1).unwrap().split(';').next().unwrap();
+    let (lo, hi) = range.split_once('-').unwrap();
+    ports.extend(lo.parse::<u16>().unwrap()..=hi.parse().unwrap());
+    assert_eq!(ports.len(), 3, "the API and two ranks: {first}");
+    Prefill { child, api, ports }
+}
 
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn run_decode(api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
+    let requests = requests.to_string();
     let decode = Command::new(KVX)
-        .args([
-            "decode",
-            "--backend",
-            NATIVE,
-            "--prefill",
-            &api,
-            "--requests",
-            "30",
-            "--prompt-len",
-            "1..120",
-        ])
+        .env_remove("KVX_AUTH_KEY")
+        .envs(env.iter().copied())
+        .args(["decode", "--backend", NATIVE, "--prefill", api, "--requests", &requests])
+        .args(["--prompt-len", "1..120"])
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let decode = wait(decode);
+    wait(decode)
+}
+
+/// Both processes succeeded: every request finished, bytes verified, nothing leaked.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn check_pair(decode: Output, prefill: Child, requests: usize) {
     let prefill = wait(prefill);
     let (d, p) = (text(&decode.stdout), text(&prefill.stdout));
     assert!(decode.status.success(), "decode:\n{d}\n{}", text(&decode.stderr));
     assert!(prefill.status.success(), "prefill:\n{p}\n{}", text(&prefill.stderr));
-    assert!(d.contains("30 (30 finished, 0 failed)"), "{d}");
+    assert!(d.contains(&format!("{requests} ({requests} finished, 0 failed)")), "{d}");
     assert!(d.contains("blocks mismatched      0") && d.contains("blocks leaked          0"), "{d}");
     let verified: u64 = d
         .lines()
@@ -145,7 +165,51 @@ fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap();
     assert!(verified > 0, "{d}");
-    assert!(p.contains("served 30 requests") && p.contains("blocks leaked          0"), "{p}");
+    assert!(
+        p.contains(&format!("served {requests} requests")) && p.contains("blocks leaked          0"),
+        "{p}"
+    );
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
+    let prefill = start_prefill(&[], env);
+    let decode = run_decode(&prefill.api, 30, env);
+    check_pair(decode, prefill.child, 30);
+}
+
+/// Every listening port of a `kvx prefill` process (the request API and each rank's side
+/// channel) gets the 73-byte ZMTP frame and a length header claiming u32::MAX bytes; the process
+/// stays up and a following `kvx decode` succeeds.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+#[test]
+fn prefill_survives_hostile_bytes_on_every_port() {
+    let prefill = start_prefill(&[], &[]);
+    for &port in &prefill.ports {
+        kvx_testkit::hostile::attack(port, &kvx_testkit::hostile::zmtp_73(), false, LIMIT).unwrap();
+        kvx_testkit::hostile::attack(port, &[&u32::MAX.to_be_bytes()[..], b"tail"].concat(), false, LIMIT)
+            .unwrap();
+    }
+    let decode = run_decode(&prefill.api, 10, &[]);
+    check_pair(decode, prefill.child, 10);
+}
+
+/// A prefill/decode pair with the same key (flag on one side, `KVX_AUTH_KEY` on the other)
+/// succeeds; a decode with a wrong key first fails cleanly with an authentication error and the
+/// prefill process goes on.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+#[test]
+fn prefill_and_decode_with_an_auth_key() {
+    let prefill = start_prefill(&["--auth-key", "the-deployment-key-1"], &[]);
+    let wrong = run_decode(&prefill.api, 3, &[("KVX_AUTH_KEY", "not-the-deployment-key")]);
+    let stderr = text(&wrong.stderr);
+    assert_eq!(wrong.status.code(), Some(2), "{}\n{stderr}", text(&wrong.stdout));
+    assert!(stderr.contains("not authenticated"), "{stderr}");
+    let unkeyed = run_decode(&prefill.api, 3, &[]);
+    assert_eq!(unkeyed.status.code(), Some(2));
+    assert!(text(&unkeyed.stderr).contains("not authenticated"), "{}", text(&unkeyed.stderr));
+    let decode = run_decode(&prefill.api, 10, &[("KVX_AUTH_KEY", "the-deployment-key-1")]);
+    check_pair(decode, prefill.child, 10);
 }
 
 /// `kvx bench` on `backend`: a small run that checks the first transfer's bytes and reports the

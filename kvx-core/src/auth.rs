@@ -121,60 +121,62 @@ pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     Ok(buf)
 }
 
-/// A hold's nonce: 128 bits, written as 32 lowercase hex digits in JSON and on the wire.
+/// Fixed-size bytes, written as `2 * N` lowercase hex digits in JSON and on the wire.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Nonce([u8; 16]);
+pub struct HexBytes<const N: usize>(pub [u8; N]);
 
-impl Nonce {
-    /// A nonce from its bytes.
-    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
-        Nonce(bytes)
-    }
+/// A hold's nonce: 128 bits.
+pub type Nonce = HexBytes<16>;
 
+/// A MAC tag as it travels in `kv_transfer_params`.
+pub type MacTag = HexBytes<TAG_LEN>;
+
+impl<const N: usize> HexBytes<N> {
     /// Its bytes.
-    pub fn as_bytes(&self) -> &[u8; 16] {
+    pub fn as_bytes(&self) -> &[u8; N] {
         &self.0
     }
 
-    /// Parses 32 hex digits.
+    /// Parses exactly `2 * N` hex digits.
     pub fn parse(s: &str) -> Result<Self> {
-        let bad = || Error::invalid_peer_data(format!("nonce {}: not 32 hex digits", crate::error::quote(s)));
+        let bad =
+            || Error::invalid_peer_data(format!("{}: not {} hex digits", crate::error::quote(s), 2 * N));
         let digits = s.as_bytes();
-        if digits.len() != 32 {
+        if digits.len() != 2 * N {
             return Err(bad());
         }
-        let mut out = [0u8; 16];
+        let mut out = [0u8; N];
         for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
-            let hi = (pair[0] as char).to_digit(16).ok_or_else(bad)?;
-            let lo = (pair[1] as char).to_digit(16).ok_or_else(bad)?;
+            let hi = char::from(pair[0]).to_digit(16).ok_or_else(bad)?;
+            let lo = char::from(pair[1]).to_digit(16).ok_or_else(bad)?;
             *byte = (hi << 4 | lo) as u8;
         }
-        Ok(Nonce(out))
+        Ok(HexBytes(out))
     }
 }
 
-impl fmt::Display for Nonce {
+impl<const N: usize> fmt::Display for HexBytes<N> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 
-impl fmt::Debug for Nonce {
+impl<const N: usize> fmt::Debug for HexBytes<N> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Nonce({self})")
+        write!(f, "HexBytes({self})")
     }
 }
 
-impl Serialize for Nonce {
+impl<const N: usize> Serialize for HexBytes<N> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.collect_str(self)
     }
 }
 
-impl<'de> Deserialize<'de> for Nonce {
+impl<'de, const N: usize> Deserialize<'de> for HexBytes<N> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        Nonce::parse(&s).map_err(serde::de::Error::custom)
+        HexBytes::parse(&s).map_err(|e| serde::de::Error::custom(e.message()))
     }
 }
 
@@ -210,7 +212,7 @@ impl NonceSource {
         let tag = self.seed.tag(Purpose::TransferParams, &[b"nonce", &self.counter.to_le_bytes()]);
         let mut bytes = [0u8; 16];
         bytes.copy_from_slice(&tag[..16]);
-        Nonce(bytes)
+        HexBytes(bytes)
     }
 }
 

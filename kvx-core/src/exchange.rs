@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::error::Result;
 
 /// Publishes this worker's handshake payload and fetches peers'. The default implementation is
-/// the ZeroMQ side channel (`net::ZmqSideChannel`, feature `net`).
+/// the TCP side channel (`net::SideChannel`, feature `net`).
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait MetadataExchange: Send + Sync + fmt::Debug {

@@ -50,7 +50,8 @@ impl ParallelGroup for SingleRank {
 pub(crate) struct GatherInbox {
     world_size: u32,
     timeout: Duration,
-    /// Reports that arrived beyond one per rank, kept for the next gather.
+    /// Reports that arrived beyond one per rank, kept for the next gather: at most one per rank
+    /// (a rank's later reports are merged into it), so a rank that floods costs bounded entries.
     backlog: VecDeque<(u32, Finished)>,
 }
 
@@ -100,7 +101,10 @@ impl GatherInbox {
                 *h = true;
                 out.push(report);
             }
-            Some(_) => keep.push_back((rank, report)),
+            Some(_) => match keep.iter_mut().find(|(r, _)| *r == rank) {
+                Some((_, kept)) => kept.extend(report),
+                None => keep.push_back((rank, report)),
+            },
             None => warn!(rank, "report from a rank outside the group dropped"),
         }
     }
@@ -194,6 +198,19 @@ mod tests {
         g[2].gather_finished(report("b2")).unwrap();
         let got = g[0].gather_finished(report("b0")).unwrap().unwrap();
         assert_eq!(got, vec![report("b0"), report("b1"), report("b2")]);
+    }
+
+    #[test]
+    fn a_rank_that_floods_reports_is_kept_as_one_merged_report() {
+        // Rank 1 sends 10 000 reports while rank 0 waits for rank 2's.
+        let mut inbox = GatherInbox::new(3, Duration::from_secs(5));
+        let mut flood = (0..10_000).map(|i| (1, report(&format!("f{i}")))).chain([(2, report("two"))]);
+        let out = inbox.gather(report("own"), |_| Ok(flood.next())).unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(inbox.backlog.len(), 1, "the rest merged into one entry");
+        assert_eq!(inbox.backlog[0].1.recving.len(), 9_999);
+        let next = inbox.gather(report("own2"), |_| Ok(None)).unwrap();
+        assert_eq!(next[1].recving.len(), 9_999, "nothing lost");
     }
 
     #[test]

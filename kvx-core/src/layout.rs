@@ -175,7 +175,8 @@ impl KvCacheLayout {
         h.write(&self.block_size.to_le_bytes());
         h.write(&self.block_len.to_le_bytes());
         for w in &self.windows {
-            h.write(&w.map_or(0, |w| w + 1).to_le_bytes());
+            // Widened: a window of u32::MAX blocks (from a peer's payload, say) must not overflow.
+            h.write(&w.map_or(0, |w| u64::from(w) + 1).to_le_bytes());
         }
         h.write(tag.as_bytes());
         h.finish()
@@ -324,5 +325,7 @@ mod tests {
         assert_eq!(a.compat_hash("m"), b.compat_hash("m"));
         assert_ne!(a.compat_hash("m"), c.compat_hash("m"));
         assert_ne!(a.compat_hash("m"), a.compat_hash("other-model"));
+        let widest = KvCacheLayout { windows: vec![Some(u32::MAX)], ..a.clone() };
+        assert_ne!(widest.compat_hash("m"), a.compat_hash("m"), "no overflow, and not global attention");
     }
 }

@@ -19,7 +19,7 @@ pub mod transfer;
 pub mod wire;
 pub mod worker;
 
-pub use auth::{AuthKey, Nonce, NonceSource};
+pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource};
 #[cfg(feature = "net")]
 pub use driver::WorkerDriver;
 pub use error::{Error, ErrorKind, Result};
@@ -28,8 +28,8 @@ pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{ByteAccess, HostMemory, KvMemory, MemKind, MemRegion};
-pub use meta::{ConnectorMetadata, FailedRecv, Finished, RankReport, RecvRequest};
-pub use params::{RemoteCoordinates, TransferParams};
+pub use meta::{ConnectorMetadata, FailedRecv, Finished, HeldRequest, HoldRelease, RankReport, RecvRequest};
+pub use params::{Offer, RemoteCoordinates, TransferParams};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
     BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,

@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::{MacTag, Nonce};
 use crate::ids::{BlockId, RequestId};
-use crate::params::RemoteCoordinates;
+use crate::params::{Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
 
 /// One request whose KV the decode workers load from a prefill engine.
@@ -17,11 +18,22 @@ pub struct RecvRequest {
     pub remote_request_id: Option<RequestId>,
     /// Local blocks to fill. Empty: nothing to read, only tell the prefill engine to free.
     pub local_block_ids: Vec<BlockId>,
-    /// The prefill engine's blocks; when longer than `local_block_ids`, only the last
-    /// `local_block_ids.len()` are read (the rest hit the local prefix cache).
+    /// The prefill engine's held blocks, exactly as its params offered them (what their MAC
+    /// covers).
     pub remote_block_ids: Vec<BlockId>,
+    /// The index in `remote_block_ids` of the block read into `local_block_ids[0]`: the READ
+    /// takes `local_block_ids.len()` blocks from there. Those before it hit the local prefix
+    /// cache; those after the READ lie beyond the prompt's full blocks.
+    #[serde(default)]
+    pub remote_read_from: u32,
     /// Where the prefill engine is.
     pub remote: RemoteCoordinates,
+    /// The prefill engine's nonce for its hold (from the params); the notification carries it.
+    #[serde(default)]
+    pub nonce: Option<Nonce>,
+    /// The prefill engine's MAC over its offer (authenticated deployments).
+    #[serde(default)]
+    pub mac: Option<MacTag>,
 }
 
 impl RecvRequest {
@@ -34,6 +46,40 @@ impl RecvRequest {
     pub fn prefill_request_id(&self) -> &RequestId {
         self.remote_request_id.as_ref().unwrap_or(&self.request_id)
     }
+
+    /// The prefill engine's offer, as its MAC covers it (once the params carried a nonce).
+    pub fn offer(&self) -> Option<Offer<'_>> {
+        Some(Offer {
+            remote: &self.remote,
+            request_id: self.prefill_request_id(),
+            block_ids: &self.remote_block_ids,
+            nonce: self.nonce.as_ref()?,
+        })
+    }
+}
+
+/// A request whose blocks the prefill engine now holds for a reader, and the hold's nonce.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldRequest {
+    /// The request (the prefill engine's id).
+    pub request_id: RequestId,
+    /// The nonce handed out in its params; only a notification carrying it frees the hold.
+    pub nonce: Nonce,
+}
+
+/// The notification a decode worker sends the prefill engine: free the hold of `request_id`,
+/// whose params carried `nonce`. Sent after the READ completed, after it failed, or instead of
+/// one (nothing to read).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldRelease {
+    /// The prefill engine's id of the request.
+    pub request_id: RequestId,
+    /// The hold's nonce, from the params.
+    pub nonce: Nonce,
+}
+
+impl WireMessage for HoldRelease {
+    const KIND: MessageKind = MessageKind::HoldRelease;
 }
 
 /// The scheduler's output for the workers of one engine step. Serialisable: in a real engine it
@@ -43,7 +89,7 @@ pub struct ConnectorMetadata {
     /// Decode side: requests to load now.
     pub reqs_to_recv: Vec<RecvRequest>,
     /// Prefill side: requests whose blocks are now held for a remote reader.
-    pub reqs_to_send: Vec<RequestId>,
+    pub reqs_to_send: Vec<HeldRequest>,
 }
 
 impl ConnectorMetadata {

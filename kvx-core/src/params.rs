@@ -1,8 +1,10 @@
 //! `kv_transfer_params`: what the prefill engine hands back and the decode engine receives, in
 //! exactly vLLM's JSON shape.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::auth::{AuthKey, MacTag, Nonce, Purpose};
+use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{BlockId, EngineId, RequestId};
 
 /// vLLM's `kv_transfer_params`. Keys vLLM adds that kvx does not know are kept in `extra`, so a
@@ -12,11 +14,13 @@ use crate::ids::{BlockId, EngineId, RequestId};
 /// (full attention), reads both that shape and a flat list, and writes the nested shape.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TransferParams {
-    /// Decode side: load this request's prompt KV from a remote prefill engine.
-    #[serde(default)]
+    /// Decode side: load this request's prompt KV from a remote prefill engine. `null` reads as
+    /// false, as vLLM reads it.
+    #[serde(default, deserialize_with = "null_is_false")]
     pub do_remote_prefill: bool,
-    /// Prefill side: keep the blocks after finishing, for a remote decode engine to read.
-    #[serde(default)]
+    /// Prefill side: keep the blocks after finishing, for a remote decode engine to read. `null`
+    /// reads as false.
+    #[serde(default, deserialize_with = "null_is_false")]
     pub do_remote_decode: bool,
     /// The prefill engine's blocks holding the prompt's full blocks.
     #[serde(default, with = "one_group")]
@@ -34,6 +38,13 @@ pub struct TransferParams {
     /// Base port of the prefill engine's side channel (rank `r` listens on `port + r`).
     #[serde(default)]
     pub remote_port: Option<u16>,
+    /// kvx: the nonce of the prefill engine's hold. The notification that frees the hold must
+    /// carry it, so a forged or replayed request id frees nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvx_hold_nonce: Option<Nonce>,
+    /// kvx, authenticated deployments: the prefill engine's MAC over its [`Offer`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvx_offer_mac: Option<MacTag>,
     /// Keys kvx does not interpret.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -61,6 +72,8 @@ impl TransferParams {
             remote_engine_id: Some(engine_id),
             remote_host: Some(host),
             remote_port: Some(port),
+            kvx_hold_nonce: None,
+            kvx_offer_mac: None,
             extra: Default::default(),
         }
     }
@@ -81,10 +94,9 @@ impl TransferParams {
     }
 
     /// Parses vLLM's JSON.
-    pub fn from_json(json: &str) -> crate::Result<Self> {
-        serde_json::from_str(json).map_err(|e| {
-            crate::Error::new(crate::ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e)
-        })
+    pub fn from_json(json: &str) -> Result<Self> {
+        serde_json::from_str(json)
+            .map_err(|e| Error::new(ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e))
     }
 
     /// Renders vLLM's JSON.
@@ -94,36 +106,124 @@ impl TransferParams {
     }
 }
 
+/// What a prefill engine offers a decode engine for one held request: what the MAC in
+/// [`TransferParams::kvx_offer_mac`] covers. Every field is length-prefixed in the MAC, so no two
+/// different offers share a tag.
+#[derive(Debug, Clone, Copy)]
+pub struct Offer<'a> {
+    /// The prefill engine and its side channel.
+    pub remote: &'a RemoteCoordinates,
+    /// The prefill engine's id of the request.
+    pub request_id: &'a RequestId,
+    /// The held blocks, in token order.
+    pub block_ids: &'a [BlockId],
+    /// The hold's nonce.
+    pub nonce: &'a Nonce,
+}
+
+impl Offer<'_> {
+    fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
+        let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
+        f(&[
+            self.remote.engine_id.as_str().as_bytes(),
+            self.remote.host.as_bytes(),
+            &self.remote.port.to_le_bytes(),
+            self.request_id.as_str().as_bytes(),
+            &blocks,
+            self.nonce.as_bytes(),
+        ])
+    }
+
+    /// The offer's MAC under `key`.
+    pub fn tag(&self, key: &AuthKey) -> MacTag {
+        crate::auth::HexBytes(self.with_parts(|parts| key.tag(Purpose::TransferParams, parts)))
+    }
+
+    /// Checks `mac` (absent: refused) against the offer under `key`.
+    pub fn verify(&self, key: &AuthKey, mac: Option<&MacTag>) -> Result<()> {
+        let Some(mac) = mac else {
+            return Err(Error::new(
+                ErrorKind::Unauthenticated,
+                "kv_transfer_params carry no kvx_offer_mac, and this engine requires one",
+            ));
+        };
+        self.with_parts(|parts| key.verify(Purpose::TransferParams, parts, mac.as_bytes())).map_err(|e| {
+            e.context(format!("the offer of request {}", crate::error::quote(self.request_id.as_str())))
+        })
+    }
+}
+
+/// `null` (what Python clients send for an unset flag) reads as false.
+fn null_is_false<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 /// `remote_block_ids` as one KV-cache group: written `[[..]]`, read as `[[..]]` (exactly one
 /// group; an empty outer list is no blocks) or as a flat list.
 mod one_group {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use serde_json::Value;
 
+    use crate::error::quote;
     use crate::ids::BlockId;
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Shape {
-        Flat(Vec<BlockId>),
-        Groups(Vec<Vec<BlockId>>),
-    }
 
     pub(super) fn serialize<S: Serializer>(ids: &Option<Vec<BlockId>>, s: S) -> Result<S::Ok, S::Error> {
         ids.as_ref().map(std::slice::from_ref).serialize(s)
     }
 
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<BlockId>>, D::Error> {
-        match Option::<Shape>::deserialize(d)? {
+        match Option::<Value>::deserialize(d)? {
             None => Ok(None),
-            Some(Shape::Flat(ids)) => Ok(Some(ids)),
-            Some(Shape::Groups(mut groups)) if groups.len() <= 1 => {
-                Ok(Some(groups.pop().unwrap_or_default()))
-            }
-            Some(Shape::Groups(groups)) => Err(serde::de::Error::custom(format!(
-                "remote_block_ids has {} KV-cache groups; kvx moves one",
-                groups.len()
-            ))),
+            Some(v) => groups(&v).map(Some).map_err(serde::de::Error::custom),
         }
+    }
+
+    /// `[[..]]` (one group, or none) or a flat list; says what is wrong and where otherwise.
+    fn groups(v: &Value) -> Result<Vec<BlockId>, String> {
+        let Value::Array(items) = v else {
+            return Err(format!("remote_block_ids is {}, not a list of block ids", shown(v)));
+        };
+        match items.as_slice() {
+            [] => Ok(Vec::new()),
+            [Value::Array(_), ..] => {
+                if let Some(i) = items.iter().position(|g| !g.is_array()) {
+                    return Err(format!(
+                        "remote_block_ids[{i}] is {}, not a list of block ids",
+                        shown(&items[i])
+                    ));
+                }
+                match items.as_slice() {
+                    [only] => ids(only, "remote_block_ids[0]"),
+                    many => {
+                        Err(format!("remote_block_ids has {} KV-cache groups; kvx moves one", many.len()))
+                    }
+                }
+            }
+            _ => ids(v, "remote_block_ids"),
+        }
+    }
+
+    fn ids(v: &Value, path: &str) -> Result<Vec<BlockId>, String> {
+        let Value::Array(items) = v else {
+            return Err(format!("{path} is {}, not a list of block ids", shown(v)));
+        };
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                x.as_u64().and_then(|n| BlockId::try_from(n).ok()).ok_or_else(|| {
+                    format!(
+                        "{path}[{i}] is {}: a block id is a whole number from 0 to {}",
+                        shown(x),
+                        BlockId::MAX
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn shown(v: &Value) -> String {
+        quote(&v.to_string())
     }
 }
 
@@ -186,12 +286,79 @@ mod tests {
         let p = TransferParams::from_json(r#"{"do_remote_decode": true}"#).unwrap();
         assert!(p.do_remote_decode && p.coordinates().is_none() && p.remote_blocks().is_empty());
         assert!(TransferParams::from_json(r#"{"remote_port": 70000}"#).is_err());
-        assert!(TransferParams::from_json(r#"{"remote_block_ids": [-1]}"#).is_err());
         assert!(TransferParams::from_json(r#"{"remote_block_ids": [[1], [2]]}"#).is_err(), "two groups");
         let no_host = TransferParams {
             remote_host: Some(String::new()),
             ..TransferParams::for_decode(vec![], "e".into(), "h".into(), 1)
         };
         assert!(no_host.coordinates().is_none());
+    }
+
+    #[test]
+    fn null_flags_read_as_false_as_vllm_reads_them() {
+        let p = TransferParams::from_json(
+            r#"{"do_remote_prefill": null, "do_remote_decode": null, "remote_block_ids": null}"#,
+        )
+        .unwrap();
+        assert!(!p.do_remote_prefill && !p.do_remote_decode);
+        assert!(TransferParams::from_json(r#"{"do_remote_prefill": 1}"#).is_err(), "not a bool");
+    }
+
+    #[test]
+    fn bad_block_ids_say_what_is_wrong_and_where() {
+        for (json, says) in [
+            (r#"{"remote_block_ids": [-1]}"#, "remote_block_ids[0] is \"-1\": a block id is a whole number"),
+            (r#"{"remote_block_ids": [3, 1.5]}"#, "remote_block_ids[1] is \"1.5\""),
+            (r#"{"remote_block_ids": [[0, 4294967296]]}"#, "remote_block_ids[0][1] is \"4294967296\""),
+            (r#"{"remote_block_ids": [[1], 2]}"#, "remote_block_ids[1] is \"2\", not a list"),
+            (r#"{"remote_block_ids": [1, [2]]}"#, "remote_block_ids[1] is \"[2]\""),
+            (r#"{"remote_block_ids": "7"}"#, "remote_block_ids is \"\\\"7\\\"\", not a list"),
+            (r#"{"remote_block_ids": [["x"]]}"#, "remote_block_ids[0][0] is"),
+        ] {
+            let e = TransferParams::from_json(json).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Wire);
+            assert!(e.to_string().contains(says), "{json}: {e}");
+            assert!(!e.to_string().contains("untagged"), "{e}");
+        }
+        let huge = format!(r#"{{"remote_block_ids": ["{}"]}}"#, "x".repeat(10 << 20));
+        let e = TransferParams::from_json(&huge).unwrap_err();
+        assert!(e.to_string().len() < 400, "a 10 MB id is quoted short: {} bytes", e.to_string().len());
+    }
+
+    #[test]
+    fn a_huge_host_gives_a_short_error_not_a_huge_one() {
+        let p = TransferParams::from_json(&format!(r#"{{"remote_port": "{}"}}"#, "9".repeat(10 << 20)));
+        assert!(p.unwrap_err().to_string().len() <= crate::error::MAX_MESSAGE_LEN + 64);
+    }
+
+    #[test]
+    fn an_offer_verifies_only_unchanged_and_under_the_same_key() {
+        let key = AuthKey::new("a deployment's shared secret").unwrap();
+        let remote = RemoteCoordinates { engine_id: "p".into(), host: "h".into(), port: 5600 };
+        let (id, nonce) = (RequestId::new("r1"), Nonce::parse(&"ab".repeat(16)).unwrap());
+        let offer = Offer { remote: &remote, request_id: &id, block_ids: &[1, 2], nonce: &nonce };
+        let mac = offer.tag(&key);
+        offer.verify(&key, Some(&mac)).unwrap();
+        let other_id = RequestId::new("r2");
+        let other_remote = RemoteCoordinates { port: 5601, ..remote.clone() };
+        let other_nonce = Nonce::parse(&"cd".repeat(16)).unwrap();
+        for changed in [
+            Offer { request_id: &other_id, ..offer },
+            Offer { block_ids: &[1, 3], ..offer },
+            Offer { block_ids: &[1, 2, 3], ..offer },
+            Offer { remote: &other_remote, ..offer },
+            Offer { nonce: &other_nonce, ..offer },
+        ] {
+            assert_eq!(changed.verify(&key, Some(&mac)).unwrap_err().kind(), ErrorKind::Unauthenticated);
+        }
+        let wrong_key = AuthKey::new("another deployment's secret").unwrap();
+        assert_eq!(offer.verify(&wrong_key, Some(&mac)).unwrap_err().kind(), ErrorKind::Unauthenticated);
+        assert_eq!(offer.verify(&key, None).unwrap_err().kind(), ErrorKind::Unauthenticated);
+        let json =
+            TransferParams { kvx_hold_nonce: Some(nonce), kvx_offer_mac: Some(mac), ..Default::default() };
+        let back = TransferParams::from_json(&json.to_json()).unwrap();
+        assert_eq!((back.kvx_hold_nonce, back.kvx_offer_mac), (Some(nonce), Some(mac)));
+        let e = TransferParams::from_json(r#"{"kvx_hold_nonce": "zz"}"#).unwrap_err();
+        assert!(e.to_string().contains("not 32 hex digits"), "{e}");
     }
 }

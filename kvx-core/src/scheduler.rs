@@ -4,12 +4,13 @@
 use std::collections::{HashMap, HashSet};
 use tracing::{debug, warn};
 
+use crate::auth::{AuthKey, MacTag, Nonce, NonceSource};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, EngineId, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
-use crate::meta::{ConnectorMetadata, Finished, RecvRequest};
-use crate::params::{RemoteCoordinates, TransferParams};
+use crate::meta::{ConnectorMetadata, Finished, HeldRequest, RecvRequest};
+use crate::params::{Offer, RemoteCoordinates, TransferParams};
 
 /// Configuration of one engine's scheduler-side connector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +23,9 @@ pub struct SchedulerConfig {
     pub side_channel_host: String,
     /// Base port of this engine's side channel (rank `r` listens on `port + r`).
     pub side_channel_port: u16,
+    /// The deployment's shared key: with it, the params this engine hands out carry a MAC over
+    /// the offer (engine, side channel, request id, blocks and nonce).
+    pub auth_key: Option<AuthKey>,
 }
 
 /// Why the engine finished a request.
@@ -60,10 +64,28 @@ struct PendingRecv {
     remote: RemoteCoordinates,
     /// The prefill engine's id of the request, when it differs from ours.
     remote_request_id: Option<RequestId>,
-    /// The remote blocks covering the prompt's tokens up to what will be loaded.
+    /// The remote blocks as offered.
     remote_block_ids: Vec<BlockId>,
+    /// Where in them the READ starts.
+    remote_read_from: u32,
     /// Empty until blocks are allocated; stays empty for notify-only requests.
     local_block_ids: Vec<BlockId>,
+    nonce: Option<Nonce>,
+    mac: Option<MacTag>,
+}
+
+impl PendingRecv {
+    fn new(remote: RemoteCoordinates, params: &TransferParams) -> Self {
+        PendingRecv {
+            remote,
+            remote_request_id: params.remote_request_id.clone(),
+            remote_block_ids: params.remote_blocks().to_vec(),
+            remote_read_from: 0,
+            local_block_ids: Vec::new(),
+            nonce: params.kvx_hold_nonce,
+            mac: params.kvx_offer_mac,
+        }
+    }
 }
 
 /// The scheduler side of the connector, one per engine.
@@ -84,12 +106,21 @@ pub struct ConnectorScheduler {
     /// Prefill side: blocks held for a reader, not yet reported sent.
     sending: HashSet<RequestId>,
     /// Prefill side: held since the last metadata.
-    new_sending: Vec<RequestId>,
+    new_sending: Vec<HeldRequest>,
+    /// Prefill side: each hold's nonce.
+    nonces: NonceSource,
 }
 
 impl ConnectorScheduler {
-    /// A scheduler-side connector. `block_size` must be non-zero.
+    /// A scheduler-side connector. `block_size` must be non-zero. Hold nonces come from the
+    /// operating system's random source.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
+        Self::with_nonces(config, NonceSource::from_entropy()?)
+    }
+
+    /// A scheduler-side connector whose hold nonces come from `nonces` (a seeded source makes a
+    /// simulation reproducible; an engine uses [`new`](Self::new)).
+    pub fn with_nonces(config: SchedulerConfig, nonces: NonceSource) -> Result<Self> {
         if config.block_size == 0 {
             return Err(Error::invalid_argument("block_size must be non-zero"));
         }
@@ -99,6 +130,7 @@ impl ConnectorScheduler {
             recving: HashSet::new(),
             sending: HashSet::new(),
             new_sending: Vec::new(),
+            nonces,
         })
     }
 
@@ -168,19 +200,10 @@ impl ConnectorScheduler {
             warn!(%request_id, "invalid kv_transfer_params (incomplete remote coordinates): no transfer");
             return Ok(());
         };
-        let remote_request_id = params.remote_request_id.clone();
         if num_external_tokens == 0 {
             if !params.remote_blocks().is_empty() {
                 debug!(%request_id, "nothing to load: notify the prefill engine only");
-                self.pending_recv.insert(
-                    request_id.clone(),
-                    PendingRecv {
-                        remote,
-                        remote_request_id,
-                        remote_block_ids: Vec::new(),
-                        local_block_ids: Vec::new(),
-                    },
-                );
+                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
             }
             return Ok(());
         }
@@ -199,17 +222,19 @@ impl ConnectorScheduler {
                 remote_ids.len()
             )));
         }
-        // The remote blocks up to the end of what loads; the worker reads their last `needed`.
+        // The READ ends at the last remote block the prompt fills and takes `needed` blocks.
         let loadable = (prompt_len / bs).min(remote_ids.len());
-        self.pending_recv.insert(
-            request_id.clone(),
-            PendingRecv {
-                remote,
-                remote_request_id,
-                remote_block_ids: remote_ids[..loadable].to_vec(),
-                local_block_ids: new_block_ids[..needed].to_vec(),
-            },
-        );
+        let remote_read_from = u32::try_from(loadable - needed).map_err(|_| {
+            Error::invalid_argument(format!(
+                "request {request_id}: {loadable} remote blocks overflow a block id"
+            ))
+        })?;
+        let pending = PendingRecv {
+            remote_read_from,
+            local_block_ids: new_block_ids[..needed].to_vec(),
+            ..PendingRecv::new(remote, params)
+        };
+        self.pending_recv.insert(request_id.clone(), pending);
         Ok(())
     }
 
@@ -223,7 +248,10 @@ impl ConnectorScheduler {
                 remote_request_id: p.remote_request_id,
                 local_block_ids: p.local_block_ids,
                 remote_block_ids: p.remote_block_ids,
+                remote_read_from: p.remote_read_from,
                 remote: p.remote,
+                nonce: p.nonce,
+                mac: p.mac,
             })
             .collect();
         reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
@@ -254,7 +282,6 @@ impl ConnectorScheduler {
     ) -> FinishOutcome {
         if let Some(pending) = self.pending_recv.get_mut(request_id) {
             pending.local_block_ids.clear();
-            pending.remote_block_ids.clear();
             return FinishOutcome::default();
         }
         if self.recving.contains(request_id) {
@@ -266,17 +293,24 @@ impl ConnectorScheduler {
         let full_blocks = (num_computed_tokens / self.block_size()).min(block_ids.len());
         let computed = block_ids[..full_blocks].to_vec();
         let delay_free = !computed.is_empty();
+        let nonce = self.nonces.next_nonce();
         if delay_free {
             self.sending.insert(request_id.clone());
-            self.new_sending.push(request_id.clone());
+            self.new_sending.push(HeldRequest { request_id: request_id.clone(), nonce });
         }
-        let mut params = TransferParams::for_decode(
-            computed,
-            self.config.engine_id.clone(),
-            self.config.side_channel_host.clone(),
-            self.config.side_channel_port,
-        );
+        let remote = RemoteCoordinates {
+            engine_id: self.config.engine_id.clone(),
+            host: self.config.side_channel_host.clone(),
+            port: self.config.side_channel_port,
+        };
+        let kvx_offer_mac =
+            self.config.auth_key.as_ref().map(|key| {
+                Offer { remote: &remote, request_id, block_ids: &computed, nonce: &nonce }.tag(key)
+            });
+        let mut params = TransferParams::for_decode(computed, remote.engine_id, remote.host, remote.port);
         params.remote_request_id = Some(request_id.clone());
+        params.kvx_hold_nonce = Some(nonce);
+        params.kvx_offer_mac = kvx_offer_mac;
         FinishOutcome { delay_free, params: Some(params) }
     }
 
@@ -318,6 +352,7 @@ mod tests {
             block_size: BS as u32,
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
+            auth_key: None,
         })
         .unwrap()
     }
@@ -394,7 +429,8 @@ mod tests {
         assert_eq!(meta.reqs_to_recv.len(), 1);
         let r = &meta.reqs_to_recv[0];
         assert_eq!(r.local_block_ids, vec![5, 6]);
-        assert_eq!(r.remote_block_ids, vec![10, 11, 12]);
+        assert_eq!(r.remote_block_ids, vec![10, 11, 12], "as offered");
+        assert_eq!(r.remote_read_from, 1, "the first block hit the local prefix cache");
         assert_eq!(r.remote.engine_id, "prefill".into());
         assert_eq!(s.num_recving(), 1);
         assert!(s.build_connector_meta().is_empty(), "the record is cleared");
@@ -442,10 +478,22 @@ mod tests {
         let out = s.request_finished(&id("a"), Some(&p), FinishReason::LengthCapped, 2 * BS + 5, &[3, 4, 5]);
         assert!(out.delay_free);
         let params = out.params.unwrap();
-        assert_eq!(params, TransferParams { remote_request_id: Some(id("a")), ..decode_params(vec![3, 4]) });
+        let nonce_a = params.kvx_hold_nonce.unwrap();
+        assert_eq!(
+            params,
+            TransferParams {
+                remote_request_id: Some(id("a")),
+                kvx_hold_nonce: Some(nonce_a),
+                ..decode_params(vec![3, 4])
+            }
+        );
+        assert_eq!(params.kvx_offer_mac, None, "no key, no MAC");
         // Exactly 2 full blocks, a third allocated for the next token: only 2 offered.
         let out = s.request_finished(&id("b"), Some(&p), FinishReason::LengthCapped, 2 * BS, &[6, 7, 8]);
-        assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![6, 7]));
+        let params_b = out.params.unwrap();
+        assert_eq!(params_b.remote_block_ids, Some(vec![6, 7]));
+        let nonce_b = params_b.kvx_hold_nonce.unwrap();
+        assert_ne!(nonce_a, nonce_b, "every hold has its own nonce");
         // Zero computed tokens is not "all full".
         let out = s.request_finished(&id("c"), Some(&p), FinishReason::LengthCapped, 0, &[9]);
         assert!(!out.delay_free);
@@ -454,7 +502,13 @@ mod tests {
         let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &[9]);
         assert!(!out.delay_free);
         let meta = s.build_connector_meta();
-        assert_eq!(meta.reqs_to_send, vec![id("a"), id("b")]);
+        assert_eq!(
+            meta.reqs_to_send,
+            vec![
+                HeldRequest { request_id: id("a"), nonce: nonce_a },
+                HeldRequest { request_id: id("b"), nonce: nonce_b }
+            ]
+        );
         assert_eq!(s.num_sending(), 2);
         s.update_finished(&Finished { sending: vec![id("a"), id("b")], ..Default::default() });
         assert!(s.is_idle());
@@ -582,5 +636,40 @@ mod tests {
     fn zero_block_size_is_rejected() {
         let cfg = SchedulerConfig { block_size: 0, ..sched().config().clone() };
         assert!(ConnectorScheduler::new(cfg).is_err());
+    }
+
+    #[test]
+    fn a_keyed_prefill_engine_signs_its_offer_and_the_decode_side_carries_it() {
+        let key = AuthKey::new("deployment secret 0123").unwrap();
+        let mut prefill =
+            ConnectorScheduler::new(SchedulerConfig { auth_key: Some(key.clone()), ..sched().config })
+                .unwrap();
+        let held = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id("p1"), Some(&held), FinishReason::LengthCapped, 3 * BS, &[7, 8, 9]);
+        let mut params = TransferParams::from_json(&out.params.unwrap().to_json()).unwrap();
+        let mut decode = sched();
+        decode.update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 2 * BS).unwrap();
+        let r = decode.build_connector_meta().reqs_to_recv.remove(0);
+        assert_eq!((r.remote_block_ids.as_slice(), r.remote_read_from), (&[7, 8, 9][..], 0));
+        r.offer().unwrap().verify(&key, r.mac.as_ref()).unwrap();
+        let mut forged = r.clone();
+        forged.remote_block_ids[2] = 3;
+        assert!(forged.offer().unwrap().verify(&key, forged.mac.as_ref()).is_err());
+    }
+
+    #[test]
+    fn seeded_nonces_are_reproducible() {
+        let nonces = |seed| {
+            let mut s =
+                ConnectorScheduler::with_nonces(sched().config, NonceSource::from_seed(seed)).unwrap();
+            let held = TransferParams { do_remote_decode: true, ..Default::default() };
+            s.request_finished(&id("a"), Some(&held), FinishReason::LengthCapped, BS, &[1])
+                .params
+                .unwrap()
+                .kvx_hold_nonce
+        };
+        assert_eq!(nonces([1; 32]), nonces([1; 32]));
+        assert_ne!(nonces([1; 32]), nonces([2; 32]));
     }
 }

@@ -26,6 +26,14 @@ pub enum MessageKind {
     FinishedReport,
     /// A request for a worker's handshake payload over the side channel.
     MetadataRequest,
+    /// A decode worker's notification that frees a prefill engine's hold.
+    HoldRelease,
+    /// A client's frame on a kvx TCP connection (`net::session`).
+    SessionRequest,
+    /// A server's frame on a kvx TCP connection (`net::session`).
+    SessionReply,
+    /// A rank's message to rank 0 of a `net::TcpGroup`.
+    GroupReport,
 }
 
 /// A message type that travels inside an [`Envelope`].

@@ -246,6 +246,17 @@ pub fn transfer_params_json() -> Vec<Seed> {
         ("hostile-deeply-nested-extra", deep_extra),
         ("a-thousand-block-ids", long_ids),
         ("hostile-bool-as-string", r#"{"do_remote_prefill":"true"}"#.into()),
+        (
+            "kvx-offer-with-nonce-and-mac",
+            format!(
+                r#"{{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"prefill-0","remote_request_id":"cmpl-1-0","remote_host":"10.0.0.1","remote_port":5600,"kvx_hold_nonce":"{}","kvx_offer_mac":"{}"}}"#,
+                "5a".repeat(16),
+                "c3".repeat(32)
+            ),
+        ),
+        ("hostile-nonce-not-hex", r#"{"kvx_hold_nonce":"not-a-nonce"}"#.into()),
+        ("hostile-mac-too-short", r#"{"kvx_offer_mac":"00ff"}"#.into()),
+        ("null-bools", r#"{"do_remote_prefill":null,"do_remote_decode":null}"#.into()),
     ];
     let mut seeds: Vec<Seed> = cases.into_iter().map(|(n, j)| Seed::new(n, j.into_bytes())).collect();
     // The same decode request, with scheduler choices after a NUL (see `transfer_params`).

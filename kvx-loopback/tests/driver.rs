@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    ConnectorMetadata, ConnectorWorker, Finished, HostMemory, LayerCache, RecvRequest, RemoteCoordinates,
-    RequestId, WorkerConfig, WorkerDriver,
+    ConnectorMetadata, ConnectorWorker, Finished, HeldRequest, HexBytes, HostMemory, LayerCache, RecvRequest,
+    RemoteCoordinates, RequestId, WorkerConfig, WorkerDriver,
 };
 use kvx_loopback::Fabric;
 
@@ -64,7 +64,10 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
         remote_request_id: None,
         local_block_ids: vec![2],
         remote_block_ids: vec![5],
+        remote_read_from: 0,
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },
+        nonce: Some(HexBytes([1; 16])),
+        mac: None,
     };
     driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], reqs_to_send: vec![] });
     // The fetch runs on the runtime; the result is fed at a later call.
@@ -101,7 +104,8 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     let mut driver = WorkerDriver::new(worker, Arc::new(exchange), Arc::new(group), rt.handle().clone());
     driver.register_kv_caches(&layer()).unwrap();
     // Holds for "a" and "b" expire at once on this rank (hold timeout zero).
-    let meta = ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: vec!["a".into(), "b".into()] };
+    let held = |id: &str| HeldRequest { request_id: id.into(), nonce: HexBytes([2; 16]) };
+    let meta = ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: vec![held("a"), held("b")] };
     driver.start_load_kv(&meta);
     let first = driver.get_finished().unwrap();
     assert_eq!(first.sending, vec![RequestId::new("a")], "b is not finished on rank 1 yet");

@@ -2,5 +2,6 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+pub mod hostile;
 pub mod sim;
 pub mod xproc;

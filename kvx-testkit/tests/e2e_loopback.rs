@@ -4,84 +4,16 @@
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvx_core::{EngineId, FinishReason, RequestId, TransferAgent};
-use kvx_loopback::{Fabric, Faults, LoopbackAgent};
-use kvx_testkit::sim::{
-    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SideChannel, SimBackend, SimEngine,
-};
+use common::*;
+use kvx_core::{FinishReason, RequestId};
+use kvx_loopback::Faults;
+use kvx_testkit::sim::{Cluster, EngineConfig, ModelSpec, RequestState, SideChannel, SimEngine};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-const BS: usize = 16;
-const LIMIT: Duration = Duration::from_secs(60);
-
-/// Agents by (engine, rank).
-type Agents = Arc<Mutex<HashMap<(String, u32), Arc<LoopbackAgent>>>>;
-
-/// Loopback agents on one fabric, kept by (engine, rank) so tests can inject faults.
-#[derive(Default)]
-struct Loopback {
-    fabric: Fabric,
-    agents: Agents,
-    net: InProcessSideChannels,
-}
-
-impl Loopback {
-    fn backend(&self) -> SimBackend {
-        let (fabric, agents) = (self.fabric.clone(), self.agents.clone());
-        SimBackend::new(move |engine: &EngineId, rank| {
-            let agent = Arc::new(fabric.agent(format!("{engine}-{rank}"))?);
-            agents.lock().unwrap().insert((engine.to_string(), rank), agent.clone());
-            Ok(agent as Arc<dyn TransferAgent>)
-        })
-    }
-
-    fn agent(&self, engine: &str, rank: u32) -> Arc<LoopbackAgent> {
-        self.agents.lock().unwrap()[&(engine.to_owned(), rank)].clone()
-    }
-
-    fn engine(&self, config: EngineConfig) -> SimEngine {
-        SimEngine::new(config, &self.backend()).unwrap()
-    }
-
-    fn config(&self, id: &str, model: &ModelSpec) -> EngineConfig {
-        EngineConfig::new(id, 2, 512, model.clone(), &self.net)
-    }
-
-    /// One prefill and one decode engine, TP=2.
-    fn cluster(&self, model: &ModelSpec) -> Cluster {
-        let prefill = self.engine(self.config("prefill", model));
-        let decode = self.engine(self.config("decode", model));
-        Cluster::new(vec![prefill], decode).unwrap()
-    }
-}
-
-fn model() -> ModelSpec {
-    ModelSpec::standard(2, 4, 8, BS as u32)
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    (0..len).map(|_| rng.gen_range(0..kvx_testkit::sim::VOCAB)).collect()
-}
-
-fn id(s: impl Into<String>) -> RequestId {
-    RequestId::new(s)
-}
-
-/// Nothing went wrong, every engine is idle and every pool whole.
-fn assert_clean(c: &Cluster) {
-    for e in c.prefills.iter().chain([&c.decode]) {
-        assert!(e.errors().is_empty(), "{}: {:?}", e.engine_id(), e.errors());
-        assert_eq!(e.stats().blocks_mismatched, 0);
-        assert!(e.is_idle(), "{} is not idle", e.engine_id());
-        assert!(e.pool().is_whole(), "{} leaked {} blocks", e.engine_id(), c.blocks_in_use());
-    }
-}
 
 /// Blocks checked for a load of `loaded` blocks, per rank and region, over windowed layers.
 fn expected_verified(model: &ModelSpec, tp: u64, loaded: u64) -> u64 {
@@ -325,15 +257,15 @@ fn an_abort_during_a_read_keeps_the_blocks_until_the_read_ends() {
 }
 
 #[test]
-fn zeromq_side_channels() {
+fn tcp_side_channels() {
     let lb = Loopback::default();
     let m = model();
     let config = |name| EngineConfig {
-        side_channel: SideChannel::Zmq { host: "127.0.0.1".into() },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into() },
         ..lb.config(name, &m)
     };
     let mut c = Cluster::new(vec![lb.engine(config("prefill"))], lb.engine(config("decode"))).unwrap();
-    let ids: Vec<_> = (0..10).map(|i| id(format!("zmq-{i}"))).collect();
+    let ids: Vec<_> = (0..10).map(|i| id(format!("tcp-{i}"))).collect();
     for (i, rid) in ids.iter().enumerate() {
         c.submit(rid.clone(), prompt(i as u64, BS + 3 * i), 2).unwrap();
     }

@@ -2,7 +2,7 @@
 //! with vLLM's arguments.
 
 use kvx_core::{
-    BlockId, ConnectorScheduler, FailedRecv, FinishReason, Finished, RequestId, SchedulerConfig,
+    AuthKey, BlockId, ConnectorScheduler, FailedRecv, FinishReason, Finished, RequestId, SchedulerConfig,
     TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
@@ -21,26 +21,40 @@ pub struct Scheduler {
     inner: ConnectorScheduler,
 }
 
-fn params(json: Option<&str>) -> PyResult<Option<TransferParams>> {
-    json.map(TransferParams::from_json).transpose().map_err(py_err)
+/// The request's params, or `Err(())` when a client sent params kvx cannot read. Those come
+/// from a client, so they never raise into vLLM's EngineCore (which would take the engine down):
+/// the request is served without a transfer, and a warning says why.
+fn params(request_id: &str, json: Option<&str>) -> Result<Option<TransferParams>, ()> {
+    json.map(TransferParams::from_json).transpose().map_err(|e| {
+        tracing::warn!(request_id = %kvx_core::error::quote(request_id), error = %e, "kv_transfer_params ignored");
+    })
+}
+
+/// The deployment's shared key, from `kv_connector_extra_config["auth_key"]` or `KVX_AUTH_KEY`.
+pub(crate) fn auth_key(key: Option<&str>) -> PyResult<Option<AuthKey>> {
+    key.filter(|k| !k.is_empty()).map(AuthKey::new).transpose().map_err(py_err)
 }
 
 #[pymethods]
 impl Scheduler {
     /// A scheduler for engine `engine_id` whose workers serve their side channels at
     /// `side_channel_host:side_channel_port + rank`.
+    /// With `auth_key`, the params it hands out carry a MAC that the decode engines check.
     #[new]
+    #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None))]
     fn new(
         engine_id: String,
         block_size: u32,
         side_channel_host: String,
         side_channel_port: u16,
+        auth_key: Option<&str>,
     ) -> PyResult<Self> {
         let inner = ConnectorScheduler::new(SchedulerConfig {
             engine_id: engine_id.into(),
             block_size,
             side_channel_host,
             side_channel_port,
+            auth_key: self::auth_key(auth_key)?,
         })
         .map_err(py_err)?;
         Ok(Scheduler { inner })
@@ -55,7 +69,7 @@ impl Scheduler {
         params_json: Option<&str>,
         num_computed_tokens: usize,
     ) -> PyResult<(usize, bool)> {
-        let p = params(params_json)?;
+        let Ok(p) = params(request_id, params_json) else { return Ok((0, false)) };
         let m = self
             .inner
             .get_num_new_matched_tokens(
@@ -79,7 +93,8 @@ impl Scheduler {
         block_ids: Vec<BlockId>,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
-        let mut p = params(params_json)?;
+        // Unreadable params load nothing: turn the flag off so vLLM does not ask again.
+        let Ok(mut p) = params(request_id, params_json) else { return Ok(true) };
         let was = p.as_ref().is_some_and(|p| p.do_remote_prefill);
         self.inner
             .update_state_after_alloc(
@@ -111,7 +126,7 @@ impl Scheduler {
             "error" => FinishReason::Error,
             other => return Err(PyValueError::new_err(format!("unknown finish reason {other:?}"))),
         };
-        let p = params(params_json)?;
+        let p = params(request_id, params_json).unwrap_or_default();
         let out = self.inner.request_finished(
             &RequestId::new(request_id),
             p.as_ref(),

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvx_core::net::ZmqSideChannel;
+use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RequestId, SingleRank,
     TransferAgent, WorkerConfig, WorkerDriver, wire,
@@ -43,6 +43,8 @@ pub struct WorkerOptions {
     pub hold_timeout_s: f64,
     /// Threads of the worker's tokio runtime (side channel and handshakes).
     pub runtime_threads: usize,
+    /// The deployment's shared key (authenticated mode), or none.
+    pub auth_key: Option<String>,
 }
 
 #[pymethods]
@@ -50,7 +52,7 @@ impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
         world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, hold_timeout_s = 120.0,
-        runtime_threads = 1))]
+        runtime_threads = 1, auth_key = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -63,6 +65,7 @@ impl WorkerOptions {
         handshake_timeout_s: f64,
         hold_timeout_s: f64,
         runtime_threads: usize,
+        auth_key: Option<String>,
     ) -> Self {
         WorkerOptions {
             engine_id,
@@ -75,11 +78,15 @@ impl WorkerOptions {
             handshake_timeout_s,
             hold_timeout_s,
             runtime_threads,
+            auth_key,
         }
     }
 
     fn __repr__(&self) -> String {
-        format!("{self:?}")
+        // The key is a secret: say only whether there is one.
+        let redacted =
+            WorkerOptions { auth_key: self.auth_key.as_ref().map(|_| "<redacted>".into()), ..self.clone() };
+        format!("{redacted:?}")
     }
 }
 
@@ -130,8 +137,11 @@ impl Worker {
             .checked_add(u16::try_from(options.rank).unwrap_or(u16::MAX))
             .ok_or_else(|| PyRuntimeError::new_err("side-channel port + rank overflows"))?;
         let host = options.side_channel_host.clone();
-        let channel =
-            runtime.block_on(async move { ZmqSideChannel::bind(&host, port).await }).map_err(py_err)?;
+        let auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
+        let net = NetConfig::with_key(auth_key.clone());
+        let channel = runtime
+            .block_on(async move { SideChannel::bind_with(&host, port, net).await })
+            .map_err(py_err)?;
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
@@ -141,6 +151,7 @@ impl Worker {
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
+        config.auth_key = auth_key;
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

@@ -9,15 +9,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::auth::{AuthKey, Nonce};
+use crate::error::{Error, ErrorKind, Result, quote};
 use crate::ids::{AgentName, EngineId, RequestId};
 use crate::layout::{KvCacheLayout, LayerCache};
-use crate::meta::{ConnectorMetadata, FailedRecv, Finished, RecvRequest};
+use crate::meta::{ConnectorMetadata, FailedRecv, Finished, HoldRelease, RecvRequest};
 use crate::params::RemoteCoordinates;
 use crate::transfer::{
     DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 use crate::wire::{self, HandshakePayload};
+
+mod early;
+use early::EarlyReleases;
+
+/// The longest request or engine id kvx accepts from a peer or a client, in bytes.
+pub const MAX_ID_LEN: usize = 1024;
+
+/// The longest side-channel host kvx accepts from a client (a DNS name is at most 253).
+pub const MAX_HOST_LEN: usize = 255;
 
 /// Configuration of one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,10 +46,19 @@ pub struct WorkerConfig {
     pub handshake_timeout: Duration,
     /// Prefill side: how long blocks are held for a reader that never comes.
     pub hold_timeout: Duration,
+    /// Prefill side: at most this many releases that name no hold yet are kept (the oldest go
+    /// first), each for at most `early_release_ttl`.
+    pub max_early_releases: usize,
+    /// Prefill side: how long a release that names no hold yet is kept.
+    pub early_release_ttl: Duration,
+    /// The deployment's shared key. Decode side: params whose offer MAC does not verify under it
+    /// are refused before any handshake or READ. (The side channel takes the same key.)
+    pub auth_key: Option<AuthKey>,
 }
 
 impl WorkerConfig {
-    /// A configuration with the usual timeouts (5 s handshake, 120 s hold).
+    /// A configuration with the usual timeouts (5 s handshake, 120 s hold, early releases kept
+    /// 30 s, at most 4096 of them) and no key.
     pub fn new(engine_id: EngineId, rank: u32, world_size: u32, block_size: u32) -> Self {
         WorkerConfig {
             engine_id,
@@ -49,6 +68,9 @@ impl WorkerConfig {
             compat_tag: String::new(),
             handshake_timeout: Duration::from_secs(5),
             hold_timeout: Duration::from_secs(120),
+            max_early_releases: 4096,
+            early_release_ttl: Duration::from_secs(30),
+            auth_key: None,
         }
     }
 }
@@ -91,8 +113,12 @@ pub struct WorkerStats {
     pub transfer_latencies: Vec<Duration>,
     /// Notifications received for requests this worker holds.
     pub notifications: u64,
-    /// Notifications that were not UTF-8, duplicated, or never matched a hold.
+    /// Notifications that did not decode, were duplicated, or never matched a hold (expired or
+    /// pushed out of the early buffer).
     pub stray_notifications: u64,
+    /// Notifications that named a held request with the wrong nonce: forged or replayed. The
+    /// hold stays.
+    pub rejected_notifications: u64,
     /// Holds released because no reader came in time.
     pub expired_holds: u64,
 }
@@ -116,10 +142,17 @@ struct InFlight {
     xfer: XferId,
     /// The prefill agent, told to free its blocks if the READ fails.
     peer: AgentName,
-    /// The prefill engine's id of the request: the notification's message.
-    prefill_request_id: RequestId,
+    /// The encoded [`HoldRelease`]: the READ's notification, sent alone if the READ fails.
+    release: Vec<u8>,
     posted: Instant,
     bytes: u64,
+}
+
+/// Prefill side: a request's blocks held for a reader.
+#[derive(Debug)]
+struct Hold {
+    until: Instant,
+    nonce: Nonce,
 }
 
 /// The worker side of the connector, one per tensor-parallel rank. See `docs/CONTRACT.md`.
@@ -138,10 +171,10 @@ pub struct ConnectorWorker {
     peers: HashMap<EngineId, Peer>,
     in_flight: HashMap<RequestId, InFlight>,
     finished: Finished,
-    /// Prefill side: held requests and when the hold expires.
-    holds: HashMap<RequestId, Instant>,
-    /// Notifications that arrived before their hold, and when to forget them.
-    early_notifications: HashMap<RequestId, Instant>,
+    /// Prefill side: held requests.
+    holds: HashMap<RequestId, Hold>,
+    /// Releases that arrived before their hold.
+    early: EarlyReleases,
     commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
     descs_local: Vec<u32>,
@@ -165,6 +198,7 @@ impl ConnectorWorker {
                 config.block_size, config.rank, config.world_size
             )));
         }
+        let early = EarlyReleases::new(config.max_early_releases, config.early_release_ttl);
         Ok(ConnectorWorker {
             config,
             agent,
@@ -173,7 +207,7 @@ impl ConnectorWorker {
             in_flight: HashMap::new(),
             finished: Finished::default(),
             holds: HashMap::new(),
-            early_notifications: HashMap::new(),
+            early,
             commands: VecDeque::new(),
             notifications: Vec::new(),
             descs_local: Vec::new(),
@@ -259,12 +293,13 @@ impl ConnectorWorker {
     /// Starts this step's loads and holds. Never blocks: requests for a peer not yet handshaken
     /// wait for it (and a [`WorkerCommand::FetchHandshake`] is queued); invalid requests fail.
     pub fn start_load_kv(&mut self, now: Instant, meta: &ConnectorMetadata) {
-        for id in &meta.reqs_to_send {
-            if self.early_notifications.remove(id).is_some() {
+        for held in &meta.reqs_to_send {
+            if self.early.take(&(held.request_id.clone(), held.nonce)) {
                 self.stats.notifications += 1;
-                self.finished.sending.push(id.clone());
+                self.finished.sending.push(held.request_id.clone());
             } else {
-                self.holds.insert(id.clone(), now + self.config.hold_timeout);
+                let hold = Hold { until: now + self.config.hold_timeout, nonce: held.nonce };
+                self.holds.insert(held.request_id.clone(), hold);
             }
         }
         for req in &meta.reqs_to_recv {
@@ -274,10 +309,56 @@ impl ConnectorWorker {
         }
     }
 
+    /// Checks what came from the client's params before anything touches the network: the
+    /// offer's MAC (with a key), the nonce, the sizes, and the READ's window in the offer.
+    fn check_offer(&self, req: &RecvRequest) -> Result<()> {
+        let Some(offer) = req.offer() else {
+            return Err(Error::invalid_peer_data(
+                "kv_transfer_params carry no kvx_hold_nonce: not an offer of a kvx prefill engine",
+            ));
+        };
+        if let Some(key) = &self.config.auth_key {
+            offer.verify(key, req.mac.as_ref())?;
+        }
+        for (what, id) in [
+            ("remote request id", req.prefill_request_id().as_str()),
+            ("remote engine id", req.remote.engine_id.as_str()),
+        ] {
+            if id.len() > MAX_ID_LEN {
+                return Err(Error::invalid_peer_data(format!(
+                    "{what} {} is over {MAX_ID_LEN} bytes",
+                    quote(id)
+                )));
+            }
+        }
+        if req.remote.host.len() > MAX_HOST_LEN {
+            return Err(Error::invalid_peer_data(format!(
+                "remote host {} is over {MAX_HOST_LEN} bytes",
+                quote(&req.remote.host)
+            )));
+        }
+        self.remote_read(req).map(|_| ())
+    }
+
+    /// The offered blocks the READ takes: `local_block_ids.len()` from `remote_read_from`.
+    fn remote_read<'r>(&self, req: &'r RecvRequest) -> Result<&'r [u32]> {
+        let from = req.remote_read_from as usize;
+        from.checked_add(req.local_block_ids.len())
+            .and_then(|end| req.remote_block_ids.get(from..end))
+            .ok_or_else(|| {
+                Error::invalid_peer_data(format!(
+                    "{} local blocks from remote block {from}, but only {} remote blocks",
+                    req.local_block_ids.len(),
+                    req.remote_block_ids.len()
+                ))
+            })
+    }
+
     fn admit(&mut self, now: Instant, req: &RecvRequest) -> Result<()> {
         let Some(registered) = &self.registered else {
             return Err(Error::new(ErrorKind::State, "load requested before KV caches were registered"));
         };
+        self.check_offer(req)?;
         if req.remote.engine_id == self.config.engine_id {
             return Err(Error::invalid_peer_data(format!(
                 "remote engine {} is this engine",
@@ -285,13 +366,6 @@ impl ConnectorWorker {
             )));
         }
         KvCacheLayout::check_block_ids(&req.local_block_ids, registered.layout.num_blocks, "local")?;
-        if req.local_block_ids.len() > req.remote_block_ids.len() {
-            return Err(Error::invalid_peer_data(format!(
-                "{} local blocks but only {} remote blocks",
-                req.local_block_ids.len(),
-                req.remote_block_ids.len()
-            )));
-        }
         let mut seen = HashSet::with_capacity(req.local_block_ids.len());
         if let Some(dup) = req.local_block_ids.iter().find(|b| !seen.insert(**b)) {
             return Err(Error::invalid_argument(format!("local block {dup} appears twice")));
@@ -335,10 +409,11 @@ impl ConnectorWorker {
         else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        let notif = req.prefill_request_id().as_str().as_bytes();
+        let nonce = req.nonce.ok_or_else(|| Error::invalid_peer_data("the offer carries no nonce"))?;
+        let release = wire::encode(&HoldRelease { request_id: req.prefill_request_id().clone(), nonce })?;
         if req.is_notify_only() {
             self.stats.notify_only += 1;
-            if let Err(e) = self.agent.notify(agent, notif) {
+            if let Err(e) = self.agent.notify(agent, &release) {
                 // Not the request's failure: it runs from the local cache. The prefill engine's
                 // hold expires instead.
                 warn!(request_id = %req.request_id, error = %e, "notify-only message not sent");
@@ -346,7 +421,7 @@ impl ConnectorWorker {
             return Ok(());
         }
         let local = &req.local_block_ids;
-        let remote = &req.remote_block_ids[req.remote_block_ids.len() - local.len()..];
+        let remote = self.remote_read(req)?;
         KvCacheLayout::check_block_ids(remote, *num_blocks, "remote")?;
         let layout = &registered.layout;
         self.descs_local.clear();
@@ -359,15 +434,13 @@ impl ConnectorWorker {
             &self.descs_local,
             *dlist,
             &self.descs_remote,
-            Some(notif),
+            Some(&release),
         )?;
         self.stats.reads_posted += 1;
         self.stats.descriptors += self.descs_local.len() as u64;
-        let bytes = self.descs_local.len() as u64 * layout.block_len;
+        let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
         let peer = agent.clone();
-        let prefill_request_id = req.prefill_request_id().clone();
-        self.in_flight
-            .insert(req.request_id.clone(), InFlight { xfer, peer, prefill_request_id, posted: now, bytes });
+        self.in_flight.insert(req.request_id.clone(), InFlight { xfer, peer, release, posted: now, bytes });
         Ok(())
     }
 
@@ -410,10 +483,14 @@ impl ConnectorWorker {
             Err(e) => {
                 self.peers.remove(engine_id);
                 self.stats.handshake_failures += 1;
-                let e = if e.kind() == ErrorKind::Incompatible || e.kind() == ErrorKind::Timeout {
-                    e
-                } else {
-                    Error::new(ErrorKind::Handshake, format!("with engine {engine_id}: {e}"))
+                // Refusals keep their kind (timeout, incompatible, unauthenticated, ...); a
+                // malformed payload is the handshake's failure.
+                let e = match e.kind() {
+                    ErrorKind::Wire | ErrorKind::InvalidPeerData => {
+                        Error::new(ErrorKind::Handshake, e.message())
+                            .context(format!("with engine {engine_id}"))
+                    }
+                    _ => e.context(format!("with engine {engine_id}")),
                 };
                 for req in waiting {
                     self.fail(&req.request_id, Error::new(e.kind(), e.to_string()));
@@ -523,27 +600,39 @@ impl ConnectorWorker {
         }
     }
 
+    /// Frees the holds whose releases came, when their nonces match; keeps releases for holds not
+    /// seen yet (bounded); counts the rest.
     fn collect_notifications(&mut self, now: Instant) {
         self.notifications.clear();
         if let Err(e) = self.agent.drain_notifications(&mut self.notifications) {
             warn!(error = %e, "draining notifications failed");
         }
         for n in std::mem::take(&mut self.notifications) {
-            let Ok(id) = std::str::from_utf8(&n.msg) else {
-                self.stats.stray_notifications += 1;
-                continue;
+            let release = match wire::decode::<HoldRelease>(&n.msg) {
+                Ok(r) if r.request_id.as_str().len() <= MAX_ID_LEN => r,
+                Ok(_) | Err(_) => {
+                    debug!(from = %n.from, len = n.msg.len(), "undecodable notification dropped");
+                    self.stats.stray_notifications += 1;
+                    continue;
+                }
             };
-            let id = RequestId::new(id);
-            if self.holds.remove(&id).is_some() {
-                self.stats.notifications += 1;
-                self.finished.sending.push(id);
-            } else if self.early_notifications.insert(id, now + self.config.hold_timeout).is_some() {
-                self.stats.stray_notifications += 1;
+            match self.holds.get(&release.request_id) {
+                Some(hold) if hold.nonce == release.nonce => {
+                    self.holds.remove(&release.request_id);
+                    self.stats.notifications += 1;
+                    self.finished.sending.push(release.request_id);
+                }
+                Some(_) => {
+                    warn!(request_id = %release.request_id, from = %n.from, "release with a wrong nonce refused: the hold stays");
+                    self.stats.rejected_notifications += 1;
+                }
+                None => {
+                    self.stats.stray_notifications +=
+                        self.early.insert(now, (release.request_id, release.nonce));
+                }
             }
         }
-        let before = self.early_notifications.len();
-        self.early_notifications.retain(|_, until| *until > now);
-        self.stats.stray_notifications += (before - self.early_notifications.len()) as u64;
+        self.stats.stray_notifications += self.early.expire(now);
     }
 
     fn collect_transfers(&mut self, now: Instant) {
@@ -574,9 +663,7 @@ impl ConnectorWorker {
                     // The request fails (or recomputes) here: the prefill engine's blocks are no
                     // longer needed, so it is told now instead of holding them until its hold
                     // expires. The READ notification was not sent: the transfer did not complete.
-                    if let Err(notify_error) =
-                        self.agent.notify(&f.peer, f.prefill_request_id.as_str().as_bytes())
-                    {
+                    if let Err(notify_error) = self.agent.notify(&f.peer, &f.release) {
                         debug!(request_id = %id, error = %notify_error, "prefill not told of the failed load");
                     }
                     self.fail(&id, e)
@@ -587,7 +674,7 @@ impl ConnectorWorker {
 
     fn expire_holds(&mut self, now: Instant) {
         let expired: Vec<RequestId> =
-            self.holds.iter().filter(|(_, until)| **until <= now).map(|(id, _)| id.clone()).collect();
+            self.holds.iter().filter(|(_, hold)| hold.until <= now).map(|(id, _)| id.clone()).collect();
         for id in expired {
             warn!(request_id = %id, "no reader came for held blocks: releasing them");
             self.holds.remove(&id);
@@ -608,7 +695,7 @@ impl ConnectorWorker {
             Peer::Handshaking { deadline, .. } => Some(*deadline),
             Peer::Ready { .. } => None,
         });
-        handshakes.chain(self.holds.values().copied()).min()
+        handshakes.chain(self.holds.values().map(|h| h.until)).chain(self.early.next_deadline()).min()
     }
 }
 
@@ -634,7 +721,7 @@ impl FinishedAggregator {
         for report in reports {
             for id in report.sending {
                 let n = self.sending.entry(id.clone()).or_insert(0);
-                *n += 1;
+                *n = n.saturating_add(1);
                 if *n >= self.world_size {
                     self.sending.remove(&id);
                     out.sending.push(id);
@@ -644,7 +731,7 @@ impl FinishedAggregator {
             let fails = report.failed_recving.into_iter().map(|f| (f.request_id, Some(f.reason)));
             for (id, failure) in recvs.chain(fails) {
                 let entry = self.recving.entry(id.clone()).or_insert((0, None));
-                entry.0 += 1;
+                entry.0 = entry.0.saturating_add(1);
                 if entry.1.is_none() {
                     entry.1 = failure;
                 }

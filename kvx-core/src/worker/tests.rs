@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::memory::HostMemory;
+use crate::meta::HeldRequest;
 use crate::mock::MockTransferAgent;
 use crate::transfer::Capabilities;
 use mockall::predicate::*;
@@ -97,13 +98,31 @@ fn peer_payload(rank: u32, windows: &[Option<u32>], edit: impl FnOnce(&mut Hands
     wire::encode(&p).unwrap()
 }
 
+/// The nonce the prefill engine gave request `id` in these tests.
+fn nonce_of(id: &str) -> Nonce {
+    let mut b = [0u8; 16];
+    for (i, c) in id.bytes().enumerate() {
+        b[i % 16] ^= c.wrapping_add(i as u8);
+    }
+    crate::auth::HexBytes(b)
+}
+
+/// The notification that frees the prefill engine's hold of `id`.
+fn release(id: &str) -> Vec<u8> {
+    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id) }).unwrap()
+}
+
+/// A load of `local` blocks from the last `local.len()` of the `remote` blocks offered.
 fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
     RecvRequest {
         request_id: id.into(),
         remote_request_id: None,
+        remote_read_from: remote.len().saturating_sub(local.len()) as u32,
         local_block_ids: local,
         remote_block_ids: remote,
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+        nonce: Some(nonce_of(id)),
+        mac: None,
     }
 }
 
@@ -173,7 +192,7 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 17, 18, 25, 26]);
     assert_eq!(posts[0].remote, vec![10, 11, 26, 27, 42, 43, 58, 59]);
     assert_eq!(posts[0].remote_dlist, DlistId(200));
-    assert_eq!(posts[0].notify.as_deref(), Some(&b"a"[..]));
+    assert_eq!(posts[0].notify, Some(release("a")));
     assert_eq!(posts[1].local, vec![3, 11, 19, 27]);
     assert_eq!(w.stats().handshakes, 1);
 }
@@ -195,7 +214,10 @@ fn windowed_layers_read_only_their_last_blocks() {
 fn full_prefix_hit_notifies_without_reading() {
     let posts = Arc::new(Mutex::new(vec![]));
     let a = agent(posts.clone(), |a| {
-        a.expect_notify().with(eq(AgentName::new("peer")), eq(&b"a"[..])).times(1).returning(|_, _| Ok(()));
+        a.expect_notify()
+            .withf(|to, m| to.as_str() == "peer" && m == release("a"))
+            .times(1)
+            .returning(|_, _| Ok(()));
     });
     let mut w = worker_with(a, 0, &[None, None]);
     start_and_handshake(&mut w, Instant::now(), vec![recv("a", vec![], vec![3, 4])]);
@@ -210,19 +232,18 @@ fn the_prefill_engines_request_id_names_every_notification() {
     // message and the free-at-once after a failed READ all name the prefill engine's id.
     let posts = Arc::new(Mutex::new(vec![]));
     let a = agent(posts.clone(), |a| {
-        a.expect_notify()
-            .with(eq(AgentName::new("peer")), eq(&b"p-only"[..]))
-            .times(1)
-            .returning(|_, _| Ok(()));
-        a.expect_notify()
-            .with(eq(AgentName::new("peer")), eq(&b"p-bad"[..]))
-            .times(1)
-            .returning(|_, _| Ok(()));
+        for id in ["p-only", "p-bad"] {
+            a.expect_notify()
+                .withf(move |to, m| to.as_str() == "peer" && m == release(id))
+                .times(1)
+                .returning(|_, _| Ok(()));
+        }
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
         a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
     });
     let with_remote = |id: &str, local: Vec<BlockId>, remote: Vec<BlockId>| RecvRequest {
         remote_request_id: Some(format!("p-{id}").into()),
+        nonce: Some(nonce_of(&format!("p-{id}"))),
         ..recv(id, local, remote)
     };
     let mut w = worker_with(a, 0, &[None, None]);
@@ -237,7 +258,7 @@ fn the_prefill_engines_request_id_names_every_notification() {
         ],
     );
     let notes: Vec<_> = posts.lock().unwrap().iter().map(|p| p.notify.clone()).collect();
-    assert_eq!(notes, vec![Some(b"p-ok".to_vec()), Some(b"p-bad".to_vec())]);
+    assert_eq!(notes, vec![Some(release("p-ok")), Some(release("p-bad"))]);
     let f = w.get_finished(now);
     assert_eq!(f.recving, vec![RequestId::new("ok")], "reported under the decode engine's id");
     assert_eq!(f.failed_recving[0].request_id, "bad".into());
@@ -248,7 +269,10 @@ fn completed_and_failed_transfers_are_reported_per_request() {
     let posts = Arc::new(Mutex::new(vec![]));
     let a = agent(posts, |a| {
         // The failed load tells the prefill engine to free its blocks at once.
-        a.expect_notify().with(eq(AgentName::new("peer")), eq(&b"bad"[..])).times(1).returning(|_, _| Ok(()));
+        a.expect_notify()
+            .withf(|to, m| to.as_str() == "peer" && m == release("bad"))
+            .times(1)
+            .returning(|_, _| Ok(()));
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
         a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
         a.expect_poll().with(eq(XferId(3))).returning(|_| Ok(XferState::Pending));
@@ -306,6 +330,39 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         ("remote id past the remote pool", recv("r", vec![1], vec![16])),
         ("local id past the local pool", recv("r", vec![8], vec![1])),
         ("more local than remote blocks", recv("r", vec![1, 2], vec![1])),
+        ("read window past the offer", RecvRequest { remote_read_from: 1, ..recv("r", vec![1], vec![1]) }),
+        ("read window overflows", RecvRequest { remote_read_from: u32::MAX, ..recv("r", vec![1], vec![1]) }),
+        ("no nonce: not a kvx offer", RecvRequest { nonce: None, ..recv("r", vec![1], vec![1]) }),
+        ("notify-only without a nonce", RecvRequest { nonce: None, ..recv("r", vec![], vec![1]) }),
+        (
+            "a 10 MB request id",
+            RecvRequest {
+                remote_request_id: Some("x".repeat(10 << 20).into()),
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+        (
+            "a 10 MB engine id",
+            RecvRequest {
+                remote: RemoteCoordinates {
+                    engine_id: "e".repeat(10 << 20).into(),
+                    host: "h".into(),
+                    port: 1,
+                },
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+        (
+            "a 10 MB host",
+            RecvRequest {
+                remote: RemoteCoordinates {
+                    engine_id: "prefill".into(),
+                    host: "h".repeat(10 << 20),
+                    port: 1,
+                },
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
         ("duplicate local block", recv("r", vec![1, 1], vec![1, 2])),
         (
             "our own engine id",
@@ -331,6 +388,7 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         }
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
+        assert!(f.failed_recving[0].reason.len() < 2048, "{what}: a short reason");
         assert!(posts.lock().unwrap().is_empty(), "{what}: nothing may be posted");
     }
 }
@@ -407,10 +465,13 @@ fn notif(msg: &[u8]) -> Notification {
     Notification { from: "peer".into(), msg: msg.to_vec() }
 }
 
-#[test]
-fn holds_end_on_notification_or_expiry() {
-    let queue =
-        Arc::new(Mutex::new(vec![notif(b"early"), notif(b"held"), notif(b"\xff\xfe"), notif(b"held")]));
+fn held(ids: &[&str]) -> Vec<HeldRequest> {
+    ids.iter().map(|s| HeldRequest { request_id: RequestId::new(*s), nonce: nonce_of(s) }).collect()
+}
+
+/// A prefill worker whose agent delivers what is pushed on the returned queue.
+fn prefill_worker(config: WorkerConfig) -> (ConnectorWorker, Arc<Mutex<Vec<Notification>>>) {
+    let queue: Arc<Mutex<Vec<Notification>>> = Arc::default();
     let q = queue.clone();
     let mut a = MockTransferAgent::new();
     a.expect_drain_notifications().returning(move |out| {
@@ -418,12 +479,128 @@ fn holds_end_on_notification_or_expiry() {
         Ok(())
     });
     let a = agent(Arc::default(), |m| *m = std::mem::replace(&mut a, MockTransferAgent::new()));
-    let mut w = worker_with(a, 0, &[None, None]);
+    let mut w = ConnectorWorker::new(config, Arc::new(a)).unwrap();
+    w.register_kv_caches(&caches(&[None, None])).unwrap();
+    (w, queue)
+}
+
+#[test]
+fn a_forged_or_replayed_release_frees_no_hold() {
+    let (mut w, queue) = prefill_worker(config(0));
     let now = Instant::now();
-    let send = |ids: &[&str]| ConnectorMetadata {
-        reqs_to_recv: vec![],
-        reqs_to_send: ids.iter().map(|s| RequestId::new(*s)).collect(),
+    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(ids) };
+    let forged = |id: &str| {
+        let nonce = crate::auth::HexBytes([0xee; 16]);
+        notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce }).unwrap())
     };
+    w.start_load_kv(now, &send(&["victim"]));
+    // Another client names the victim's request id: without its nonce, nothing is freed.
+    queue.lock().unwrap().push(forged("victim"));
+    assert!(w.get_finished(now).sending.is_empty());
+    assert_eq!(w.stats().rejected_notifications, 1);
+    // The victim's real reader frees it.
+    queue.lock().unwrap().push(notif(&release("victim")));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("victim")]);
+    // Replayed after the hold ended, it waits (bounded) and frees no later hold of that id.
+    queue.lock().unwrap().push(notif(&release("victim")));
+    assert!(w.get_finished(now).is_empty());
+    let again = ConnectorMetadata {
+        reqs_to_recv: vec![],
+        reqs_to_send: vec![HeldRequest { request_id: "victim".into(), nonce: nonce_of("second hold") }],
+    };
+    w.start_load_kv(now, &again);
+    assert!(w.get_finished(now).sending.is_empty(), "the replay does not free the new hold");
+    // A forged release that comes before its hold does not free it either.
+    queue.lock().unwrap().push(forged("later"));
+    w.get_finished(now);
+    w.start_load_kv(now, &send(&["later"]));
+    assert!(w.get_finished(now).sending.is_empty());
+    assert_eq!(w.stats().notifications, 1);
+}
+
+#[test]
+fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
+    let config = WorkerConfig { max_early_releases: 64, ..config(0) };
+    let (mut w, queue) = prefill_worker(config);
+    let now = Instant::now();
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(&["real"]) });
+    for round in 0..20 {
+        let flood: Vec<_> = (0..1000).map(|i| notif(&release(&format!("ghost-{round}-{i}")))).collect();
+        queue.lock().unwrap().extend(flood);
+        assert!(w.get_finished(now).is_empty());
+        assert!(w.early.len() <= 64);
+    }
+    assert_eq!(w.stats().stray_notifications, 20_000 - 64);
+    // The real release still finds its hold, and the rest expire.
+    queue.lock().unwrap().push(notif(&release("real")));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
+    assert!(w.next_deadline().is_some());
+    w.get_finished(now + w.config().early_release_ttl);
+    assert_eq!((w.early.len(), w.stats().stray_notifications), (0, 20_000));
+}
+
+#[test]
+fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network() {
+    let key = AuthKey::new("the deployment's secret").unwrap();
+    let signed = |mut r: RecvRequest| {
+        r.mac = Some(r.offer().unwrap().tag(&key));
+        r
+    };
+    let cases = [
+        ("unsigned", recv("a", vec![1], vec![1])),
+        ("signed by another key", {
+            let mut r = recv("a", vec![1], vec![1]);
+            r.mac = Some(r.offer().unwrap().tag(&AuthKey::new("some other deployment").unwrap()));
+            r
+        }),
+        (
+            "another request's blocks",
+            RecvRequest { remote_block_ids: vec![5], ..signed(recv("a", vec![1], vec![1])) },
+        ),
+        (
+            "another request's id",
+            RecvRequest { remote_request_id: Some("b".into()), ..signed(recv("a", vec![1], vec![1])) },
+        ),
+        ("another host", {
+            let r = signed(recv("a", vec![1], vec![1]));
+            RecvRequest { remote: RemoteCoordinates { host: "evil".into(), ..r.remote.clone() }, ..r }
+        }),
+        ("notify-only, unsigned", recv("n", vec![], vec![1])),
+    ];
+    for (what, req) in cases {
+        let posts = Arc::new(Mutex::new(vec![]));
+        let config = WorkerConfig { auth_key: Some(key.clone()), ..config(0) };
+        let mut w = ConnectorWorker::new(config, Arc::new(agent(posts.clone(), |_| {}))).unwrap();
+        w.register_kv_caches(&caches(&[None, None])).unwrap();
+        w.start_load_kv(Instant::now(), &meta(vec![req]));
+        assert_eq!(w.poll_command(), None, "{what}: no handshake with the named host");
+        let f = w.get_finished(Instant::now());
+        assert_eq!(f.failed_recving.len(), 1, "{what}");
+        assert!(
+            f.failed_recving[0].reason.starts_with("not authenticated"),
+            "{what}: {}",
+            f.failed_recving[0].reason
+        );
+    }
+    let posts = Arc::new(Mutex::new(vec![]));
+    let config = WorkerConfig { auth_key: Some(key.clone()), ..config(0) };
+    let mut w = ConnectorWorker::new(config, Arc::new(agent(posts.clone(), |_| {}))).unwrap();
+    w.register_kv_caches(&caches(&[None, None])).unwrap();
+    start_and_handshake(&mut w, Instant::now(), vec![signed(recv("a", vec![1], vec![2, 3]))]);
+    assert_eq!(posts.lock().unwrap().len(), 1, "a signed offer is read");
+}
+
+#[test]
+fn holds_end_on_notification_or_expiry() {
+    let (mut w, queue) = prefill_worker(config(0));
+    queue.lock().unwrap().extend([
+        notif(&release("early")),
+        notif(&release("held")),
+        notif(b"\xff\xfe"),
+        notif(&release("held")),
+    ]);
+    let now = Instant::now();
+    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(ids) };
     w.start_load_kv(now, &send(&["held", "forgotten"]));
     let f = w.get_finished(now);
     assert_eq!(f.sending, vec![RequestId::new("held")]);

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::wire::{self, HandshakePayload};
 use kvx_core::{
-    ConnectorMetadata, ConnectorWorker, EngineId, Error, ErrorKind, Finished, HostMemory, LayerCache,
-    Notification, RecvRequest, RemoteCoordinates, RequestId, TransferAgent, WorkerCommand, WorkerConfig,
+    AuthKey, ConnectorMetadata, ConnectorWorker, EngineId, Error, ErrorKind, Finished, HostMemory,
+    LayerCache, Nonce, Notification, RecvRequest, RemoteCoordinates, RequestId, TransferAgent, WorkerCommand,
+    WorkerConfig,
 };
 use kvx_loopback::{Fabric, LoopbackAgent};
 
@@ -28,6 +29,14 @@ const MODEL: &str = "fuzz-model";
 /// The engines.
 pub(crate) const PREFILL: &str = "prefill";
 pub(crate) const DECODE: &str = "decode";
+
+/// The nonce of every hold the fixtures' prefill engine offers.
+pub(crate) const NONCE: Nonce = kvx_core::HexBytes([0x5a; 16]);
+
+/// The shared key of the targets' authenticated deployments.
+pub(crate) fn auth_key() -> AuthKey {
+    must(AuthKey::new("kvx-fuzz deployment key"), "an auth key")
+}
 
 /// A fixture step that cannot fail unless kvx itself is broken: a failure is a finding.
 pub(crate) fn must<T>(r: kvx_core::Result<T>, what: &str) -> T {
@@ -109,22 +118,28 @@ pub(crate) fn prefill() -> Rc<Prefill> {
     PREFILL_RANK.with(|p| p.borrow_mut().get_or_insert_with(|| Rc::new(Prefill::new())).clone())
 }
 
-/// A fresh, registered decode rank on the prefill rank's fabric.
-pub(crate) fn decode_worker(prefill: &Prefill) -> ConnectorWorker {
+/// A fresh, registered decode rank on the prefill rank's fabric, with `key` (an authenticated
+/// deployment) or none.
+pub(crate) fn decode_worker(prefill: &Prefill, key: Option<AuthKey>) -> ConnectorWorker {
     let agent = Arc::new(must(prefill.fabric.agent("decode-agent"), "decode agent"));
-    let mut worker = must(ConnectorWorker::new(config(DECODE), agent), "decode worker");
+    let config = WorkerConfig { auth_key: key, ..config(DECODE) };
+    let mut worker = must(ConnectorWorker::new(config, agent), "decode worker");
     must(worker.register_kv_caches(&caches(DECODE_BLOCKS)), "registering decode caches");
     worker
 }
 
-/// A load of `local` blocks from the prefill engine's `remote` blocks.
+/// A load of `local` blocks from the last of the prefill engine's offered `remote` blocks, with
+/// the hold's nonce and no MAC.
 pub(crate) fn recv(id: &str, local: Vec<u32>, remote: Vec<u32>) -> RecvRequest {
     RecvRequest {
         request_id: id.into(),
         remote_request_id: None,
+        remote_read_from: remote.len().saturating_sub(local.len()) as u32,
         local_block_ids: local,
         remote_block_ids: remote,
         remote: RemoteCoordinates { engine_id: PREFILL.into(), host: "10.0.0.1".into(), port: 5600 },
+        nonce: Some(NONCE),
+        mac: None,
     }
 }
 
@@ -136,10 +151,11 @@ pub(crate) fn recv(id: &str, local: Vec<u32>, remote: Vec<u32>) -> RecvRequest {
 /// hold is released, and the worker ends idle.
 pub(crate) fn decode_session(
     prefill: &Prefill,
+    key: Option<AuthKey>,
     steps: &[ConnectorMetadata],
     mut answer: impl FnMut(&EngineId) -> Option<kvx_core::Result<Vec<u8>>>,
-) {
-    let mut worker = decode_worker(prefill);
+) -> Finished {
+    let mut worker = decode_worker(prefill, key);
     let now = Instant::now();
     let mut finished = Finished::default();
     for meta in steps {
@@ -170,6 +186,7 @@ pub(crate) fn decode_session(
         "the decode worker is not idle at the end of the session: {:?}",
         worker.stats()
     );
+    finished
 }
 
 fn check_session(meta: &ConnectorMetadata, finished: &Finished) {
@@ -192,7 +209,7 @@ fn check_session(meta: &ConnectorMetadata, finished: &Finished) {
             assert!(seen.contains(id), "load {id} never reported: {finished:?}");
         }
     }
-    let held: HashSet<&RequestId> = meta.reqs_to_send.iter().collect();
+    let held: HashSet<&RequestId> = meta.reqs_to_send.iter().map(|h| &h.request_id).collect();
     for id in &finished.sending {
         assert!(held.contains(id), "request {id} reported sent but never held");
     }

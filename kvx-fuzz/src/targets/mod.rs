@@ -3,11 +3,13 @@
 
 mod backends;
 mod fixture;
+mod net;
 mod params;
 mod wire;
 mod worker;
 
 pub use backends::{loopback_metadata, nixl_metadata, ucx_metadata};
+pub use net::net_frames;
 pub use params::{nonce, transfer_params};
 pub use wire::wire_envelope;
 pub use worker::{
@@ -15,8 +17,10 @@ pub use worker::{
     worker_metadata_fields, worker_notification,
 };
 
+use kvx_core::net::MetadataRequest;
+use kvx_core::net::session::{SessionReply, SessionRequest};
 use kvx_core::wire::HandshakePayload;
-use kvx_core::{ConnectorMetadata, RankReport};
+use kvx_core::{ConnectorMetadata, HoldRelease, RankReport};
 
 use crate::seeds::{self, Seed};
 use crate::{Native, Target, dict};
@@ -28,6 +32,16 @@ pub fn all() -> Vec<Target> {
         Target::wire::<HandshakePayload>("wire_handshake", wire::handshake_samples),
         Target::wire::<ConnectorMetadata>("wire_connector_metadata", wire::connector_metadata_samples),
         Target::wire::<RankReport>("wire_rank_report", worker::rank_report_samples),
+        Target::wire::<HoldRelease>("wire_hold_release", wire::hold_release_samples),
+        Target::wire::<MetadataRequest>("wire_metadata_request", wire::metadata_request_samples),
+        Target::wire::<SessionRequest>("wire_session_request", wire::session_request_samples),
+        Target::wire::<SessionReply>("wire_session_reply", wire::session_reply_samples),
+        Target::new(
+            "net_frames",
+            "a TCP stream of kvx frames (net::frame::read_frame), each body a SessionRequest",
+            net_frames,
+            net::net_frames_seeds,
+        ),
         Target::new(
             "transfer_params",
             "kv_transfer_params JSON (TransferParams::from_json) through two ConnectorSchedulers",

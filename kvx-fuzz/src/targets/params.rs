@@ -2,8 +2,8 @@
 
 use kvx_core::wire;
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, Finished, Nonce, RequestId,
-    SchedulerConfig, TransferParams,
+    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, Finished, Nonce, Offer,
+    RequestId, SchedulerConfig, TransferParams,
 };
 
 use crate::input::ByteSource;
@@ -41,19 +41,20 @@ pub fn transfer_params(data: &[u8]) {
     drive_schedulers(&params, &mut ByteSource::new(picks));
 }
 
-fn scheduler(engine: &str, block_size: u32) -> Option<ConnectorScheduler> {
+fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option<ConnectorScheduler> {
     ConnectorScheduler::new(SchedulerConfig {
         engine_id: engine.into(),
         block_size,
         side_channel_host: "10.0.0.2".into(),
         side_channel_port: 5700,
+        auth_key,
     })
     .ok()
 }
 
 fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     let block_size = [16, 1, 3, 256, u32::MAX, 0][src.below(6)];
-    let Some(mut decode) = scheduler("decode", block_size) else {
+    let Some(mut decode) = scheduler("decode", block_size, None) else {
         assert_eq!(block_size, 0, "a scheduler with block size {block_size} refused");
         return;
     };
@@ -137,10 +138,22 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     decode.update_finished(&report);
     assert!(decode.is_idle(), "the decode scheduler is not idle once everything is reported");
 
-    // The same params at a prefill engine, for a request that stops at its length cap.
-    let Some(mut prefill) = scheduler("prefill", block_size) else { return };
+    // The same params at a prefill engine (with a key or none), for a request that stops at its
+    // length cap: the params it hands out carry a nonce, and with a key a MAC that verifies.
+    let key = (src.below(2) == 1).then(|| AuthKey::new("kvx-fuzz deployment key")).and_then(Result::ok);
+    let Some(mut prefill) = scheduler("prefill", block_size, key.clone()) else { return };
     let out =
         prefill.request_finished(&id, Some(params), FinishReason::LengthCapped, prompt_len, &new_blocks);
+    if let Some(offered) = out.params.as_ref().filter(|p| p.do_remote_prefill) {
+        let remote = offered.coordinates();
+        let nonce = offered.kvx_hold_nonce;
+        assert!(remote.is_some() && nonce.is_some(), "an offer without coordinates or nonce: {offered:?}");
+        if let (Some(key), Some(remote), Some(nonce)) = (&key, &remote, &nonce) {
+            let offer = Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce };
+            let verified = offer.verify(key, offered.kvx_offer_mac.as_ref());
+            assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
+        }
+    }
     let meta = prefill.build_connector_meta();
     assert_eq!(meta.reqs_to_send.len(), usize::from(out.delay_free));
     prefill.update_finished(&report);

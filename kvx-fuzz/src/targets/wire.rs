@@ -2,13 +2,15 @@
 
 use std::fmt;
 
+use kvx_core::net::MetadataRequest;
+use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
-    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, RecvRequest, RemoteCoordinates,
-    SchedulerConfig, TransferParams,
+    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, RecvRequest,
+    RemoteCoordinates, SchedulerConfig, TransferParams,
 };
 
-use super::fixture::{must, prefill};
+use super::fixture::{NONCE, auth_key, must, prefill};
 use crate::seeds::{Seed, wire_seeds};
 
 /// `wire::decode::<T>` of peer bytes: an error is `Wire` or `Incompatible`, and what decodes
@@ -97,6 +99,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             block_size: 4,
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
+            auth_key: Some(auth_key()),
         }),
         "scheduler",
     )
@@ -143,9 +146,12 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     remote_request_id: Some("\u{1F600}".into()),
                     local_block_ids: vec![u32::MAX, 0],
                     remote_block_ids: vec![],
+                    remote_read_from: u32::MAX,
                     remote: RemoteCoordinates { port: u16::MAX, ..remote },
+                    nonce: None,
+                    mac: Some(kvx_core::HexBytes([0; 32])),
                 }],
-                reqs_to_send: vec!["".into(), "".into()],
+                reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
             },
         ),
     ]
@@ -157,4 +163,40 @@ pub(crate) fn connector_metadata_seeds() -> Vec<Seed> {
 
 pub(crate) fn rank_report_seeds() -> Vec<Seed> {
     wire_seeds(&super::worker::rank_report_samples())
+}
+
+/// Hold releases: a typical one, an empty id.
+pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
+    vec![
+        ("typical", HoldRelease { request_id: "cmpl-7f3a-0".into(), nonce: NONCE }),
+        ("empty-id", HoldRelease { request_id: "".into(), nonce: kvx_core::HexBytes([0; 16]) }),
+    ]
+}
+
+/// A side channel's request for the payload (it has no fields).
+pub(crate) fn metadata_request_samples() -> Vec<(&'static str, MetadataRequest)> {
+    vec![("the-request", MetadataRequest {})]
+}
+
+/// A client's session frames: hello, proof with the first request, a later request.
+pub(crate) fn session_request_samples() -> Vec<(&'static str, SessionRequest)> {
+    let request = wire::encode(&MetadataRequest {}).unwrap_or_default();
+    vec![
+        ("request", SessionRequest::Request { body: request.clone() }),
+        ("hello", SessionRequest::Hello { challenge: vec![0x11; 16] }),
+        ("proof", SessionRequest::Proof { tag: vec![0x22; 32], body: request }),
+        ("empty-hello", SessionRequest::Hello { challenge: vec![] }),
+    ]
+}
+
+/// A server's session frames: challenge, first reply with its tag, a later reply, refusals.
+pub(crate) fn session_reply_samples() -> Vec<(&'static str, SessionReply)> {
+    let payload = prefill().payload.clone();
+    vec![
+        ("reply", SessionReply::Reply { body: payload.clone(), tag: None }),
+        ("challenge", SessionReply::Challenge { challenge: vec![0x33; 16] }),
+        ("tagged-reply", SessionReply::Reply { body: payload, tag: Some(vec![0x44; 32]) }),
+        ("refused", SessionReply::Refused { refusal: Refusal::Unauthenticated, reason: "no key".into() }),
+        ("refused-malformed", SessionReply::Refused { refusal: Refusal::Malformed, reason: String::new() }),
+    ]
 }

@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use kvx_core::wire::{self, HandshakePayload};
 use kvx_core::{
     ConnectorMetadata, ConnectorScheduler, ConnectorWorker, FailedRecv, Finished, FinishedAggregator,
-    RankReport, RecvRequest, RequestId, SchedulerConfig, TransferAgent,
+    HeldRequest, HoldRelease, Nonce, Offer, RankReport, RecvRequest, RequestId, SchedulerConfig,
+    TransferAgent,
 };
 use kvx_loopback::Fabric;
 
 use super::fixture::{
-    DECODE, DECODE_BLOCKS, PREFILL, PREFILL_BLOCKS, caches, config, decode_session, must, prefill, recv,
-    unreachable_peer,
+    DECODE, DECODE_BLOCKS, NONCE, PREFILL, PREFILL_BLOCKS, auth_key, caches, config, decode_session, must,
+    prefill, recv, unreachable_peer,
 };
 use crate::input::ByteSource;
 use crate::seeds::Seed;
@@ -28,9 +29,13 @@ fn handshake_requests() -> Vec<RecvRequest> {
 /// `ConnectorWorker::handle_handshake` with `data` as the peer's payload: decoded, validated,
 /// its agent metadata loaded, its descriptor list prepared, the waiting loads posted.
 pub fn worker_handshake(data: &[u8]) {
+    handshake_session(data);
+}
+
+fn handshake_session(data: &[u8]) -> Finished {
     let prefill = prefill();
     let meta = ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![] };
-    decode_session(&prefill, &[meta], |_| Some(Ok(data.to_vec())));
+    decode_session(&prefill, None, &[meta], |_| Some(Ok(data.to_vec())))
 }
 
 /// Seeds: the live prefill rank's payload (which passes every check), then the wire seeds.
@@ -44,6 +49,10 @@ pub(crate) fn worker_handshake_seeds() -> Vec<Seed> {
 /// defaults to the live prefill rank's value): validation, not only MessagePack, is exercised.
 /// The loads' block ids are picked too. Then a whole handshake session.
 pub fn worker_handshake_fields(data: &[u8]) {
+    handshake_fields_session(data);
+}
+
+fn handshake_fields_session(data: &[u8]) -> Finished {
     let prefill = prefill();
     let valid = prefill.decoded_payload();
     let mut src = ByteSource::new(data);
@@ -51,7 +60,7 @@ pub fn worker_handshake_fields(data: &[u8]) {
     let bytes = must(wire::encode(&payload), "encoding a payload");
     let reqs = fuzzed_requests(&mut src);
     let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] };
-    decode_session(&prefill, &[meta], |_| Some(Ok(bytes.clone())));
+    decode_session(&prefill, None, &[meta], |_| Some(Ok(bytes.clone())))
 }
 
 fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u8]) -> HandshakePayload {
@@ -164,6 +173,9 @@ fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
             if src.below(4) == 3 {
                 r.remote.port = u16::MAX;
             }
+            if src.below(4) == 3 {
+                r.remote_read_from = src.edgy_u32();
+            }
             r
         })
         .collect()
@@ -190,7 +202,7 @@ pub fn worker_connector_metadata(data: &[u8]) {
     let Ok(meta) = wire::decode::<ConnectorMetadata>(data) else { return };
     let prefill = prefill();
     let payload = prefill.payload.clone();
-    decode_session(&prefill, &[meta], |engine| {
+    decode_session(&prefill, None, &[meta], |engine| {
         Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
     });
 }
@@ -221,7 +233,10 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
                 ..recv("unreachable", vec![7], vec![7])
             },
         ],
-        reqs_to_send: vec!["held-a".into(), "held-b".into()],
+        reqs_to_send: ["held-a", "held-b"]
+            .into_iter()
+            .map(|id| HeldRequest { request_id: id.into(), nonce: NONCE })
+            .collect(),
     };
     seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
     seeds
@@ -234,14 +249,20 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
 /// worker's own checks (block ranges, duplicates, its own engine, ports, repeated ids) are what
 /// is exercised, and `decode_session`'s guarantees are checked.
 pub fn worker_metadata_fields(data: &[u8]) {
+    metadata_fields_session(data);
+}
+
+fn metadata_fields_session(data: &[u8]) -> Finished {
     let prefill = prefill();
     let mut src = ByteSource::new(data);
     let answer = src.below(5);
-    let steps = [fuzzed_metadata(&mut src, 0), fuzzed_metadata(&mut src, 1)];
+    let keyed = src.below(2) == 1;
+    let steps = [fuzzed_metadata(&mut src, 0, keyed), fuzzed_metadata(&mut src, 1, keyed)];
+    let key = keyed.then(auth_key);
     let payload = prefill.payload.clone();
     let other_engine = HandshakePayload { engine_id: "elsewhere".into(), ..prefill.decoded_payload() };
     let other = must(wire::encode(&other_engine), "encoding a payload");
-    decode_session(&prefill, &steps, |engine| match answer {
+    decode_session(&prefill, key, &steps, |engine| match answer {
         0 => {
             Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
         }
@@ -249,12 +270,13 @@ pub fn worker_metadata_fields(data: &[u8]) {
         2 => None,
         3 => Some(Ok(other.clone())),
         _ => Some(Ok(payload[..payload.len() / 2].to_vec())),
-    });
+    })
 }
 
 /// One step's metadata: by default one load of two fresh blocks from the prefill engine in the
-/// first step, nothing in the second.
-fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize) -> ConnectorMetadata {
+/// first step, nothing in the second. In a keyed deployment the offers carry a MAC (by default
+/// a valid one).
+fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> ConnectorMetadata {
     let loads = if step == 0 { 1 + src.below(4) } else { src.below(4) };
     let reqs_to_recv = (0..loads)
         .map(|i| {
@@ -299,23 +321,45 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize) -> ConnectorMetadata {
                 1 => Some(format!("cmpl-p-{i}").into()),
                 _ => Some(src.string(8).into()),
             };
-            RecvRequest {
+            let remote_read_from = match src.below(4) {
+                3 => src.edgy_u32(),
+                _ => (remote_len - local_len) as u32,
+            };
+            let nonce = match src.below(3) {
+                0 => Some(NONCE),
+                1 => None,
+                _ => Some(kvx_core::HexBytes([src.u8(); 16])),
+            };
+            let mut r = RecvRequest {
                 request_id: request_id.into(),
                 remote_request_id,
                 local_block_ids,
                 remote_block_ids,
+                remote_read_from,
                 remote: kvx_core::RemoteCoordinates { engine_id, host: "10.0.0.1".into(), port },
+                nonce,
+                mac: None,
+            };
+            if keyed {
+                r.mac = match src.below(4) {
+                    0 => r.offer().map(|offer| offer.tag(&auth_key())),
+                    1 => None,
+                    2 => Some(kvx_core::HexBytes([src.u8(); 32])),
+                    // A valid tag over another offer (other blocks).
+                    _ => r.offer().map(|offer| Offer { block_ids: &[1, 2, 3], ..offer }.tag(&auth_key())),
+                };
             }
+            r
         })
         .collect();
     let reqs_to_send = (0..src.below(4))
         .map(|k| {
-            match src.below(3) {
+            let request_id = match src.below(3) {
                 0 => format!("held-{step}-{k}"),
                 1 => "held-0-0".to_owned(),
                 _ => src.string(8),
-            }
-            .into()
+            };
+            HeldRequest { request_id: request_id.into(), nonce: NONCE }
         })
         .collect();
     ConnectorMetadata { reqs_to_recv, reqs_to_send }
@@ -323,26 +367,34 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize) -> ConnectorMetadata {
 
 /// Seeds: no choice (one valid load), each answer, and a few loads with one field changed.
 pub(crate) fn worker_metadata_fields_seeds() -> Vec<Seed> {
+    // Bytes: the answer, keyed or not, then per step the loads (each 12 choices, 13 keyed) and
+    // the holds.
     let mut seeds = vec![Seed::new("one-valid-load", Vec::new())];
     for answer in 1..5u8 {
         seeds.push(Seed::new(format!("answer-{answer}"), [answer]));
     }
-    for field in 0..9 {
-        // answer 0, 4 loads, then `field` zero choices and a 1.
-        let mut choice = vec![0u8, 3];
+    for field in 0..12 {
+        // Answer 0, no key, 4 loads, then `field` zero choices and a 1.
+        let mut choice = vec![0u8, 0, 3];
         choice.extend(std::iter::repeat_n(0, field));
         choice.push(1);
         seeds.push(Seed::new(format!("four-loads-field-{field}-changed"), choice));
     }
-    seeds
-        .push(Seed::new("loads-in-both-steps", [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]));
+    let one_load = [0u8; 12];
+    seeds.push(Seed::new("loads-in-both-steps", [&[0, 0, 0][..], &one_load, &[0, 2]].concat()));
+    seeds.push(Seed::new("keyed-valid-mac", [0, 1]));
+    for (mac, name) in [(1u8, "keyed-no-mac"), (2, "keyed-garbage-mac"), (3, "keyed-mac-of-another-offer")] {
+        seeds.push(Seed::new(name, [&[0, 1, 0][..], &one_load, &[mac]].concat()));
+    }
     seeds
 }
 
-/// Notifications to a prefill rank that holds requests: `data`, split at NUL bytes into up to 64
-/// notifications, delivered through a loopback peer's `notify`. Then the parts that are UTF-8 are
-/// held as requests too (a notification that came first), and every hold expires. Each hold is
-/// released at least once, nothing that was not held is released, and the worker ends idle.
+/// Notification bytes to a prefill rank that holds requests, through a loopback peer's
+/// `notify`, twice (a duplicate). If the bytes are a `HoldRelease`, a hold for the request and
+/// nonce it names is started afterwards too (a release that came before its hold). Checks:
+/// before any hold expires, only a hold that a release names with its nonce is freed (a forged,
+/// mangled or wrong-nonce release frees nothing); once every hold expired, each was released at
+/// least once, nothing that was not held was, and the worker is idle.
 pub fn worker_notification(data: &[u8]) {
     let fabric = Fabric::new();
     let agent = Arc::new(must(fabric.agent("prefill-agent"), "prefill agent"));
@@ -352,22 +404,33 @@ pub fn worker_notification(data: &[u8]) {
     let prefill_name = must(reader.load_remote(&must(agent.local_metadata(), "metadata")), "loading");
 
     let now = Instant::now();
-    let held: Vec<RequestId> =
-        ["req-0", "req-1", "cmpl-7f3a-0", ""].into_iter().map(RequestId::new).collect();
+    let held: Vec<HeldRequest> = notification_holds();
     worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held.clone() });
-    let parts: Vec<&[u8]> = data.split(|&b| b == 0).take(64).collect();
-    for part in &parts {
-        must(reader.notify(&prefill_name, part), "notifying");
+    for _ in 0..2 {
+        must(reader.notify(&prefill_name, data), "notifying");
     }
+    let release = wire::decode::<HoldRelease>(data).ok();
+    let releases = |id: &RequestId, holds: &[HeldRequest]| {
+        release.as_ref().is_some_and(|r| {
+            &r.request_id == id && holds.iter().any(|h| h.request_id == r.request_id && h.nonce == r.nonce)
+        })
+    };
     let mut released = worker.get_finished(now).sending;
-    let late: Vec<RequestId> =
-        parts.iter().filter_map(|p| std::str::from_utf8(p).ok()).take(8).map(RequestId::new).collect();
+    for id in &released {
+        assert!(releases(id, &held), "hold {id:?} freed by a notification that does not release it");
+    }
+    let late: Vec<HeldRequest> =
+        release.iter().map(|r| HeldRequest { request_id: r.request_id.clone(), nonce: r.nonce }).collect();
     worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: late.clone() });
-    released.extend(worker.get_finished(now).sending);
+    let early = worker.get_finished(now).sending;
+    for id in &early {
+        assert!(releases(id, &late), "hold {id:?} freed by an early notification that does not release it");
+    }
+    released.extend(early);
     let later = now + worker.config().hold_timeout + Duration::from_secs(1);
     released.extend(worker.get_finished(later).sending);
 
-    let all_held: HashSet<&RequestId> = held.iter().chain(&late).collect();
+    let all_held: HashSet<&RequestId> = held.iter().chain(&late).map(|h| &h.request_id).collect();
     for id in &released {
         assert!(all_held.contains(id), "released {id:?}, which was never held");
     }
@@ -377,23 +440,36 @@ pub fn worker_notification(data: &[u8]) {
     assert!(worker.is_idle(), "the prefill worker is not idle at the end: {:?}", worker.stats());
 }
 
-/// Seeds: ids that match holds, several at once, repeats, strays, and non-UTF-8 bytes.
+/// The holds of `worker_notification`'s prefill rank.
+fn notification_holds() -> Vec<HeldRequest> {
+    [("req-0", NONCE), ("req-1", NONCE), ("cmpl-7f3a-0", OTHER_NONCE), ("", NONCE)]
+        .into_iter()
+        .map(|(id, nonce)| HeldRequest { request_id: id.into(), nonce })
+        .collect()
+}
+
+/// Another hold's nonce.
+const OTHER_NONCE: Nonce = kvx_core::HexBytes([0xa5; 16]);
+
+/// Releases: of each hold, with the wrong nonce, of no hold (it comes before its hold), and
+/// hostile variants; then bare request ids (what kvx sent before nonces), and other bytes.
 pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
-    [
-        ("held-id", &b"req-0"[..]),
-        ("vllm-id", b"cmpl-7f3a-0"),
-        ("two-ids", b"req-1\0req-0"),
-        ("repeated-id", b"req-0\0req-0\0req-0"),
-        ("stray-id", b"cmpl-unknown-9"),
-        ("empty", b""),
-        ("not-utf8", b"\xff\xfereq-0"),
-        ("prefix-of-held-id", b"req-"),
-        ("overlong-utf8", b"\xc0\xaf"),
-    ]
-    .into_iter()
-    .map(|(n, b)| Seed::new(n, b))
-    .chain(std::iter::once(Seed::new("long-id", vec![b'x'; 70 << 10])))
-    .collect()
+    let release = |id: &str, nonce| HoldRelease { request_id: id.into(), nonce };
+    let samples = vec![
+        ("releases-a-hold", release("req-0", NONCE)),
+        ("releases-a-vllm-hold", release("cmpl-7f3a-0", OTHER_NONCE)),
+        ("wrong-nonce", release("req-1", OTHER_NONCE)),
+        ("releases-an-unknown-hold", release("cmpl-unknown-9", NONCE)),
+        ("empty-id", release("", NONCE)),
+        ("over-long-id", release(&"x".repeat(70 << 10), NONCE)),
+    ];
+    let mut seeds = crate::seeds::wire_seeds(&samples);
+    seeds.extend(
+        [("bare-id", &b"req-0"[..]), ("not-utf8", b"\xff\xfereq-0"), ("empty", b"")]
+            .into_iter()
+            .map(|(n, b)| Seed::new(n, b)),
+    );
+    seeds
 }
 
 /// A rank's report as rank 0 receives it: decoded, aggregated with rank 0's own report (the
@@ -418,6 +494,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             block_size: 16,
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
+            auth_key: None,
         }),
         "scheduler",
     );
@@ -455,4 +532,27 @@ pub(crate) fn rank_report_samples() -> Vec<(&'static str, RankReport)> {
             },
         ),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loaded(finished: &Finished, id: &str) -> bool {
+        finished.recving.iter().any(|r| r.as_str() == id)
+    }
+
+    #[test]
+    fn the_natural_inputs_load_so_the_targets_reach_the_read() {
+        assert!(loaded(&handshake_session(&prefill().payload), "load"));
+        assert!(loaded(&handshake_fields_session(&[]), "req-0"));
+        let plain = metadata_fields_session(&[]);
+        assert!(loaded(&plain, "s0-r0"), "{plain:?}");
+        let keyed = metadata_fields_session(&[0, 1]);
+        assert!(loaded(&keyed, "s0-r0"), "a valid MAC: {keyed:?}");
+        let no_mac = metadata_fields_session(&[[0u8, 1, 0].as_slice(), &[0; 12], &[1]].concat());
+        assert!(!loaded(&no_mac, "s0-r0"), "no MAC in a keyed deployment: {no_mac:?}");
+        let other_offer = metadata_fields_session(&[[0u8, 1, 0].as_slice(), &[0; 12], &[3]].concat());
+        assert!(!loaded(&other_offer, "s0-r0"), "another offer's MAC: {other_offer:?}");
+    }
 }

@@ -7,10 +7,16 @@ use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
 
 use super::engine::SimEngine;
 
+/// A request a client hands the decode engine: id, prompt, tokens to generate, params.
+pub type ClientRequest = (RequestId, Vec<u32>, usize, TransferParams);
+
+/// What a client does with a prefill engine's params before the decode engine gets them: the
+/// requests it submits instead (for tests of hostile clients: forged, replayed or edited params).
+pub type ClientHook = Box<dyn FnMut(ClientRequest) -> Vec<ClientRequest> + Send>;
+
 /// Prefill engines feeding one decode engine through a router, as a disaggregated deployment
 /// runs: a request goes to a prefill engine (round robin) with `do_remote_decode`; when that
 /// engine hands back its params, the router submits the request with them to the decode engine.
-#[derive(Debug)]
 pub struct Cluster {
     /// The prefill engines.
     pub prefills: Vec<SimEngine>,
@@ -19,6 +25,7 @@ pub struct Cluster {
     /// Requests not yet handed to the decode engine: prompt and tokens to generate.
     in_prefill: HashMap<RequestId, (Vec<u32>, usize)>,
     next_prefill: usize,
+    client: Option<ClientHook>,
 }
 
 impl Cluster {
@@ -27,7 +34,17 @@ impl Cluster {
         if prefills.is_empty() {
             return Err(Error::invalid_argument("a cluster needs a prefill engine"));
         }
-        Ok(Cluster { prefills, decode, in_prefill: HashMap::new(), next_prefill: 0 })
+        Ok(Cluster { prefills, decode, in_prefill: HashMap::new(), next_prefill: 0, client: None })
+    }
+
+    /// Routes every prefill engine's params through `hook` (a client between the engines): the
+    /// decode engine gets the requests it returns.
+    pub fn with_client(
+        mut self,
+        hook: impl FnMut(ClientRequest) -> Vec<ClientRequest> + Send + 'static,
+    ) -> Self {
+        self.client = Some(Box::new(hook));
+        self
     }
 
     /// Sends a request to the next prefill engine; the decode engine generates `max_new_tokens`.
@@ -49,7 +66,14 @@ impl Cluster {
                 let Some((prompt, max_new_tokens)) = self.in_prefill.remove(&id) else {
                     return Err(Error::new(ErrorKind::State, format!("params for unknown request {id}")));
                 };
-                self.decode.add_request(id, &prompt, max_new_tokens, Some(params))?;
+                let request = (id, prompt, max_new_tokens, params);
+                let requests = match &mut self.client {
+                    Some(hook) => hook(request),
+                    None => vec![request],
+                };
+                for (id, prompt, max_new_tokens, params) in requests {
+                    self.decode.add_request(id, &prompt, max_new_tokens, Some(params))?;
+                }
             }
         }
         self.decode.step()
@@ -92,5 +116,16 @@ impl Cluster {
             .chain([&self.decode])
             .map(|e| e.pool().num_blocks() as usize - e.pool().num_free())
             .sum()
+    }
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("prefills", &self.prefills)
+            .field("decode", &self.decode)
+            .field("in_prefill", &self.in_prefill.len())
+            .field("client", &self.client.is_some())
+            .finish()
     }
 }

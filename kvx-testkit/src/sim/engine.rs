@@ -7,15 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Runtime;
 
+use kvx_core::net::NetConfig;
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
+    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
     FinishReason, Finished, InProcessGroup, LayerCache, RequestId, Result, SchedulerConfig, TransferAgent,
     TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
 use super::model::{self, ModelSpec};
 use super::pool::{BlockHash, BlockPool, PoolError};
-use super::side_channel::{BoundSideChannels, InProcessSideChannels, bind_zmq};
+use super::side_channel::{BoundSideChannels, InProcessSideChannels, bind_tcp};
 use crate::conformance::TestBuffer;
 
 type AgentFactory = dyn Fn(&EngineId, u32) -> Result<Arc<dyn TransferAgent>> + Send + Sync;
@@ -73,8 +74,8 @@ impl fmt::Debug for SimBackend {
 pub enum SideChannel {
     /// In-process (a registry shared by the engines of one test).
     InProcess(InProcessSideChannels),
-    /// Real ZeroMQ side channels on consecutive ports of `host`.
-    Zmq {
+    /// Real TCP side channels (`kvx_core::net::SideChannel`) on consecutive ports of `host`.
+    Tcp {
         /// The host to bind and to hand to decode engines.
         host: String,
     },
@@ -93,6 +94,10 @@ pub struct EngineConfig {
     pub model: ModelSpec,
     /// The side channel.
     pub side_channel: SideChannel,
+    /// The deployment's shared key: TCP side channels authenticate with it (and refuse peers
+    /// without it), the scheduler signs its offers and the workers read only signed ones. `None`:
+    /// no authentication.
+    pub auth_key: Option<AuthKey>,
     /// Handshake timeout of the workers.
     pub handshake_timeout: Duration,
     /// How long a prefill engine holds blocks for a reader that does not come.
@@ -115,6 +120,7 @@ impl EngineConfig {
             num_blocks,
             model,
             side_channel: SideChannel::InProcess(net.clone()),
+            auth_key: None,
             handshake_timeout: Duration::from_secs(5),
             hold_timeout: Duration::from_secs(30),
         }
@@ -259,17 +265,20 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Zmq { host } => host.clone(),
+            SideChannel::Tcp { host } => host.clone(),
         };
         let BoundSideChannels { base_port, ranks: exchanges } = match &config.side_channel {
             SideChannel::InProcess(net) => net.bind(&host, config.tp)?,
-            SideChannel::Zmq { host } => bind_zmq(runtime.handle(), host, config.tp)?,
+            SideChannel::Tcp { host } => {
+                bind_tcp(runtime.handle(), host, config.tp, &NetConfig::with_key(config.auth_key.clone()))?
+            }
         };
         let scheduler = ConnectorScheduler::new(SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
             side_channel_host: host,
             side_channel_port: base_port,
+            auth_key: config.auth_key.clone(),
         })?;
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
@@ -283,6 +292,7 @@ impl SimEngine {
                     compat_tag: model.compat_tag(),
                     handshake_timeout: config.handshake_timeout,
                     hold_timeout: config.hold_timeout,
+                    auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
                 agent,

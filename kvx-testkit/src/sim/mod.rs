@@ -8,8 +8,8 @@
 //! - [`SimEngine`]: requests that wait, load remote KV, run and finish; a scheduler, and per
 //!   tensor-parallel rank a worker with its own agent and KV memory.
 //! - [`Cluster`]: prefill engines, a decode engine and the router between them.
-//! - Side channels: [`InProcessSideChannels`] for in-process tests, or real ZeroMQ ones
-//!   ([`SideChannel::Zmq`]).
+//! - Side channels: [`InProcessSideChannels`] for in-process tests, or real TCP ones
+//!   ([`SideChannel::Tcp`]).
 
 mod cluster;
 mod engine;
@@ -17,8 +17,8 @@ mod model;
 mod pool;
 mod side_channel;
 
-pub use cluster::Cluster;
+pub use cluster::{ClientHook, ClientRequest, Cluster};
 pub use engine::{EngineConfig, EngineStats, RequestState, SideChannel, SimBackend, SimEngine};
 pub use model::{KvShape, ModelSpec, VOCAB};
 pub use pool::{BlockHash, BlockPool, PoolError};
-pub use side_channel::{BoundSideChannels, InProcessSideChannels, bind_zmq};
+pub use side_channel::{BoundSideChannels, InProcessSideChannels, bind_tcp};

@@ -1,5 +1,5 @@
-//! Side channels for simulated engines: an in-process registry, and real ZeroMQ side channels on
-//! consecutive ports.
+//! Side channels for simulated engines: an in-process registry, and real TCP side channels
+//! (`kvx_core::net::SideChannel`) on consecutive ports.
 //!
 //! A scheduler hands decode engines one base port; rank `r` of the prefill engine serves its
 //! payload on `base + r`. Both kinds bind all of an engine's ranks at once on consecutive ports.
@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::runtime::Handle;
 
-use kvx_core::net::ZmqSideChannel;
+use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{Error, ErrorKind, MetadataExchange, Result};
 
 /// One side channel per rank of an engine, on `base_port + rank`.
@@ -89,21 +89,22 @@ impl MetadataExchange for InProcessSideChannel {
     }
 }
 
-/// Binds real ZeroMQ side channels for `ranks` ranks on consecutive ports of `host`, served by
-/// `runtime` (multi-threaded). Rank 0 takes a free port from the OS; when a port after it is
-/// taken, all are dropped and another base is tried (a bounded number of times).
-pub fn bind_zmq(runtime: &Handle, host: &str, ranks: u32) -> Result<BoundSideChannels> {
+/// Binds real TCP side channels for `ranks` ranks on consecutive ports of `host`, with `config`'s
+/// limits and key, served by `runtime` (multi-threaded). Rank 0 takes a free port from the OS;
+/// when a port after it is taken, all are dropped and another base is tried (a bounded number of
+/// times).
+pub fn bind_tcp(runtime: &Handle, host: &str, ranks: u32, config: &NetConfig) -> Result<BoundSideChannels> {
     const ATTEMPTS: usize = 32;
     let mut last = None;
     for _ in 0..ATTEMPTS {
         let attempt = runtime.block_on(async {
-            let first = ZmqSideChannel::bind(host, 0).await?;
+            let first = SideChannel::bind_with(host, 0, config.clone()).await?;
             let base = first.port();
             let mut bound = vec![Arc::new(first) as Arc<dyn MetadataExchange>];
             for r in 1..ranks {
                 let port = u16::try_from(u32::from(base) + r)
                     .map_err(|_| Error::new(ErrorKind::Io, format!("port {base} + {r} overflows")))?;
-                bound.push(Arc::new(ZmqSideChannel::bind(host, port).await?));
+                bound.push(Arc::new(SideChannel::bind_with(host, port, config.clone()).await?));
             }
             Ok::<_, Error>(BoundSideChannels { base_port: base, ranks: bound })
         });
@@ -138,9 +139,9 @@ mod tests {
     }
 
     #[test]
-    fn zmq_channels_bind_consecutive_ports() {
+    fn tcp_channels_bind_consecutive_ports() {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let bound = bind_zmq(rt.handle(), "127.0.0.1", 3).unwrap();
+        let bound = bind_tcp(rt.handle(), "127.0.0.1", 3, &NetConfig::default()).unwrap();
         assert_eq!(bound.ranks.len(), 3);
         rt.block_on(async {
             bound.ranks[2].publish(b"r2".to_vec()).await.unwrap();

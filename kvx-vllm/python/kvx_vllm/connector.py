@@ -23,6 +23,11 @@ never meet in one process.
 - ``handshake_timeout``: seconds (default 30: a first connection inside a busy engine can take
   seconds); ``kv_lease_duration``: seconds the prefill side holds blocks for a reader that never
   comes (default 120).
+- ``auth_key``: the deployment's shared key (at least 16 bytes; fallback: the environment
+  variable ``KVX_AUTH_KEY``, which keeps it out of vLLM's logged config). With it, side-channel
+  handshakes are authenticated both ways, the prefill engine signs the ``kv_transfer_params`` it
+  returns, and a decode engine refuses params whose MAC does not verify before any READ. Every
+  engine of the deployment needs the same key.
 
 kvx's own threads (its tokio runtime, NIXL's threads, kvx-ucx's progress thread) are started off
 the CPU pinning that vLLM's CPU worker applies to its step thread (Rust ``kvx_vllm::unpinned``),
@@ -148,6 +153,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
+        self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
         self._sched = None
         self._worker = None
         self._tensors: list[Any] = []
@@ -156,12 +162,15 @@ class KvxConnector(KVConnectorBase_V1):
         self._totals: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             native = _native(self._backend)
-            self._sched = native.Scheduler(self._engine_id, self._block_size, self._host, self._port)
+            self._sched = native.Scheduler(
+                self._engine_id, self._block_size, self._host, self._port, auth_key=self._auth_key
+            )
         else:
             self._create_worker(extra, cfg, vllm_config)
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d",
+            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d, %s",
             role.name, self._backend, self._engine_id, self._host, self._port,
+            "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
         )
 
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
@@ -180,6 +189,7 @@ class KvxConnector(KVConnectorBase_V1):
             compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             hold_timeout_s=float(extra.get("kv_lease_duration", 120.0)),
+            auth_key=self._auth_key,
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
         progress = bool(extra.get("progress_thread", default_progress))
@@ -272,7 +282,7 @@ class KvxConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self):
         """None: kvx does not route its handshake through vLLM's out-of-band metadata (which
         NixlConnector serves from EngineCore). Each worker publishes its payload on its own
-        ZeroMQ side channel when it registers its KV caches, so a peer's handshake needs no
+        TCP side channel when it registers its KV caches, so a peer's handshake needs no
         EngineCore round trip and works for any number of ranks."""
         return None
 

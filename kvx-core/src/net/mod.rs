@@ -1,0 +1,135 @@
+//! kvx's own networking on tokio TCP: bounded, length-prefixed frames ([`frame`]), a session
+//! layer with an optional challenge-response handshake ([`session`]), a bounded request/response
+//! [`Server`], and on top of them the side channel ([`SideChannel`], a [`MetadataExchange`]) and
+//! a [`ParallelGroup`] across processes ([`TcpGroup`]). The `kvx` command's request API runs on
+//! the same server.
+//!
+//! Every socket kvx serves or reads is bounded ([`ServeLimits`]): a frame's length is checked
+//! before anything is allocated (by servers for requests and by clients for replies, so neither a
+//! hostile client nor a hostile server can make kvx allocate what it claims), a server holds at
+//! most `max_connections` connections, answers one request per connection at a time (a peer that
+//! does not read its replies is dropped after `exchange_timeout`, nothing is queued for it),
+//! drops connections idle for `idle_timeout`, and backs off when `accept` fails (out of file
+//! descriptors) instead of spinning. What it drops it counts ([`ServerStats`]) and logs.
+//!
+//! Why not ZeroMQ: kvx only ever talks to kvx, so ZMTP's interoperability buys nothing, while the
+//! `zeromq` crate's codec trusted a peer's frame length (73 bytes made it reserve a terabyte and
+//! abort), accepted replies of any size, queued replies without bound behind a client that does
+//! not read, and gave no hook for per-connection limits, idle timeouts or accept back-off. A
+//! length-prefixed frame over TCP is a few dozen lines that kvx can bound completely.
+//!
+//! [`MetadataExchange`]: crate::MetadataExchange
+//! [`ParallelGroup`]: crate::ParallelGroup
+
+use std::time::Duration;
+
+use crate::auth::AuthKey;
+
+pub mod frame;
+mod group;
+pub mod server;
+pub mod session;
+mod side_channel;
+
+pub use group::TcpGroup;
+pub use server::{Server, ServerStats, Service};
+pub use session::Connection;
+pub use side_channel::{MetadataRequest, SideChannel};
+
+/// What a kvx server or client accepts from a peer, and how long it waits. The defaults suit a
+/// side channel, a group and the `kvx` request API alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// The largest frame read from a peer, in bytes: requests on a server, replies on a client.
+    /// A longer frame is refused from its 4-byte header, before anything is allocated, and the
+    /// connection dropped. Default 16 MiB: a handshake payload (agent metadata with a remote
+    /// key per registered region, and the region addresses) takes kilobytes to a few hundred
+    /// kilobytes, so this leaves ample headroom while bounding what a peer can make kvx hold.
+    pub max_frame: usize,
+    /// The most connections a server holds at once. More are closed at once, and counted.
+    /// Default 256.
+    pub max_connections: usize,
+    /// A connection on which no request starts for this long is closed. Default 60 s.
+    pub idle_timeout: Duration,
+    /// Once a request's first byte arrived, the rest must arrive within this, and its reply must
+    /// be taken by the peer within this (each). A peer that does not read its replies is dropped.
+    /// Default 10 s.
+    pub exchange_timeout: Duration,
+    /// The longest pause after a failed `accept` (file descriptors exhausted, say): the pause
+    /// starts at 1 ms and doubles up to this, so a server out of descriptors does not spin.
+    /// Default 100 ms.
+    pub max_accept_backoff: Duration,
+}
+
+impl ServeLimits {
+    /// The default `max_frame`: 16 MiB.
+    pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            max_frame: Self::DEFAULT_MAX_FRAME,
+            max_connections: 256,
+            idle_timeout: Duration::from_secs(60),
+            exchange_timeout: Duration::from_secs(10),
+            max_accept_backoff: Duration::from_millis(100),
+        }
+    }
+}
+
+/// How a kvx server or client runs: its limits, and the deployment's shared key, if any.
+///
+/// With a key, every connection starts with a challenge-response in both directions (see
+/// [`session`]); a peer without the key gets nothing, and a client whose server cannot prove the
+/// key fails with `ErrorKind::Unauthenticated`.
+#[derive(Debug, Clone, Default)]
+pub struct NetConfig {
+    /// The shared key; `None` serves and fetches without authentication.
+    pub auth_key: Option<AuthKey>,
+    /// The limits.
+    pub limits: ServeLimits,
+}
+
+impl NetConfig {
+    /// The default limits with `auth_key`.
+    pub fn with_key(auth_key: Option<AuthKey>) -> Self {
+        NetConfig { auth_key, limits: ServeLimits::default() }
+    }
+}
+
+/// `host:port` for messages (IPv6 hosts in brackets).
+pub(crate) fn endpoint(host: &str, port: u16) -> String {
+    if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
+}
+
+/// Splits `tcp://host:port`, `host:port` or `[v6]:port` into host and port.
+pub fn parse_endpoint(endpoint: &str) -> crate::Result<(String, u16)> {
+    let bad = |why: &str| {
+        crate::Error::invalid_argument(format!("endpoint {}: {why}", crate::error::quote(endpoint)))
+    };
+    let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let port = port.parse::<u16>().map_err(|_| bad("the port is not a number below 65536"))?;
+    if host.is_empty() {
+        return Err(bad("no host"));
+    }
+    Ok((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_with_or_without_scheme() {
+        assert_eq!(parse_endpoint("tcp://127.0.0.1:5600").unwrap(), ("127.0.0.1".into(), 5600));
+        assert_eq!(parse_endpoint("localhost:1").unwrap(), ("localhost".into(), 1));
+        assert_eq!(parse_endpoint("tcp://[::1]:7").unwrap(), ("::1".into(), 7));
+        for bad in ["", "host", "tcp://:5", "h:99999", "h:x"] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+        assert_eq!(endpoint("::1", 7), "[::1]:7");
+    }
+}

@@ -1,0 +1,222 @@
+//! [`SideChannel`]: a worker's handshake payload, served on a TCP port and fetched from peers'.
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use super::server::{Server, ServerStats, Service};
+use super::session::Connection;
+use super::{NetConfig, endpoint};
+use crate::error::{Error, ErrorKind, Result};
+use crate::exchange::MetadataExchange;
+use crate::wire::{self, MessageKind, WireMessage};
+
+/// Room in a reply frame for the envelopes around a payload.
+const FRAME_HEADROOM: usize = 1024;
+
+/// A client's request for the published payload: the body of the session request a
+/// [`SideChannel`] fetch sends (`wire::encode(&MetadataRequest {})`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetadataRequest {}
+
+impl WireMessage for MetadataRequest {
+    const KIND: MessageKind = MessageKind::MetadataRequest;
+}
+
+type Slot = Arc<RwLock<Option<Vec<u8>>>>;
+
+struct Publisher {
+    payload: Slot,
+}
+
+#[async_trait]
+impl Service for Publisher {
+    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+        wire::decode::<MetadataRequest>(&request)?;
+        let slot = self.payload.read().map_err(|_| Error::new(ErrorKind::State, "payload lock poisoned"))?;
+        slot.clone().ok_or_else(|| Error::new(ErrorKind::Handshake, "no metadata published yet"))
+    }
+}
+
+/// A worker's side channel over kvx's bounded framing ([`super::server`]): serves the published
+/// payload to every peer that asks, and fetches peers' payloads, one connection per fetch, with
+/// the same limits and key. Needs a tokio runtime that keeps running (multi-threaded) to serve.
+pub struct SideChannel {
+    server: Server,
+    payload: Slot,
+    config: NetConfig,
+}
+
+impl fmt::Debug for SideChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SideChannel").field("port", &self.port()).finish_non_exhaustive()
+    }
+}
+
+impl SideChannel {
+    /// Binds `host:port` (port 0: a free port) with the default limits and no key. A port in use
+    /// is an `Io` error, at once.
+    pub async fn bind(host: &str, port: u16) -> Result<Self> {
+        Self::bind_with(host, port, NetConfig::default()).await
+    }
+
+    /// Binds `host:port` with `config`'s limits and key (used for serving and for fetching).
+    pub async fn bind_with(host: &str, port: u16, config: NetConfig) -> Result<Self> {
+        let payload = Slot::default();
+        let publisher = Publisher { payload: Arc::clone(&payload) };
+        let server = Server::bind("side channel", host, port, &config, publisher).await?;
+        Ok(SideChannel { server, payload, config })
+    }
+
+    /// The bound port.
+    pub fn port(&self) -> u16 {
+        self.server.port()
+    }
+
+    /// The server (its counters, for monitoring and tests).
+    pub fn server(&self) -> &Server {
+        &self.server
+    }
+
+    /// The server's counters now.
+    pub fn stats(&self) -> ServerStats {
+        self.server.stats()
+    }
+}
+
+#[async_trait]
+impl MetadataExchange for SideChannel {
+    async fn publish(&self, payload: Vec<u8>) -> Result<()> {
+        let max = self.config.limits.max_frame.saturating_sub(FRAME_HEADROOM);
+        if payload.len() > max {
+            return Err(Error::invalid_argument(format!(
+                "a payload of {} bytes is over the side channel's frame limit ({max} bytes)",
+                payload.len()
+            )));
+        }
+        let mut slot =
+            self.payload.write().map_err(|_| Error::new(ErrorKind::State, "payload lock poisoned"))?;
+        *slot = Some(payload);
+        Ok(())
+    }
+
+    async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
+        let fetch = async {
+            let mut conn = Connection::connect(host, port, &self.config).await?;
+            conn.request(wire::encode(&MetadataRequest {})?).await
+        };
+        match tokio::time::timeout(timeout, fetch).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                format!("no metadata from {} within {timeout:?}", endpoint(host, port)),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::AuthKey;
+    use std::time::Instant;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+    }
+
+    const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn fetch_returns_the_published_payload() {
+        runtime().block_on(async {
+            let server = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let e = server.fetch("127.0.0.1", server.port(), T).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Handshake, "nothing published yet: {e}");
+            assert!(e.to_string().contains("no metadata published yet"), "{e}");
+            server.publish(b"payload-1".to_vec()).await.unwrap();
+            let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            for _ in 0..3 {
+                assert_eq!(client.fetch("127.0.0.1", server.port(), T).await.unwrap(), b"payload-1");
+            }
+            let s = server.server().wait_for_stats(|s| s.active == 0, T).await.unwrap();
+            assert_eq!((s.accepted, s.requests, s.rejected, s.closed), (4, 3, 1, 3), "{s:?}");
+        });
+    }
+
+    #[test]
+    fn fetch_from_a_port_where_nothing_listens_fails_at_once() {
+        let free_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        runtime().block_on(async {
+            let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let start = Instant::now();
+            let e = client.fetch("127.0.0.1", free_port, Duration::from_secs(30)).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "refused, not waited for: {:?}",
+                start.elapsed()
+            );
+        });
+    }
+
+    #[test]
+    fn fetch_from_a_peer_that_never_answers_fails_within_its_timeout() {
+        // Accepts connections (the kernel's backlog) but never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        runtime().block_on(async {
+            let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let start = Instant::now();
+            let e = client.fetch("127.0.0.1", port, Duration::from_millis(300)).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert!(start.elapsed() < Duration::from_secs(3), "bounded by the timeout");
+        });
+        drop(silent);
+    }
+
+    #[test]
+    fn binding_a_taken_port_fails_instead_of_hanging() {
+        runtime().block_on(async {
+            let first = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let e = SideChannel::bind("127.0.0.1", first.port()).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Io);
+        });
+    }
+
+    #[test]
+    fn payloads_over_the_frame_limit_are_not_published() {
+        runtime().block_on(async {
+            let mut config = NetConfig::default();
+            config.limits.max_frame = 4096;
+            let server = SideChannel::bind_with("127.0.0.1", 0, config).await.unwrap();
+            let e = server.publish(vec![0; 4096]).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+            server.publish(vec![7; 3000]).await.unwrap();
+        });
+    }
+
+    #[test]
+    fn keyed_side_channels_serve_only_peers_with_the_same_key() {
+        let key = |k: &str| NetConfig::with_key(Some(AuthKey::new(k).unwrap()));
+        runtime().block_on(async {
+            let server = SideChannel::bind_with("127.0.0.1", 0, key("the-deployment-key")).await.unwrap();
+            server.publish(b"secret".to_vec()).await.unwrap();
+            let friend = SideChannel::bind_with("127.0.0.1", 0, key("the-deployment-key")).await.unwrap();
+            assert_eq!(friend.fetch("127.0.0.1", server.port(), T).await.unwrap(), b"secret");
+            let stranger = SideChannel::bind_with("127.0.0.1", 0, key("another-key-entirely")).await.unwrap();
+            let open = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            for client in [&stranger, &open] {
+                let e = client.fetch("127.0.0.1", server.port(), T).await.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
+            }
+            open.publish(b"public".to_vec()).await.unwrap();
+            let e = friend.fetch("127.0.0.1", open.port(), T).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Unauthenticated, "a keyed client refuses an open server: {e}");
+            let s = server.server().wait_for_stats(|s| s.active == 0, T).await.unwrap();
+            assert_eq!((s.requests, s.unauthenticated), (1, 2), "{s:?}");
+        });
+    }
+}

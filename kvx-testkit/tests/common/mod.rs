@@ -1,0 +1,81 @@
+//! What the loopback end-to-end suites share: agents on one fabric kept by (engine, rank) so
+//! tests can inject faults, a small model, prompts, and the final cleanliness check.
+
+#![allow(clippy::unwrap_used, dead_code, unreachable_pub)] // Shared test helpers; each suite uses some.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvx_core::{EngineId, RequestId, TransferAgent};
+use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, ModelSpec, SimBackend, SimEngine};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub const BS: usize = 16;
+pub const LIMIT: Duration = Duration::from_secs(60);
+
+/// Agents by (engine, rank).
+pub type Agents = Arc<Mutex<HashMap<(String, u32), Arc<LoopbackAgent>>>>;
+
+/// Loopback agents on one fabric, kept by (engine, rank) so tests can inject faults.
+#[derive(Default)]
+pub struct Loopback {
+    pub fabric: Fabric,
+    pub agents: Agents,
+    pub net: InProcessSideChannels,
+}
+
+impl Loopback {
+    pub fn backend(&self) -> SimBackend {
+        let (fabric, agents) = (self.fabric.clone(), self.agents.clone());
+        SimBackend::new(move |engine: &EngineId, rank| {
+            let agent = Arc::new(fabric.agent(format!("{engine}-{rank}"))?);
+            agents.lock().unwrap().insert((engine.to_string(), rank), agent.clone());
+            Ok(agent as Arc<dyn TransferAgent>)
+        })
+    }
+
+    pub fn agent(&self, engine: &str, rank: u32) -> Arc<LoopbackAgent> {
+        self.agents.lock().unwrap()[&(engine.to_owned(), rank)].clone()
+    }
+
+    pub fn engine(&self, config: EngineConfig) -> SimEngine {
+        SimEngine::new(config, &self.backend()).unwrap()
+    }
+
+    pub fn config(&self, id: &str, model: &ModelSpec) -> EngineConfig {
+        EngineConfig::new(id, 2, 512, model.clone(), &self.net)
+    }
+
+    /// One prefill and one decode engine, TP=2.
+    pub fn cluster(&self, model: &ModelSpec) -> Cluster {
+        let prefill = self.engine(self.config("prefill", model));
+        let decode = self.engine(self.config("decode", model));
+        Cluster::new(vec![prefill], decode).unwrap()
+    }
+}
+
+pub fn model() -> ModelSpec {
+    ModelSpec::standard(2, 4, 8, BS as u32)
+}
+
+pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.gen_range(0..kvx_testkit::sim::VOCAB)).collect()
+}
+
+pub fn id(s: impl Into<String>) -> RequestId {
+    RequestId::new(s)
+}
+
+/// Nothing went wrong, every engine is idle and every pool whole.
+pub fn assert_clean(c: &Cluster) {
+    for e in c.prefills.iter().chain([&c.decode]) {
+        assert!(e.errors().is_empty(), "{}: {:?}", e.engine_id(), e.errors());
+        assert_eq!(e.stats().blocks_mismatched, 0);
+        assert!(e.is_idle(), "{} is not idle", e.engine_id());
+        assert!(e.pool().is_whole(), "{} leaked {} blocks", e.engine_id(), c.blocks_in_use());
+    }
+}
