@@ -170,6 +170,8 @@ pub struct ConnectorWorker {
     registered: Option<Registered>,
     peers: HashMap<EngineId, Peer>,
     in_flight: HashMap<RequestId, InFlight>,
+    /// Requests waiting for a handshake (with `in_flight`: every load not yet reported).
+    waiting_ids: HashSet<RequestId>,
     finished: Finished,
     /// Prefill side: held requests.
     holds: HashMap<RequestId, Hold>,
@@ -205,6 +207,7 @@ impl ConnectorWorker {
             registered: None,
             peers: HashMap::new(),
             in_flight: HashMap::new(),
+            waiting_ids: HashSet::new(),
             finished: Finished::default(),
             holds: HashMap::new(),
             early,
@@ -370,12 +373,15 @@ impl ConnectorWorker {
         if let Some(dup) = req.local_block_ids.iter().find(|b| !seen.insert(**b)) {
             return Err(Error::invalid_argument(format!("local block {dup} appears twice")));
         }
-        if self.in_flight.contains_key(&req.request_id) {
+        if self.in_flight.contains_key(&req.request_id) || self.waiting_ids.contains(&req.request_id) {
             return Err(Error::invalid_argument("a load for this request is already in flight"));
         }
         match self.peers.entry(req.remote.engine_id.clone()) {
             Entry::Occupied(mut e) => match e.get_mut() {
-                Peer::Handshaking { waiting, .. } => waiting.push(req.clone()),
+                Peer::Handshaking { waiting, .. } => {
+                    waiting.push(req.clone());
+                    self.waiting_ids.insert(req.request_id.clone());
+                }
                 Peer::Ready { .. } => return self.issue(now, req),
             },
             Entry::Vacant(e) => {
@@ -397,6 +403,7 @@ impl ConnectorWorker {
                     deadline: now + self.config.handshake_timeout,
                     waiting: vec![req.clone()],
                 });
+                self.waiting_ids.insert(req.request_id.clone());
             }
         }
         Ok(())
@@ -467,6 +474,9 @@ impl ConnectorWorker {
             return;
         };
         let (started, waiting) = (*started, std::mem::take(waiting));
+        for req in &waiting {
+            self.waiting_ids.remove(&req.request_id);
+        }
         match result.and_then(|bytes| self.connect(engine_id, &bytes)) {
             Ok(peer) => {
                 let took = now.saturating_duration_since(started);
@@ -714,12 +724,16 @@ impl FinishedAggregator {
         FinishedAggregator { world_size: world_size.max(1), sending: HashMap::new(), recving: HashMap::new() }
     }
 
-    /// Adds the reports of some ranks (each rank's report at most once per id) and returns the ids
-    /// that every rank has now reported.
+    /// Adds the reports of some ranks and returns the ids that every rank has now reported. An id
+    /// a report names twice counts once for that rank.
     pub fn aggregate(&mut self, reports: impl IntoIterator<Item = Finished>) -> Finished {
         let mut out = Finished::default();
         for report in reports {
+            let mut seen = HashSet::new();
             for id in report.sending {
+                if !seen.insert(id.clone()) {
+                    continue;
+                }
                 let n = self.sending.entry(id.clone()).or_insert(0);
                 *n = n.saturating_add(1);
                 if *n >= self.world_size {
@@ -729,7 +743,11 @@ impl FinishedAggregator {
             }
             let recvs = report.recving.into_iter().map(|id| (id, None));
             let fails = report.failed_recving.into_iter().map(|f| (f.request_id, Some(f.reason)));
+            seen.clear();
             for (id, failure) in recvs.chain(fails) {
+                if !seen.insert(id.clone()) {
+                    continue;
+                }
                 let entry = self.recving.entry(id.clone()).or_insert((0, None));
                 entry.0 = entry.0.saturating_add(1);
                 if entry.1.is_none() {

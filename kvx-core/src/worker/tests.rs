@@ -642,3 +642,36 @@ fn rank0_reports_an_id_once_every_rank_has_it() {
     assert_eq!(out.sending, vec![RequestId::new("s")]);
     assert_eq!(agg.num_partial(), 0);
 }
+
+#[test]
+fn the_same_request_twice_while_its_handshake_runs_loads_once() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let a = agent(posts.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    w.start_load_kv(now, &meta(vec![recv("a", vec![1], vec![1])]));
+    w.start_load_kv(now, &meta(vec![recv("a", vec![2], vec![2])]));
+    let f = w.get_finished(now);
+    assert_eq!(f.failed_recving.len(), 1, "the second is refused");
+    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = w.poll_command() {
+        w.handle_handshake(now, &engine_id, Ok(peer_payload(0, &[None, None], |_| {})));
+    }
+    assert_eq!(posts.lock().unwrap().len(), 1, "one READ");
+    assert_eq!(w.get_finished(now).recving, vec![RequestId::new("a")]);
+    assert!(w.is_idle(), "nothing left in flight unpolled");
+}
+
+#[test]
+fn an_id_a_report_names_twice_counts_once_for_its_rank() {
+    let mut agg = FinishedAggregator::new(2);
+    let twice = |id: &str| Finished {
+        sending: vec![RequestId::new(id), RequestId::new(id)],
+        recving: vec![RequestId::new("r"), RequestId::new("r")],
+        ..Default::default()
+    };
+    assert!(agg.aggregate([twice("s")]).is_empty(), "one rank of two has reported");
+    let out = agg.aggregate([twice("s")]);
+    assert_eq!((out.sending, out.recving), (vec![RequestId::new("s")], vec![RequestId::new("r")]));
+}
