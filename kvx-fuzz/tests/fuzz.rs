@@ -58,7 +58,8 @@ fn every_target_has_a_committed_corpus_and_every_corpus_a_target() {
 
 #[test]
 fn every_seed_a_target_makes_is_in_its_committed_corpus() {
-    // Seeds from live agents differ byte for byte between processes; their names do not.
+    // Seeds from live agents differ byte for byte between processes; their names do not (see
+    // `seeds::msgpack_hostile`).
     for target in kvx_fuzz::targets() {
         if target.availability() != Availability::Ready {
             continue;
