@@ -164,6 +164,18 @@ impl Error {
         self
     }
 
+    /// The same kind, message, backend and code without the source: one failure reported for
+    /// several requests.
+    pub fn detached(&self) -> Self {
+        Error {
+            kind: self.kind,
+            message: self.message.clone(),
+            backend: self.backend,
+            code: self.code,
+            source: None,
+        }
+    }
+
     /// The kind of failure.
     pub fn kind(&self) -> ErrorKind {
         self.kind

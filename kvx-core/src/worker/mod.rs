@@ -503,7 +503,7 @@ impl ConnectorWorker {
                     _ => e.context(format!("with engine {engine_id}")),
                 };
                 for req in waiting {
-                    self.fail(&req.request_id, Error::new(e.kind(), e.to_string()));
+                    self.fail(&req.request_id, e.detached());
                 }
             }
         }

@@ -310,6 +310,26 @@ fn a_failed_handshake_fails_exactly_the_waiting_requests_and_is_retried() {
 }
 
 #[test]
+fn a_failed_handshake_says_so_once() {
+    let mut w = worker_with(agent(Arc::default(), |_| {}), 0, &[None, None]);
+    let now = Instant::now();
+    for (n, cause) in [
+        Error::new(ErrorKind::Handshake, "connecting to h:5600: refused"),
+        Error::new(ErrorKind::Wire, "decode envelope: bad"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        w.start_load_kv(now, &meta(vec![recv(&format!("r{n}"), vec![1], vec![1])]));
+        w.poll_command();
+        w.handle_handshake(now, &"prefill".into(), Err(cause));
+        let reason = w.get_finished(now).failed_recving.remove(0).reason;
+        assert!(reason.starts_with("handshake failed: with engine prefill: "), "{reason}");
+        assert_eq!(reason.matches("handshake failed").count(), 1, "{reason}");
+    }
+}
+
+#[test]
 fn a_handshake_that_never_answers_times_out() {
     let mut w = worker_with(agent(Arc::default(), |_| {}), 0, &[None, None]);
     let now = Instant::now();
