@@ -144,6 +144,19 @@ fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u
     p
 }
 
+/// `len` block ids of a pool of `pool` blocks: in range from `first`, the last, one past the end,
+/// or an edge value.
+fn block_ids(src: &mut ByteSource<'_>, len: usize, first: usize, pool: u32) -> Vec<u32> {
+    (0..len)
+        .map(|k| match src.below(4) {
+            0 => (first + k) as u32,
+            1 => pool - 1,
+            2 => pool,
+            _ => src.edgy_u32(),
+        })
+        .collect()
+}
+
 fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
     let n = 1 + src.below(3);
     (0..n)
@@ -153,22 +166,8 @@ fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
                 k => k - 1,
             };
             let remote_len = local_len + src.below(3);
-            let local = (0..local_len)
-                .map(|k| match src.below(4) {
-                    0 => (i * 4 + k) as u32,
-                    1 => DECODE_BLOCKS - 1,
-                    2 => DECODE_BLOCKS,
-                    _ => src.edgy_u32(),
-                })
-                .collect();
-            let remote = (0..remote_len)
-                .map(|k| match src.below(4) {
-                    0 => (i * 5 + k) as u32,
-                    1 => PREFILL_BLOCKS - 1,
-                    2 => PREFILL_BLOCKS,
-                    _ => src.edgy_u32(),
-                })
-                .collect();
+            let local = block_ids(src, local_len, i * 4, DECODE_BLOCKS);
+            let remote = block_ids(src, remote_len, i * 5, PREFILL_BLOCKS);
             let mut r = recv(&format!("req-{i}"), local, remote);
             if src.below(4) == 3 {
                 r.remote.port = u16::MAX;
