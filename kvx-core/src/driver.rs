@@ -3,13 +3,20 @@
 //!
 //! The engine calls it from its step thread; nothing it does waits on the network except
 //! registration (which publishes the payload) and the group's bounded gather. Handshakes run as
-//! tasks on the runtime and their results are fed to the worker at the next call.
+//! tasks on the runtime and their results are fed to the worker at the next call, or, for
+//! simulations, are polled on the step thread itself ([`Handshakes::OnStepThread`]). The time the
+//! worker sees comes from a [`Clock`] (the system's by default).
 
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 use tokio::runtime::Handle;
 
+use crate::clock::{Clock, system_clock};
 use crate::error::Result;
 use crate::exchange::MetadataExchange;
 use crate::group::ParallelGroup;
@@ -19,21 +26,52 @@ use crate::meta::{ConnectorMetadata, Finished};
 use crate::worker::{ConnectorWorker, FinishedAggregator, WorkerCommand};
 
 type HandshakeResult = (EngineId, Result<Vec<u8>>);
+type Fetch = Pin<Box<dyn Future<Output = Result<Vec<u8>>> + Send>>;
+
+/// Where a driver runs its handshake fetches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Handshakes {
+    /// As tasks on the runtime; results are fed to the worker at the next call (an engine).
+    #[default]
+    Background,
+    /// Polled on the step thread at every call of the driver, never waited for: the order of
+    /// everything is the order of the calls, so a simulation on a [`ManualClock`] replays
+    /// exactly. For exchanges whose fetches complete without the runtime waking them (in-process
+    /// ones), since nothing else polls them.
+    ///
+    /// [`ManualClock`]: crate::ManualClock
+    OnStepThread,
+}
 
 /// Drives one worker. See the crate's `docs/CONTRACT.md` for the call order.
-#[derive(Debug)]
 pub struct WorkerDriver {
     worker: ConnectorWorker,
     exchange: Arc<dyn MetadataExchange>,
     group: Arc<dyn ParallelGroup>,
     aggregator: FinishedAggregator,
     runtime: Handle,
+    clock: Arc<dyn Clock>,
+    handshakes: Handshakes,
+    /// [`Handshakes::OnStepThread`]: fetches not yet complete, in the order they started.
+    polled: Vec<(EngineId, Fetch)>,
     results_tx: Sender<HandshakeResult>,
     results_rx: Receiver<HandshakeResult>,
 }
 
+impl fmt::Debug for WorkerDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerDriver")
+            .field("worker", &self.worker)
+            .field("clock", &self.clock)
+            .field("handshakes", &self.handshakes)
+            .field("polled", &self.polled.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl WorkerDriver {
-    /// A driver for `worker`; `runtime` must be a multi-threaded tokio runtime.
+    /// A driver for `worker`; `runtime` must be a multi-threaded tokio runtime. Handshakes run in
+    /// the background and time is the system's.
     pub fn new(
         worker: ConnectorWorker,
         exchange: Arc<dyn MetadataExchange>,
@@ -42,7 +80,30 @@ impl WorkerDriver {
     ) -> Self {
         let (results_tx, results_rx) = mpsc::channel();
         let aggregator = FinishedAggregator::new(group.world_size());
-        WorkerDriver { worker, exchange, group, aggregator, runtime, results_tx, results_rx }
+        WorkerDriver {
+            worker,
+            exchange,
+            group,
+            aggregator,
+            runtime,
+            clock: system_clock(),
+            handshakes: Handshakes::default(),
+            polled: Vec::new(),
+            results_tx,
+            results_rx,
+        }
+    }
+
+    /// The same driver taking the worker's `now` from `clock`.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The same driver running its handshake fetches as `handshakes` says.
+    pub fn with_handshakes(mut self, handshakes: Handshakes) -> Self {
+        self.handshakes = handshakes;
+        self
     }
 
     /// The worker.
@@ -65,7 +126,7 @@ impl WorkerDriver {
     /// Starts this step's loads; handshakes they need start in the background.
     pub fn start_load_kv(&mut self, meta: &ConnectorMetadata) {
         self.feed_handshakes();
-        self.worker.start_load_kv(Instant::now(), meta);
+        self.worker.start_load_kv(self.clock.now(), meta);
         self.dispatch();
     }
 
@@ -73,7 +134,7 @@ impl WorkerDriver {
     /// nothing (their reports went to rank 0).
     pub fn get_finished(&mut self) -> Result<Finished> {
         self.feed_handshakes();
-        let local = self.worker.get_finished(Instant::now());
+        let local = self.worker.get_finished(self.clock.now());
         self.dispatch();
         Ok(match self.group.gather_finished(local)? {
             Some(reports) => self.aggregator.aggregate(reports),
@@ -87,10 +148,10 @@ impl WorkerDriver {
     }
 
     fn feed_handshakes(&mut self) {
+        self.poll_fetches();
         while let Ok((engine_id, result)) = self.results_rx.try_recv() {
-            let start = Instant::now();
-            self.worker.handle_handshake(start, &engine_id, result);
-            tracing::debug!(%engine_id, took = ?start.elapsed(), "handshake result applied");
+            self.worker.handle_handshake(self.clock.now(), &engine_id, result);
+            tracing::debug!(%engine_id, "handshake result applied");
         }
     }
 
@@ -100,22 +161,52 @@ impl WorkerDriver {
             match cmd {
                 WorkerCommand::FetchHandshake { engine_id, host, port } => {
                     let exchange = Arc::clone(&self.exchange);
-                    let tx = self.results_tx.clone();
-                    self.runtime.spawn(async move {
-                        let result = exchange.fetch(&host, port, timeout).await;
-                        // The driver may be gone; then nobody waits for the result.
-                        let _ = tx.send((engine_id, result));
-                    });
+                    let fetch = async move { exchange.fetch(&host, port, timeout).await };
+                    match self.handshakes {
+                        Handshakes::Background => {
+                            let tx = self.results_tx.clone();
+                            self.runtime.spawn(async move {
+                                // The driver may be gone; then nobody waits for the result.
+                                let _ = tx.send((engine_id, fetch.await));
+                            });
+                        }
+                        Handshakes::OnStepThread => self.polled.push((engine_id, Box::pin(fetch))),
+                    }
                 }
+            }
+        }
+        // A fetch that is ready at once is fed at the next call, as a background one would be.
+        self.poll_fetches();
+    }
+
+    /// Polls the step-thread fetches once each, in the order they started; the finished ones'
+    /// results join the queue the worker is fed from.
+    fn poll_fetches(&mut self) {
+        if self.polled.is_empty() {
+            return;
+        }
+        let _in_runtime = self.runtime.enter();
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut i = 0;
+        while i < self.polled.len() {
+            if let Poll::Ready(result) = self.polled[i].1.as_mut().poll(&mut cx) {
+                let (engine_id, _) = self.polled.remove(i);
+                // The receiver lives in `self`: the send cannot fail.
+                let _ = self.results_tx.send((engine_id, result));
+            } else {
+                i += 1;
             }
         }
     }
 
     /// Waits until a handshake result arrives or `timeout` passes, then feeds what arrived. For
-    /// engines that idle between steps; a step loop never needs it.
+    /// engines that idle between steps; a step loop never needs it. With
+    /// [`Handshakes::OnStepThread`] it polls the fetches once and waits for nothing.
     pub fn wait_for_handshakes(&mut self, timeout: Duration) {
-        if let Ok((engine_id, result)) = self.results_rx.recv_timeout(timeout) {
-            self.worker.handle_handshake(Instant::now(), &engine_id, result);
+        if self.handshakes == Handshakes::Background {
+            if let Ok((engine_id, result)) = self.results_rx.recv_timeout(timeout) {
+                self.worker.handle_handshake(self.clock.now(), &engine_id, result);
+            }
         }
         self.feed_handshakes();
     }

@@ -2,6 +2,7 @@
 #![deny(unsafe_code)] // Only `memory` (the KvMemory contract and HostMemory) opts out, with reasons.
 
 pub mod auth;
+pub mod clock;
 #[cfg(feature = "net")]
 pub mod driver;
 pub mod error;
@@ -20,8 +21,9 @@ pub mod wire;
 pub mod worker;
 
 pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource};
+pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "net")]
-pub use driver::WorkerDriver;
+pub use driver::{Handshakes, WorkerDriver};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::MetadataExchange;
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory, MemKind, MemRegion,
@@ -20,7 +20,7 @@ use kvx_core::{
 
 use crate::copy::{Pinned, PinnedSet, copy_checked};
 use crate::fabric::FabricInner;
-use crate::faults::{FaultPlan, Faults, TransferFate};
+use crate::faults::{FaultPlan, Faults, TransferFate, event_key, stray_message};
 use crate::metadata::{AgentMetadata, RemoteRegion};
 use crate::{BACKEND, lock};
 
@@ -66,8 +66,16 @@ pub(crate) struct AgentShared {
     instance: u64,
     fabric: Arc<FabricInner>,
     state: Mutex<AgentState>,
-    inbox: Mutex<Vec<Notification>>,
+    inbox: Mutex<Inbox>,
     faults: Mutex<FaultPlan>,
+}
+
+/// Notifications that reached an agent: ready to drain, or delayed by a fault until a time of
+/// the fabric's clock (with their event key, which orders those due at the same time).
+#[derive(Debug, Default)]
+struct Inbox {
+    ready: Vec<Notification>,
+    delayed: Vec<(Instant, u64, Notification)>,
 }
 
 #[derive(Debug, Default)]
@@ -106,9 +114,11 @@ struct Xfer {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Stage {
-    /// Waiting for a progress pass; it is skipped while `passes_left > 0`.
+    /// Waiting for a progress pass; it is skipped while `passes_left > 0` or the fabric's clock
+    /// is before `not_before`.
     Queued {
         passes_left: u32,
+        not_before: Option<Instant>,
     },
     /// A pass has taken the job and is copying.
     Copying,
@@ -126,8 +136,8 @@ struct Job {
     spans: Vec<(u64, u64)>,
     block_len: u64,
     notify: Option<Vec<u8>>,
-    /// Injected failure: the ordinal of the transfer that the fault names.
-    fail: Option<u64>,
+    /// Injected failure: what the fault says.
+    fail: Option<String>,
 }
 
 impl AgentShared {
@@ -137,7 +147,7 @@ impl AgentShared {
             instance,
             fabric,
             state: Mutex::new(AgentState::default()),
-            inbox: Mutex::new(Vec::new()),
+            inbox: Mutex::new(Inbox::default()),
             faults: Mutex::new(FaultPlan::default()),
         }
     }
@@ -154,13 +164,16 @@ impl AgentShared {
     /// transfers are still queued (delayed) afterwards.
     fn pass(&self) -> Result<usize> {
         let (jobs, local, still_queued) = {
+            let now = self.fabric.clock.now();
             let mut st = self.state()?;
             let mut jobs = Vec::new();
             let mut still_queued = 0;
             for (&id, xfer) in st.xfers.iter_mut() {
-                if let Stage::Queued { passes_left } = &mut xfer.stage {
+                if let Stage::Queued { passes_left, not_before } = &mut xfer.stage {
                     if *passes_left > 0 {
                         *passes_left -= 1;
+                        still_queued += 1;
+                    } else if not_before.is_some_and(|t| t > now) {
                         still_queued += 1;
                     } else if let Some(job) = xfer.job.take() {
                         xfer.stage = Stage::Copying;
@@ -189,8 +202,8 @@ impl AgentShared {
     /// Performs one transfer: checks both sides' memory is still registered, copies every block,
     /// then delivers the notification. Holds no lock of this agent.
     fn run(&self, local: &PinnedSet, job: Job) -> Stage {
-        if let Some(n) = job.fail {
-            return Stage::Failed(format!("injected fault: transfer #{n} fails"));
+        if let Some(reason) = job.fail {
+            return Stage::Failed(reason);
         }
         let peer = match self.fabric.lookup(&job.peer, job.peer_instance) {
             Ok(Some(peer)) => peer,
@@ -231,19 +244,50 @@ impl AgentShared {
 
     /// Puts a notification from this agent into `peer`'s inbox, as the faults say.
     fn deliver(&self, peer: &AgentShared, msg: Vec<u8>) -> Result<()> {
-        let mine = lock(&self.faults, "agent faults")?.next_notification();
-        let fabric = lock(&self.fabric.faults, "fabric faults")?.next_notification();
-        let copies = mine.combine(fabric).copies();
-        if copies == 0 {
+        let key = event_key(&[self.name.as_str().as_bytes(), peer.name.as_str().as_bytes(), &msg]);
+        let mine = lock(&self.faults, "agent faults")?.next_notification(key);
+        let fabric = lock(&self.fabric.faults, "fabric faults")?.next_notification(key);
+        let delivery = mine.combine(fabric);
+        lock(&self.fabric.injected, "fabric fault counts")?.count_delivery(&delivery);
+        if delivery.copies == 0 {
             tracing::debug!(from = %self.name, to = %peer.name, "loopback: injected fault drops a notification");
-            return Ok(());
         }
+        let stray = delivery.stray.map(|seed| stray_message(seed, &msg));
+        let due = (!delivery.delay.is_zero()).then(|| self.fabric.clock.now() + delivery.delay);
         let mut inbox = lock(&peer.inbox, "agent inbox")?;
-        for _ in 1..copies {
-            inbox.push(Notification { from: self.name.clone(), msg: msg.clone() });
+        for _ in 0..delivery.copies {
+            let n = Notification { from: self.name.clone(), msg: msg.clone() };
+            match due {
+                Some(due) => inbox.delayed.push((due, key, n)),
+                None => inbox.ready.push(n),
+            }
         }
-        inbox.push(Notification { from: self.name.clone(), msg });
+        if let Some(stray) = stray {
+            inbox.ready.push(Notification { from: self.name.clone(), msg: stray });
+        }
         Ok(())
+    }
+
+    /// When this agent next has something to do: `now` for a transfer a pass would run or a
+    /// notification to drain, else the earliest time a delayed one is due.
+    pub(crate) fn next_event(&self, now: Instant) -> Result<Option<Instant>> {
+        let transfers = self
+            .state()?
+            .xfers
+            .values()
+            .filter_map(|x| match x.stage {
+                Stage::Queued { passes_left: 0, not_before } => Some(not_before.unwrap_or(now).max(now)),
+                Stage::Queued { .. } => Some(now),
+                _ => None,
+            })
+            .min();
+        let inbox = lock(&self.inbox, "agent inbox")?;
+        let notifications = if inbox.ready.is_empty() {
+            inbox.delayed.iter().map(|(due, ..)| (*due).max(now)).min()
+        } else {
+            Some(now)
+        };
+        Ok(transfers.into_iter().chain(notifications).min())
     }
 }
 
@@ -513,10 +557,16 @@ impl TransferAgent for LoopbackAgent {
             })?;
             spans.push((ld.addr, rd.addr));
         }
-        // Everything is valid: count the transfer for the faults and queue it.
-        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer();
-        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer();
-        let TransferFate { fail, delay_passes } = mine.combine(fabric);
+        // Everything is valid: count the transfer for the faults and queue it. Its notification
+        // names it for the seeded faults.
+        let key =
+            notify.map(|m| event_key(&[self.shared.name.as_str().as_bytes(), peer.as_str().as_bytes(), m]));
+        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
+        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
+        let fate = mine.combine(fabric);
+        lock(&self.shared.fabric.injected, "fabric fault counts")?.count_transfer(&fate);
+        let TransferFate { fail, delay_passes, delay } = fate;
+        let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
         let job = Job {
             op,
             peer: peer.clone(),
@@ -527,7 +577,10 @@ impl TransferAgent for LoopbackAgent {
             fail,
         };
         let id = Self::next_id(&mut st);
-        st.xfers.insert(id, Xfer { stage: Stage::Queued { passes_left: delay_passes }, job: Some(job) });
+        st.xfers.insert(
+            id,
+            Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
+        );
         drop(st);
         if let Some(t) = &self.thread {
             t.wake()?;
@@ -570,7 +623,16 @@ impl TransferAgent for LoopbackAgent {
 
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
         self.drive()?;
-        out.append(&mut *lock(&self.shared.inbox, "agent inbox")?);
+        let mut inbox = lock(&self.shared.inbox, "agent inbox")?;
+        out.append(&mut inbox.ready);
+        if !inbox.delayed.is_empty() {
+            let now = self.shared.fabric.clock.now();
+            let (mut due, later): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut inbox.delayed).into_iter().partition(|(t, ..)| *t <= now);
+            inbox.delayed = later;
+            due.sort_by_key(|(t, key, _)| (*t, *key));
+            out.extend(due.into_iter().map(|(.., n)| n));
+        }
         Ok(())
     }
 

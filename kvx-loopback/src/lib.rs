@@ -9,7 +9,7 @@ mod metadata;
 
 pub use agent::{AgentOptions, LoopbackAgent};
 pub use fabric::Fabric;
-pub use faults::Faults;
+pub use faults::{FaultCounts, Faults};
 
 use std::sync::{Mutex, MutexGuard};
 

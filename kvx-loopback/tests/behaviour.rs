@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    AgentName, BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, MemRegion,
-    Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, Clock, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, ManualClock, MemKind,
+    MemRegion, Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 use kvx_loopback::{AgentOptions, Fabric, Faults, LoopbackAgent};
 
@@ -45,7 +45,10 @@ impl Setup {
     }
 
     fn with(options: AgentOptions) -> Self {
-        let fabric = Fabric::new();
+        Self::on(Fabric::new(), options)
+    }
+
+    fn on(fabric: Fabric, options: AgentOptions) -> Self {
         let decode = fabric.agent_with("decode", options.clone()).unwrap();
         let prefill = fabric.agent_with("prefill", options).unwrap();
         let len = (u64::from(BLOCKS) * BLOCK) as usize;
@@ -163,6 +166,61 @@ fn nth_notification_is_dropped_or_duplicated() {
     let notes = s.notes();
     assert_eq!(msgs(&notes), [&b"kept"[..], b"twice", b"twice", b"once"]);
     assert!(notes.iter().all(|n| n.from.as_str() == "decode"));
+}
+
+#[test]
+fn seeded_delays_follow_the_fabric_clock_and_next_event_says_when() {
+    let clock = ManualClock::new();
+    let s = Setup::on(Fabric::with_clock(Arc::new(clock.clone())), AgentOptions::explicit());
+    assert_eq!(s.fabric.next_event().unwrap(), None, "nothing waits");
+    let max = Duration::from_secs(40);
+    s.fabric
+        .set_faults(Faults::none().seed(3).transfer_delays(1.0, max).notification_delays(1.0, max))
+        .unwrap();
+    let t0 = clock.now();
+    let x = s.read(&[0], &[3], Some(b"late"));
+    let due = s.fabric.next_event().unwrap().unwrap();
+    assert!(due > t0 && due <= t0 + max, "{:?}", due - t0);
+    for _ in 0..100 {
+        assert_eq!(s.decode.poll(x).unwrap(), XferState::Pending, "passes do not end a delay in time");
+    }
+    assert!(s.decode_untouched());
+    clock.advance_to(due);
+    assert_eq!(s.decode.poll(x).unwrap(), XferState::Done);
+    assert_eq!(s.decode_block(0), Some(4));
+    s.decode.release(x).unwrap();
+    // Its notification was sent when the data was in place, and is delayed too.
+    let note_due = s.fabric.next_event().unwrap().unwrap();
+    assert!(note_due > due);
+    assert!(s.notes().is_empty());
+    clock.advance_to(note_due);
+    assert_eq!(msgs(&s.notes()), [&b"late"[..]]);
+    assert_eq!(s.fabric.next_event().unwrap(), None);
+    let counts = s.fabric.fault_counts().unwrap();
+    assert_eq!((counts.transfers_delayed, counts.notifications_delayed, counts.transfers_failed), (1, 1, 0));
+}
+
+#[test]
+fn seeded_notification_faults_drop_double_or_add_a_stray() {
+    let s = Setup::new();
+    let faults = Faults::none().seed(5);
+    s.fabric.set_faults(faults.clone().stray_notifications(1.0)).unwrap();
+    s.decode.notify(s.prefill.name(), b"real").unwrap();
+    let notes = s.notes();
+    assert_eq!(notes.len(), 2);
+    assert_eq!((notes[0].msg.as_slice(), notes[1].from.as_str()), (&b"real"[..], "decode"));
+    assert_ne!(notes[1].msg, b"real", "the stray follows the real one");
+    s.fabric.set_faults(faults.clone().notification_drops(1.0).notification_duplicates(1.0)).unwrap();
+    s.decode.notify(s.prefill.name(), b"gone").unwrap();
+    assert!(s.notes().is_empty(), "a drop wins over a duplicate");
+    s.fabric.set_faults(faults.notification_duplicates(1.0)).unwrap();
+    s.decode.notify(s.prefill.name(), b"twice").unwrap();
+    assert_eq!(msgs(&s.notes()), [&b"twice"[..], b"twice"]);
+    let counts = s.fabric.fault_counts().unwrap();
+    assert_eq!(
+        (counts.stray_notifications, counts.notifications_dropped, counts.notifications_duplicated),
+        (1, 1, 1)
+    );
 }
 
 #[test]
