@@ -15,13 +15,13 @@ use async_trait::async_trait;
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use kvx_core::net::{Connection, NetConfig, Server, Service, parse_endpoint};
-use kvx_core::{AuthKey, Error, ErrorKind, RequestId, Result, TransferParams};
-use kvx_testkit::sim::{EngineConfig, SideChannel, SimEngine};
+use kvx_core::{AuthKey, Error, ErrorKind, Handshakes, RequestId, Result, SystemClock, TransferParams};
+use kvx_testkit::sim::{EngineConfig, LoadFailurePolicy, SideChannel, SimEngine};
 
 use crate::backend::Backend;
 use crate::summary::Summary;
@@ -78,6 +78,11 @@ fn engine_config(id: &str, host: &str, model: &ModelArgs, auth_key: Option<AuthK
         auth_key,
         handshake_timeout: Duration::from_secs(10),
         hold_timeout: Duration::from_secs(60),
+        clock: Arc::new(SystemClock),
+        handshakes: Handshakes::Background,
+        nonce_seed: None,
+        load_failure: LoadFailurePolicy::Fail,
+        side_channel_port: None,
     }
 }
 

@@ -3,166 +3,23 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use kvx_core::net::NetConfig;
 use kvx_core::{
-    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
-    FinishReason, Finished, InProcessGroup, LayerCache, RequestId, Result, SchedulerConfig, TransferAgent,
+    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
+    FinishReason, Finished, InProcessGroup, LayerCache, NonceSource, RequestId, Result, SchedulerConfig,
     TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
-use super::model::{self, ModelSpec};
+use super::config::{
+    EndedRequest, EngineConfig, EngineStats, LoadFailurePolicy, RequestState, SideChannel, SimBackend,
+};
+use super::model;
 use super::pool::{BlockHash, BlockPool, PoolError};
-use super::side_channel::{BoundSideChannels, InProcessSideChannels, bind_tcp};
+use super::side_channel::{BoundSideChannels, bind_tcp};
 use crate::conformance::TestBuffer;
-
-type AgentFactory = dyn Fn(&EngineId, u32) -> Result<Arc<dyn TransferAgent>> + Send + Sync;
-type MemoryFactory = dyn Fn(&EngineId, u32, usize) -> Result<TestBuffer> + Send + Sync;
-
-/// What a simulated engine runs on: a transfer agent per (engine, rank), and the memory of each
-/// layer's KV cache (host memory unless the backend supplies its own).
-#[derive(Clone)]
-pub struct SimBackend {
-    agents: Arc<AgentFactory>,
-    memory: Arc<MemoryFactory>,
-}
-
-impl SimBackend {
-    /// A backend whose agents `agents(engine, rank)` creates, over host memory.
-    pub fn new(
-        agents: impl Fn(&EngineId, u32) -> Result<Arc<dyn TransferAgent>> + Send + Sync + 'static,
-    ) -> Self {
-        SimBackend {
-            agents: Arc::new(agents),
-            memory: Arc::new(|_: &EngineId, _, len| TestBuffer::host(len)),
-        }
-    }
-
-    /// The same backend with the KV memory of `rank` of `engine`, `len` bytes a layer, allocated
-    /// by `memory(engine, rank, len)` (transport-allocated or GPU memory, say). It is called after
-    /// that rank's agent was created.
-    pub fn with_memory(
-        mut self,
-        memory: impl Fn(&EngineId, u32, usize) -> Result<TestBuffer> + Send + Sync + 'static,
-    ) -> Self {
-        self.memory = Arc::new(memory);
-        self
-    }
-
-    /// A new agent for `rank` of `engine`.
-    pub fn agent(&self, engine: &EngineId, rank: u32) -> Result<Arc<dyn TransferAgent>> {
-        (self.agents)(engine, rank)
-    }
-
-    /// `len` bytes of KV memory for `rank` of `engine`, of this backend's kind.
-    pub fn memory(&self, engine: &EngineId, rank: u32, len: usize) -> Result<TestBuffer> {
-        (self.memory)(engine, rank, len)
-    }
-}
-
-impl fmt::Debug for SimBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimBackend").finish_non_exhaustive()
-    }
-}
-
-/// How an engine's ranks serve their handshake payloads.
-#[derive(Debug, Clone)]
-pub enum SideChannel {
-    /// In-process (a registry shared by the engines of one test).
-    InProcess(InProcessSideChannels),
-    /// Real TCP side channels (`kvx_core::net::SideChannel`) on consecutive ports of `host`.
-    Tcp {
-        /// The host to bind and to hand to decode engines.
-        host: String,
-    },
-}
-
-/// Configuration of a [`SimEngine`].
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// The engine's id (unique among the engines that talk to each other).
-    pub engine_id: EngineId,
-    /// Tensor-parallel ranks.
-    pub tp: u32,
-    /// Blocks in the KV pool (of every rank).
-    pub num_blocks: u32,
-    /// The model.
-    pub model: ModelSpec,
-    /// The side channel.
-    pub side_channel: SideChannel,
-    /// The deployment's shared key: TCP side channels authenticate with it (and refuse peers
-    /// without it), the scheduler signs its offers and the workers read only signed ones. `None`:
-    /// no authentication.
-    pub auth_key: Option<AuthKey>,
-    /// Handshake timeout of the workers.
-    pub handshake_timeout: Duration,
-    /// How long a prefill engine holds blocks for a reader that does not come.
-    pub hold_timeout: Duration,
-}
-
-impl EngineConfig {
-    /// A configuration with an in-process side channel and the usual timeouts (5 s handshake,
-    /// 30 s hold).
-    pub fn new(
-        engine_id: &str,
-        tp: u32,
-        num_blocks: u32,
-        model: ModelSpec,
-        net: &InProcessSideChannels,
-    ) -> Self {
-        EngineConfig {
-            engine_id: engine_id.into(),
-            tp,
-            num_blocks,
-            model,
-            side_channel: SideChannel::InProcess(net.clone()),
-            auth_key: None,
-            handshake_timeout: Duration::from_secs(5),
-            hold_timeout: Duration::from_secs(30),
-        }
-    }
-}
-
-/// Where a request stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RequestState {
-    /// Not yet scheduled (no blocks).
-    Waiting,
-    /// Blocks allocated; waiting for the workers to load its KV from a remote engine.
-    WaitingForRemoteKv,
-    /// Computing its prompt or generating tokens.
-    Running,
-    /// Finished (its blocks may still be held for a remote reader).
-    Finished(FinishReason),
-    /// Failed (its KV load failed, or its received KV was wrong).
-    Failed(String),
-}
-
-/// Counters of one engine.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Steps run.
-    pub steps: u64,
-    /// Requests finished (any reason but failure).
-    pub finished: u64,
-    /// Requests failed.
-    pub failed: u64,
-    /// Prompt tokens whose KV was loaded from a remote engine.
-    pub tokens_loaded: u64,
-    /// Prompt tokens found in the local prefix cache.
-    pub tokens_cached: u64,
-    /// Received blocks checked byte for byte, counted once per rank and region (a layer's K or V
-    /// block on one rank).
-    pub blocks_verified: u64,
-    /// Bytes checked.
-    pub bytes_verified: u64,
-    /// Received blocks whose bytes were wrong.
-    pub blocks_mismatched: u64,
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Load {
@@ -188,6 +45,8 @@ struct Request {
     load: Option<Load>,
     /// Blocks marked in flight in the pool for this request.
     in_flight: Vec<BlockId>,
+    /// Its load failed and it computes its prompt instead.
+    recomputed: bool,
 }
 
 impl Request {
@@ -219,7 +78,7 @@ struct Rank {
 /// waiting and finished requests, [`ConnectorScheduler::build_connector_meta`], the metadata to
 /// every worker as bytes (as across a process boundary), the workers' `get_finished` (ranks N-1
 /// to 1, then rank 0, whose bounded gather finds their reports), and the result back to the
-/// scheduler. The "model" writes deterministic KV bytes (see [`ModelSpec::rows`]); every block a
+/// scheduler. The "model" writes deterministic KV bytes (see [`ModelSpec::rows`](super::ModelSpec::rows)); every block a
 /// load brings in is checked byte for byte when the load completes.
 ///
 /// A request with `do_remote_decode` params stops after one token and hands back the params a
@@ -238,6 +97,8 @@ pub struct SimEngine {
     stats: EngineStats,
     errors: Vec<String>,
     side_channel_port: u16,
+    /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
+    ended: Vec<RequestId>,
     /// Runs the drivers' handshakes and the side channels; dropped last.
     _runtime: Runtime,
 }
@@ -267,19 +128,35 @@ impl SimEngine {
             SideChannel::InProcess(_) => "in-process".to_owned(),
             SideChannel::Tcp { host } => host.clone(),
         };
-        let BoundSideChannels { base_port, ranks: exchanges } = match &config.side_channel {
-            SideChannel::InProcess(net) => net.bind(&host, config.tp)?,
-            SideChannel::Tcp { host } => {
-                bind_tcp(runtime.handle(), host, config.tp, &NetConfig::with_key(config.auth_key.clone()))?
-            }
-        };
-        let scheduler = ConnectorScheduler::new(SchedulerConfig {
+        let BoundSideChannels { base_port, ranks: exchanges } =
+            match (&config.side_channel, config.side_channel_port) {
+                (SideChannel::InProcess(net), None) => net.bind(&host, config.tp)?,
+                (SideChannel::InProcess(net), Some(base)) => net.bind_at(&host, base, config.tp)?,
+                (SideChannel::Tcp { host }, None) => bind_tcp(
+                    runtime.handle(),
+                    host,
+                    config.tp,
+                    &NetConfig::with_key(config.auth_key.clone()),
+                )?,
+                (SideChannel::Tcp { .. }, Some(_)) => {
+                    return Err(Error::invalid_argument(
+                        "a side-channel port is chosen for in-process channels only",
+                    ));
+                }
+            };
+        let scheduler_config = SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
             side_channel_host: host,
             side_channel_port: base_port,
             auth_key: config.auth_key.clone(),
-        })?;
+        };
+        let scheduler = match config.nonce_seed {
+            Some(seed) => {
+                ConnectorScheduler::with_nonces(scheduler_config, NonceSource::from_seed(seed_bytes(seed)))
+            }
+            None => ConnectorScheduler::new(scheduler_config),
+        }?;
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
         let regions = model.kind().regions_per_layer() as usize;
@@ -310,7 +187,9 @@ impl SimEngine {
                     window,
                 })
                 .collect();
-            let mut driver = WorkerDriver::new(worker, exchange, group, runtime.handle().clone());
+            let mut driver = WorkerDriver::new(worker, exchange, group, runtime.handle().clone())
+                .with_clock(config.clock.clone())
+                .with_handshakes(config.handshakes);
             driver.register_kv_caches(&caches)?;
             ranks.push(Rank { driver, layers });
         }
@@ -327,6 +206,7 @@ impl SimEngine {
             stats: EngineStats::default(),
             errors: Vec::new(),
             side_channel_port: base_port,
+            ended: Vec::new(),
             _runtime: runtime,
         })
     }
@@ -393,6 +273,34 @@ impl SimEngine {
             && self.ranks.iter().all(|r| r.driver.is_idle())
     }
 
+    /// Whether the engine has work for its next step: requests waiting, running or loading, or
+    /// READs in flight. An engine that is not busy only waits for time to pass (holds, handshakes,
+    /// early releases: see [`next_deadline`](Self::next_deadline)).
+    pub fn is_busy(&self) -> bool {
+        !self.waiting.is_empty()
+            || !self.running.is_empty()
+            || self.requests.values().any(|r| r.state == RequestState::WaitingForRemoteKv)
+            || self.ranks.iter().any(|r| r.driver.worker().num_in_flight() > 0)
+    }
+
+    /// The earliest time at which a worker has something to expire (a hold, a handshake, an early
+    /// release), for simulations that jump their clock to it.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.ranks.iter().filter_map(|r| r.driver.worker().next_deadline()).min()
+    }
+
+    /// The requests that finished or failed since the last call, in the order they ended; the
+    /// engine forgets them (a long run keeps no more than its live requests).
+    pub fn take_ended(&mut self) -> Vec<EndedRequest> {
+        let mut out = Vec::with_capacity(self.ended.len());
+        for id in std::mem::take(&mut self.ended) {
+            if let Some(r) = self.requests.remove(&id) {
+                out.push(EndedRequest { id, state: r.state, recomputed: r.recomputed });
+            }
+        }
+        out
+    }
+
     /// Adds a request: a non-empty prompt and the tokens to generate (at least 1).
     pub fn add_request(
         &mut self,
@@ -421,6 +329,7 @@ impl SimEngine {
             num_computed: 0,
             load: None,
             in_flight: Vec::new(),
+            recomputed: false,
         };
         for &t in prompt {
             req.push_token(t);
@@ -591,6 +500,7 @@ impl SimEngine {
         } else {
             self.stats.finished += 1;
         }
+        self.ended.push(id.clone());
         let outcome =
             self.scheduler.request_finished(id, r.params.as_ref(), reason, r.num_computed, &r.blocks);
         let blocks = std::mem::take(&mut r.blocks);
@@ -620,7 +530,12 @@ impl SimEngine {
     }
 
     /// Releases blocks of requests whose transfers ended; starts or fails loaded requests.
-    fn handle_finished(&mut self, finished: Finished) {
+    fn handle_finished(&mut self, mut finished: Finished) {
+        // In id order: the workers' reports come in hash-map order, and the order blocks go back
+        // to the pool decides which blocks later requests get (a run must replay exactly).
+        finished.sending.sort();
+        finished.recving.sort();
+        finished.failed_recving.sort_by(|a, b| a.request_id.cmp(&b.request_id));
         for id in finished.sending {
             self.release_delayed(&id, "a finished send");
         }
@@ -644,10 +559,22 @@ impl SimEngine {
             let ended = self.pool.end_transfer(&in_flight);
             self.pool_result("ending the load", &id, ended);
             match failure {
+                Some(_) if self.config.load_failure == LoadFailurePolicy::Recompute => self.recompute(&id),
                 Some(reason) => self.fail(&id, reason),
                 None => self.complete_load(&id),
             }
         }
+    }
+
+    /// A load failed: the request computes its prompt itself, from what its prefix cache held,
+    /// into the blocks the load was to fill.
+    fn recompute(&mut self, id: &RequestId) {
+        let Some(r) = self.requests.get_mut(id) else { return };
+        r.load = None;
+        r.recomputed = true;
+        r.state = RequestState::Running;
+        self.stats.recomputed += 1;
+        self.running.push(id.clone());
     }
 
     fn release_delayed(&mut self, id: &RequestId, what: &str) {
@@ -777,6 +704,15 @@ fn write_kv(ranks: &[Rank], config: &EngineConfig, r: &Request, from: usize, to:
         pos = end;
     }
     Ok(())
+}
+
+/// The 32-byte nonce seed of a 64-bit one.
+fn seed_bytes(seed: u64) -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    for (i, chunk) in bytes.chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&model::mix(seed, i as u64).to_le_bytes());
+    }
+    bytes
 }
 
 /// Chained hashes of the full blocks of `tokens`.

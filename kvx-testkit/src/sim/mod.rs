@@ -12,13 +12,21 @@
 //!   ([`SideChannel::Tcp`]).
 
 mod cluster;
+mod config;
 mod engine;
 mod model;
 mod pool;
+mod rng;
 mod side_channel;
 
 pub use cluster::{ClientHook, ClientRequest, Cluster};
-pub use engine::{EngineConfig, EngineStats, RequestState, SideChannel, SimBackend, SimEngine};
+pub use config::{
+    EndedRequest, EngineConfig, EngineStats, LoadFailurePolicy, RequestState, SideChannel, SimBackend,
+};
+pub use engine::SimEngine;
 pub use model::{KvShape, ModelSpec, VOCAB};
 pub use pool::{BlockHash, BlockPool, PoolError};
-pub use side_channel::{BoundSideChannels, InProcessSideChannels, bind_tcp};
+pub use rng::SimRng;
+pub use side_channel::{
+    BoundSideChannels, HandshakeFaultCounts, HandshakeFaults, InProcessSideChannels, bind_tcp,
+};

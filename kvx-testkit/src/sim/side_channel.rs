@@ -5,13 +5,18 @@
 //! payload on `base + r`. Both kinds bind all of an engine's ranks at once on consecutive ports.
 
 use async_trait::async_trait;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 use kvx_core::net::{NetConfig, SideChannel};
-use kvx_core::{Error, ErrorKind, MetadataExchange, Result};
+use kvx_core::{Clock, Error, ErrorKind, MetadataExchange, Result};
+
+use super::rng::SimRng;
 
 /// One side channel per rank of an engine, on `base_port + rank`.
 #[derive(Debug)]
@@ -20,6 +25,38 @@ pub struct BoundSideChannels {
     pub base_port: u16,
     /// One side channel per rank.
     pub ranks: Vec<Arc<dyn MetadataExchange>>,
+}
+
+/// Seeded faults of an in-process side channel's fetches, each fetch struck independently: it
+/// is refused, answered late, or never answered (it then fails with `Timeout` once its timeout
+/// has passed). Time is `clock`'s: a simulation's manual clock makes late answers and timeouts
+/// cost no wall time. A late or silent fetch completes only when polled after its time, as a
+/// driver with [`Handshakes::OnStepThread`](kvx_core::Handshakes) does at every call.
+#[derive(Debug, Clone)]
+pub struct HandshakeFaults {
+    /// The time of late answers and timeouts.
+    pub clock: Arc<dyn Clock>,
+    /// The seed of the chances.
+    pub seed: u64,
+    /// Chance that a fetch is refused (`Handshake`).
+    pub refuse: f64,
+    /// Chance that a fetch is answered late, after up to `max_delay`.
+    pub delay: f64,
+    /// The longest late answer.
+    pub max_delay: Duration,
+    /// Chance that a fetch is never answered.
+    pub silent: f64,
+}
+
+/// Fetches the faults struck, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HandshakeFaultCounts {
+    /// Fetches refused.
+    pub refused: u64,
+    /// Fetches answered late.
+    pub delayed: u64,
+    /// Fetches never answered.
+    pub silent: u64,
 }
 
 /// An in-process side-channel "network": a map from `host:port` to the payload served there.
@@ -31,9 +68,23 @@ pub struct InProcessSideChannels {
 
 #[derive(Debug, Default)]
 struct Registry {
-    /// The payload served at each bound address (`None` until published).
-    served: HashMap<(String, u16), Option<Vec<u8>>>,
+    /// What each bound address serves: its binding's id and payload (`None` until published).
+    served: HashMap<(String, u16), (u64, Option<Vec<u8>>)>,
     next_port: u16,
+    next_binding: u64,
+    faults: Option<HandshakeFaults>,
+    counts: HandshakeFaultCounts,
+    fetches: u64,
+    /// Late and silent fetches not yet complete, by fetch number: when each completes.
+    waiting: BTreeMap<u64, Instant>,
+}
+
+/// What becomes of one fetch.
+enum Fate {
+    Answer,
+    Refuse,
+    AnswerAt(u64, Instant),
+    TimeOutAt(u64, Instant),
 }
 
 impl InProcessSideChannels {
@@ -42,49 +93,177 @@ impl InProcessSideChannels {
         Self::default()
     }
 
-    /// Binds `ranks` consecutive ports on `host`.
+    /// An empty registry whose fetches meet `faults`.
+    pub fn with_faults(faults: HandshakeFaults) -> Self {
+        let channels = Self::default();
+        if let Ok(mut reg) = channels.registry.lock() {
+            reg.faults = Some(faults);
+        }
+        channels
+    }
+
+    /// Binds `ranks` consecutive ports on `host`, after every port bound so far.
     pub fn bind(&self, host: &str, ranks: u32) -> Result<BoundSideChannels> {
+        let base = self.lock()?.next_port.max(1);
+        self.bind_at(host, base, ranks)
+    }
+
+    /// Binds `ranks` consecutive ports on `host` from `base`: a restarted engine takes the ports of
+    /// the engine it replaces, once that one is dropped (an engine's ports are unbound when its
+    /// side channels are dropped). A port still bound is an `Io` error, as with TCP.
+    pub fn bind_at(&self, host: &str, base: u16, ranks: u32) -> Result<BoundSideChannels> {
         let mut reg = self.lock()?;
-        let base = reg.next_port.max(1);
         let end = u32::from(base) + ranks;
-        let next = u16::try_from(end).map_err(|_| Error::new(ErrorKind::Io, "in-process ports exhausted"))?;
-        reg.next_port = next;
+        let end = u16::try_from(end).map_err(|_| Error::new(ErrorKind::Io, "in-process ports exhausted"))?;
+        if let Some(port) = (base..end).find(|&p| reg.served.contains_key(&(host.to_owned(), p))) {
+            return Err(Error::new(ErrorKind::Io, format!("in-process address {host}:{port} is in use")));
+        }
+        reg.next_port = reg.next_port.max(end);
         let mut out = Vec::with_capacity(ranks as usize);
-        for port in base..next {
-            reg.served.insert((host.to_owned(), port), None);
-            out.push(Arc::new(InProcessSideChannel { channels: self.clone(), host: host.to_owned(), port })
-                as Arc<dyn MetadataExchange>);
+        for port in base..end {
+            reg.next_binding += 1;
+            let binding = reg.next_binding;
+            reg.served.insert((host.to_owned(), port), (binding, None));
+            out.push(Arc::new(InProcessSideChannel {
+                channels: self.clone(),
+                host: host.to_owned(),
+                port,
+                binding,
+            }) as Arc<dyn MetadataExchange>);
         }
         Ok(BoundSideChannels { base_port: base, ranks: out })
+    }
+
+    /// The faults struck so far.
+    pub fn fault_counts(&self) -> Result<HandshakeFaultCounts> {
+        Ok(self.lock()?.counts)
+    }
+
+    /// When the first late or silent fetch completes; `None` when none waits. A simulation on a
+    /// manual clock may jump to it.
+    pub fn next_event(&self) -> Result<Option<Instant>> {
+        Ok(self.lock()?.waiting.values().min().copied())
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Registry>> {
         self.registry.lock().map_err(|_| Error::new(ErrorKind::State, "side-channel registry lock poisoned"))
     }
+
+    fn fate(&self, timeout: Duration) -> Result<Fate> {
+        let mut reg = self.lock()?;
+        reg.fetches += 1;
+        let n = reg.fetches;
+        let Some(f) = &reg.faults else { return Ok(Fate::Answer) };
+        let mut rng = SimRng::stream(f.seed, n);
+        let (refused, delayed, silent) = (rng.chance(f.refuse), rng.chance(f.delay), rng.chance(f.silent));
+        let now = f.clock.now();
+        let delay = rng.duration(Duration::ZERO, f.max_delay);
+        let fate = if refused {
+            reg.counts.refused += 1;
+            Fate::Refuse
+        } else if silent {
+            reg.counts.silent += 1;
+            Fate::TimeOutAt(n, now + timeout)
+        } else if delayed {
+            reg.counts.delayed += 1;
+            Fate::AnswerAt(n, now + delay)
+        } else {
+            Fate::Answer
+        };
+        if let Fate::AnswerAt(n, at) | Fate::TimeOutAt(n, at) = fate {
+            reg.waiting.insert(n, at);
+        }
+        Ok(fate)
+    }
+
+    fn answer(&self, host: &str, port: u16) -> Result<Vec<u8>> {
+        match self.lock()?.served.get(&(host.to_owned(), port)) {
+            Some((_, Some(payload))) => Ok(payload.clone()),
+            Some((_, None)) => {
+                Err(Error::new(ErrorKind::Handshake, format!("{host}:{port} has published nothing yet")))
+            }
+            None => Err(Error::new(ErrorKind::Handshake, format!("nothing listens at {host}:{port}"))),
+        }
+    }
 }
 
-/// One rank's end of [`InProcessSideChannels`].
+/// One rank's end of [`InProcessSideChannels`]; dropping it unbinds its port.
 #[derive(Debug)]
 struct InProcessSideChannel {
     channels: InProcessSideChannels,
     host: String,
     port: u16,
+    /// Which binding of the address this is (a later one, after a restart, is another).
+    binding: u64,
+}
+
+impl Drop for InProcessSideChannel {
+    fn drop(&mut self) {
+        if let Ok(mut reg) = self.channels.lock() {
+            let key = (self.host.clone(), self.port);
+            if reg.served.get(&key).is_some_and(|(b, _)| *b == self.binding) {
+                reg.served.remove(&key);
+            }
+        }
+    }
 }
 
 #[async_trait]
 impl MetadataExchange for InProcessSideChannel {
     async fn publish(&self, payload: Vec<u8>) -> Result<()> {
-        self.channels.lock()?.served.insert((self.host.clone(), self.port), Some(payload));
-        Ok(())
+        match self.channels.lock()?.served.get_mut(&(self.host.clone(), self.port)) {
+            Some((binding, served)) if *binding == self.binding => {
+                *served = Some(payload);
+                Ok(())
+            }
+            _ => Err(Error::new(ErrorKind::State, format!("{}:{} is no longer bound", self.host, self.port))),
+        }
     }
 
-    async fn fetch(&self, host: &str, port: u16, _timeout: Duration) -> Result<Vec<u8>> {
-        match self.channels.lock()?.served.get(&(host.to_owned(), port)) {
-            Some(Some(payload)) => Ok(payload.clone()),
-            Some(None) => {
-                Err(Error::new(ErrorKind::Handshake, format!("{host}:{port} has published nothing yet")))
+    async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
+        match self.channels.fate(timeout)? {
+            Fate::Answer => self.channels.answer(host, port),
+            Fate::Refuse => Err(Error::new(
+                ErrorKind::Handshake,
+                format!("{host}:{port} refused the connection (injected fault)"),
+            )),
+            Fate::AnswerAt(n, at) => {
+                Until { channels: &self.channels, fetch: n, at }.await?;
+                self.channels.answer(host, port)
             }
-            None => Err(Error::new(ErrorKind::Handshake, format!("nothing listens at {host}:{port}"))),
+            Fate::TimeOutAt(n, at) => {
+                Until { channels: &self.channels, fetch: n, at }.await?;
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{host}:{port} did not answer within {timeout:?}"),
+                ))
+            }
+        }
+    }
+}
+
+/// Ready once the faults' clock reaches `at`; takes its fetch off the waiting list when it
+/// completes or is dropped.
+struct Until<'a> {
+    channels: &'a InProcessSideChannels,
+    fetch: u64,
+    at: Instant,
+}
+
+impl Future for Until<'_> {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let reg = self.channels.lock()?;
+        let now = reg.faults.as_ref().map(|f| f.clock.now());
+        if now.is_some_and(|now| now < self.at) { Poll::Pending } else { Poll::Ready(Ok(())) }
+    }
+}
+
+impl Drop for Until<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut reg) = self.channels.lock() {
+            reg.waiting.remove(&self.fetch);
         }
     }
 }
@@ -136,6 +315,67 @@ mod tests {
             assert_eq!(b.ranks[0].fetch("h", a.base_port + 1, t).await.unwrap(), b"one");
             assert!(b.ranks[0].fetch("other", a.base_port + 1, t).await.is_err());
         });
+    }
+
+    #[test]
+    fn dropped_channels_unbind_and_a_restart_binds_the_same_ports() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let net = InProcessSideChannels::new();
+        let a = net.bind("h", 2).unwrap();
+        let other = net.bind("h", 1).unwrap();
+        let base = a.base_port;
+        assert_eq!(net.bind_at("h", base + 1, 1).unwrap_err().kind(), ErrorKind::Io, "still bound");
+        drop(a);
+        let t = Duration::from_secs(1);
+        let e = rt.block_on(other.ranks[0].fetch("h", base, t)).unwrap_err();
+        assert!(e.to_string().contains("nothing listens"), "{e}");
+        let again = net.bind_at("h", base, 2).unwrap();
+        rt.block_on(again.ranks[0].publish(b"new".to_vec())).unwrap();
+        assert_eq!(rt.block_on(other.ranks[0].fetch("h", base, t)).unwrap(), b"new");
+        assert_eq!(net.bind("h", 1).unwrap().base_port, other.base_port + 1, "fresh ports come after");
+    }
+
+    #[test]
+    fn faulty_fetches_are_refused_late_or_silent_in_the_clock_s_time() {
+        use kvx_core::ManualClock;
+        use std::task::Waker;
+        let clock = ManualClock::new();
+        let faults = |refuse, delay, silent| HandshakeFaults {
+            clock: Arc::new(clock.clone()),
+            seed: 1,
+            refuse,
+            delay,
+            max_delay: Duration::from_secs(2),
+            silent,
+        };
+        let t = Duration::from_secs(5);
+        let mut cx = Context::from_waker(Waker::noop());
+        for (f, late, outcome) in [
+            (faults(1.0, 0.0, 0.0), false, Some(ErrorKind::Handshake)),
+            (faults(0.0, 1.0, 0.0), true, None),
+            (faults(0.0, 0.0, 1.0), true, Some(ErrorKind::Timeout)),
+        ] {
+            let net = InProcessSideChannels::with_faults(f);
+            let bound = net.bind("h", 1).unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            rt.block_on(bound.ranks[0].publish(b"p".to_vec())).unwrap();
+            let mut fetch = bound.ranks[0].fetch("h", bound.base_port, t);
+            let first = fetch.as_mut().poll(&mut cx);
+            assert_eq!(first.is_pending(), late);
+            if late {
+                let at = net.next_event().unwrap().unwrap();
+                assert!(at > clock.now() && at <= clock.now() + t);
+                assert!(fetch.as_mut().poll(&mut cx).is_pending(), "the clock stands still");
+                clock.advance_to(at);
+            }
+            let Poll::Ready(result) = (if late { fetch.as_mut().poll(&mut cx) } else { first }) else {
+                panic!("not ready after its time")
+            };
+            assert_eq!(result.as_ref().err().map(Error::kind), outcome);
+            assert_eq!(net.next_event().unwrap(), None);
+            let c = net.fault_counts().unwrap();
+            assert_eq!(c.refused + c.delayed + c.silent, 1);
+        }
     }
 
     #[test]
