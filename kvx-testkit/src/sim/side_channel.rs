@@ -68,8 +68,8 @@ pub struct InProcessSideChannels {
 
 #[derive(Debug, Default)]
 struct Registry {
-    /// What each bound address serves: its binding's id and payload (`None` until published).
-    served: HashMap<(String, u16), (u64, Option<Vec<u8>>)>,
+    /// What each bound address serves.
+    served: HashMap<(String, u16), Served>,
     next_port: u16,
     next_binding: u64,
     faults: Option<HandshakeFaults>,
@@ -77,6 +77,15 @@ struct Registry {
     fetches: u64,
     /// Late and silent fetches not yet complete, by fetch number: when each completes.
     waiting: BTreeMap<u64, Instant>,
+}
+
+/// One bound address.
+#[derive(Debug)]
+struct Served {
+    /// Which binding of the address this is (a later one, after a restart, is another).
+    binding: u64,
+    /// `None` until published.
+    payload: Option<Vec<u8>>,
 }
 
 /// What becomes of one fetch.
@@ -123,7 +132,7 @@ impl InProcessSideChannels {
         for port in base..end {
             reg.next_binding += 1;
             let binding = reg.next_binding;
-            reg.served.insert((host.to_owned(), port), (binding, None));
+            reg.served.insert((host.to_owned(), port), Served { binding, payload: None });
             out.push(Arc::new(InProcessSideChannel {
                 channels: self.clone(),
                 host: host.to_owned(),
@@ -178,8 +187,8 @@ impl InProcessSideChannels {
 
     fn answer(&self, host: &str, port: u16) -> Result<Vec<u8>> {
         match self.lock()?.served.get(&(host.to_owned(), port)) {
-            Some((_, Some(payload))) => Ok(payload.clone()),
-            Some((_, None)) => {
+            Some(Served { payload: Some(payload), .. }) => Ok(payload.clone()),
+            Some(Served { payload: None, .. }) => {
                 Err(Error::new(ErrorKind::Handshake, format!("{host}:{port} has published nothing yet")))
             }
             None => Err(Error::new(ErrorKind::Handshake, format!("nothing listens at {host}:{port}"))),
@@ -201,7 +210,7 @@ impl Drop for InProcessSideChannel {
     fn drop(&mut self) {
         if let Ok(mut reg) = self.channels.lock() {
             let key = (self.host.clone(), self.port);
-            if reg.served.get(&key).is_some_and(|(b, _)| *b == self.binding) {
+            if reg.served.get(&key).is_some_and(|s| s.binding == self.binding) {
                 reg.served.remove(&key);
             }
         }
@@ -212,8 +221,8 @@ impl Drop for InProcessSideChannel {
 impl MetadataExchange for InProcessSideChannel {
     async fn publish(&self, payload: Vec<u8>) -> Result<()> {
         match self.channels.lock()?.served.get_mut(&(self.host.clone(), self.port)) {
-            Some((binding, served)) if *binding == self.binding => {
-                *served = Some(payload);
+            Some(served) if served.binding == self.binding => {
+                served.payload = Some(payload);
                 Ok(())
             }
             _ => Err(Error::new(ErrorKind::State, format!("{}:{} is no longer bound", self.host, self.port))),
