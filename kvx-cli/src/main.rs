@@ -10,6 +10,7 @@ mod backend;
 mod bench;
 mod demo;
 mod roles;
+mod soak;
 mod summary;
 mod workload;
 
@@ -36,6 +37,9 @@ enum Command {
     Decode(roles::DecodeArgs),
     /// READ bandwidth of scattered blocks against memcpy of the same blocks, in one run.
     Bench(bench::BenchArgs),
+    /// The deterministic fault soak: engines, requests and a seeded schedule of faults, in
+    /// simulated time; fails when a request never ends, a byte is wrong or a block leaks.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
             print!("{measured}");
             ExitCode::SUCCESS
         }),
+        Command::Soak(args) => soak::run(args),
     };
     outcome.unwrap_or_else(|e| {
         eprintln!("kvx: {e}");

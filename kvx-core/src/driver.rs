@@ -147,6 +147,11 @@ impl WorkerDriver {
         self.worker.is_idle() && self.aggregator.num_partial() == 0
     }
 
+    /// Rank 0: the ids some but not all ranks have reported.
+    pub fn num_partial_reports(&self) -> usize {
+        self.aggregator.num_partial()
+    }
+
     fn feed_handshakes(&mut self) {
         self.poll_fetches();
         while let Ok((engine_id, result)) = self.results_rx.try_recv() {

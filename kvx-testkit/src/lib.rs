@@ -4,4 +4,5 @@
 pub mod conformance;
 pub mod hostile;
 pub mod sim;
+pub mod soak;
 pub mod xproc;

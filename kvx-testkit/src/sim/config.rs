@@ -172,8 +172,9 @@ pub struct EndedRequest {
     pub id: RequestId,
     /// How it ended: [`RequestState::Finished`] or [`RequestState::Failed`].
     pub state: RequestState,
-    /// Its KV load failed and it computed its prompt instead.
-    pub recomputed: bool,
+    /// Why its KV load failed, when it computed its prompt instead
+    /// ([`LoadFailurePolicy::Recompute`]).
+    pub load_failure: Option<String>,
 }
 
 /// Counters of one engine.

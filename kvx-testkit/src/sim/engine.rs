@@ -45,8 +45,8 @@ struct Request {
     load: Option<Load>,
     /// Blocks marked in flight in the pool for this request.
     in_flight: Vec<BlockId>,
-    /// Its load failed and it computes its prompt instead.
-    recomputed: bool,
+    /// Why its load failed, when it computes its prompt instead.
+    load_failure: Option<String>,
 }
 
 impl Request {
@@ -273,6 +273,35 @@ impl SimEngine {
             && self.ranks.iter().all(|r| r.driver.is_idle())
     }
 
+    /// What keeps the engine from being [idle](Self::is_idle), in words (empty when it is).
+    pub fn not_idle_reasons(&self) -> Vec<String> {
+        let loading = self.requests.values().filter(|r| r.state == RequestState::WaitingForRemoteKv).count();
+        let mut out: Vec<String> = [
+            ("requests waiting", self.waiting.len()),
+            ("requests running", self.running.len()),
+            ("requests loading", loading),
+            ("finished requests keeping blocks", self.delayed.len()),
+            ("loads the scheduler awaits", self.scheduler.num_recving()),
+            ("holds the scheduler awaits", self.scheduler.num_sending()),
+        ]
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(what, n)| format!("{n} {what}"))
+        .collect();
+        for (rank, r) in self.ranks.iter().enumerate() {
+            let (worker, partial) = (r.driver.worker(), r.driver.num_partial_reports());
+            if !worker.is_idle() {
+                let timers =
+                    if worker.next_deadline().is_some() { ", holds or handshakes pending" } else { "" };
+                out.push(format!("rank {rank}: {} READs in flight{timers}", worker.num_in_flight()));
+            }
+            if partial > 0 {
+                out.push(format!("rank {rank}: {partial} ids reported by some ranks only"));
+            }
+        }
+        out
+    }
+
     /// Whether the engine has work for its next step: requests waiting, running or loading, or
     /// READs in flight. An engine that is not busy only waits for time to pass (holds, handshakes,
     /// early releases: see [`next_deadline`](Self::next_deadline)).
@@ -295,7 +324,7 @@ impl SimEngine {
         let mut out = Vec::with_capacity(self.ended.len());
         for id in std::mem::take(&mut self.ended) {
             if let Some(r) = self.requests.remove(&id) {
-                out.push(EndedRequest { id, state: r.state, recomputed: r.recomputed });
+                out.push(EndedRequest { id, state: r.state, load_failure: r.load_failure });
             }
         }
         out
@@ -329,7 +358,7 @@ impl SimEngine {
             num_computed: 0,
             load: None,
             in_flight: Vec::new(),
-            recomputed: false,
+            load_failure: None,
         };
         for &t in prompt {
             req.push_token(t);
@@ -559,7 +588,9 @@ impl SimEngine {
             let ended = self.pool.end_transfer(&in_flight);
             self.pool_result("ending the load", &id, ended);
             match failure {
-                Some(_) if self.config.load_failure == LoadFailurePolicy::Recompute => self.recompute(&id),
+                Some(reason) if self.config.load_failure == LoadFailurePolicy::Recompute => {
+                    self.recompute(&id, reason)
+                }
                 Some(reason) => self.fail(&id, reason),
                 None => self.complete_load(&id),
             }
@@ -568,10 +599,10 @@ impl SimEngine {
 
     /// A load failed: the request computes its prompt itself, from what its prefix cache held,
     /// into the blocks the load was to fill.
-    fn recompute(&mut self, id: &RequestId) {
+    fn recompute(&mut self, id: &RequestId, reason: String) {
         let Some(r) = self.requests.get_mut(id) else { return };
         r.load = None;
-        r.recomputed = true;
+        r.load_failure = Some(reason);
         r.state = RequestState::Running;
         self.stats.recomputed += 1;
         self.running.push(id.clone());

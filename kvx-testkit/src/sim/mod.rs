@@ -24,6 +24,7 @@ pub use config::{
     EndedRequest, EngineConfig, EngineStats, LoadFailurePolicy, RequestState, SideChannel, SimBackend,
 };
 pub use engine::SimEngine;
+pub(crate) use model::mix;
 pub use model::{KvShape, ModelSpec, VOCAB};
 pub use pool::{BlockHash, BlockPool, PoolError};
 pub use rng::SimRng;
