@@ -25,7 +25,7 @@ fn engines(lb: &Loopback, prefill_key: Option<&str>, decode_key: Option<&str>) -
     let m = model();
     let config = |name: &str, k: Option<&str>| EngineConfig {
         auth_key: k.map(|k| AuthKey::new(k).unwrap()),
-        hold_timeout: Duration::from_millis(300),
+        lease_duration: Duration::from_millis(300),
         ..lb.config(name, &m)
     };
     (lb.engine(config("prefill", prefill_key)), lb.engine(config("decode", decode_key)))

@@ -150,7 +150,7 @@ impl Worker {
         );
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
-        config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
+        config.lease_duration = duration(options.hold_timeout_s, "hold_timeout_s")?;
         config.auth_key = auth_key;
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =

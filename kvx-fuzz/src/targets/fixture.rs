@@ -179,6 +179,7 @@ pub(crate) fn decode_session(
     let all = ConnectorMetadata {
         reqs_to_recv: steps.iter().flat_map(|m| m.reqs_to_recv.iter().cloned()).collect(),
         reqs_to_send: steps.iter().flat_map(|m| m.reqs_to_send.iter().cloned()).collect(),
+        heartbeats: vec![],
     };
     check_session(&all, &finished);
     assert!(

@@ -220,7 +220,12 @@ class KvxConnector(KVConnectorBase_V1):
             return
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         if self._sched.update_state_after_alloc(
-            request.request_id, request.num_prompt_tokens, json.dumps(params), block_ids, num_external_tokens
+            request.request_id,
+            request.num_prompt_tokens,
+            json.dumps(params),
+            block_ids,
+            request.num_computed_tokens,
+            num_external_tokens,
         ):
             params["do_remote_prefill"] = False
 
