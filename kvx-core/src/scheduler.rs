@@ -481,6 +481,7 @@ mod tests {
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
             auth_key: None,
+            lease_duration: Duration::from_secs(30),
         })
         .unwrap()
     }
@@ -504,7 +505,7 @@ mod tests {
         // Capped by the blocks the remote offers, not only by the prompt.
         let m = s.get_num_new_matched_tokens(&id("r"), 10 * BS, Some(&p), 0).unwrap();
         assert_eq!(m.count, 3 * BS);
-        assert!(s.build_connector_meta().is_empty());
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
     }
 
     #[test]
@@ -538,9 +539,9 @@ mod tests {
             }
             let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
             assert_eq!(m, MatchedTokens::default(), "case {strip}");
-            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).unwrap();
+            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).unwrap();
             assert!(!p.do_remote_prefill, "at most one transfer");
-            assert!(s.build_connector_meta().reqs_to_recv.is_empty());
+            assert!(s.build_connector_meta(Instant::now()).reqs_to_recv.is_empty());
         }
     }
 
@@ -549,11 +550,11 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11, 12]);
         s.get_num_new_matched_tokens(&id("r"), 3 * BS + 1, Some(&p), BS).unwrap();
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], BS, 2 * BS).unwrap();
         assert!(!p.do_remote_prefill);
         // A second allocation for the same request triggers nothing.
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 2 * BS).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         let r = &meta.reqs_to_recv[0];
         assert_eq!(r.local_block_ids, vec![5, 6]);
@@ -561,7 +562,7 @@ mod tests {
         assert_eq!(r.remote_read_from, 1, "the first block hit the local prefix cache");
         assert_eq!(r.remote.engine_id, "prefill".into());
         assert_eq!(s.num_recving(), 1);
-        assert!(s.build_connector_meta().is_empty(), "the record is cleared");
+        assert!(s.build_connector_meta(Instant::now()).is_empty(), "the record is cleared");
     }
 
     #[test]
@@ -571,8 +572,8 @@ mod tests {
         let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), 2 * BS).unwrap();
         assert_eq!(m, MatchedTokens::default());
         // The engine allocates a block for its own computation of the tail: not a load target.
-        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
         assert_eq!(s.num_recving(), 0, "a notify-only request does not wait");
@@ -584,18 +585,18 @@ mod tests {
         let mut p = decode_params(vec![]);
         let m = s.get_num_new_matched_tokens(&id("r"), 5 * BS, Some(&p), 0).unwrap();
         assert_eq!(m, MatchedTokens::default());
-        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0).unwrap();
-        assert!(s.build_connector_meta().is_empty(), "nothing held remotely: nothing to free");
+        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0, 0).unwrap();
+        assert!(s.build_connector_meta(Instant::now()).is_empty(), "nothing held remotely: nothing to free");
     }
 
     #[test]
     fn alloc_with_too_few_blocks_is_an_error() {
         let mut s = sched();
         let mut p = decode_params(vec![1, 2]);
-        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 2 * BS).unwrap_err();
+        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 2 * BS).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
         let mut p = decode_params(vec![1]);
-        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).is_err());
+        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).is_err());
     }
 
     #[test]
@@ -629,7 +630,7 @@ mod tests {
         // Shorter than a block: free now.
         let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &[9]);
         assert!(!out.delay_free);
-        let meta = s.build_connector_meta();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(
             meta.reqs_to_send,
             vec![
@@ -643,10 +644,17 @@ mod tests {
     }
 
     #[test]
-    fn only_length_capped_remote_decode_requests_are_held() {
+    fn remote_decode_requests_that_stopped_or_hit_their_cap_are_held_and_no_others() {
         let mut s = sched();
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
-        for reason in [FinishReason::Stopped, FinishReason::Aborted, FinishReason::Error] {
+        for reason in [FinishReason::LengthCapped, FinishReason::Stopped] {
+            assert!(
+                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]).delay_free,
+                "{reason:?}"
+            );
+        }
+        s.update_finished(&Finished { sending: vec![id("a")], ..Default::default() });
+        for reason in [FinishReason::Aborted, FinishReason::Error] {
             assert_eq!(
                 s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]),
                 FinishOutcome::default()
@@ -664,10 +672,10 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
         s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
         let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5, 6]);
         assert!(!out.delay_free, "no READ will target the blocks: free them now");
-        let meta = s.build_connector_meta();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
         assert!(s.is_idle());
@@ -678,8 +686,8 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10]);
         s.get_num_new_matched_tokens(&id("r"), BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], BS).unwrap();
-        s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], 0, BS).unwrap();
+        s.build_connector_meta(Instant::now());
         let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5]);
         assert!(out.delay_free);
         s.update_finished(&Finished {
@@ -699,7 +707,7 @@ mod tests {
                 s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), computed).unwrap();
             }
         }
-        assert!(s.build_connector_meta().is_empty());
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
         assert!(s.is_idle());
         assert_eq!(s.num_recving(), 0);
     }
@@ -710,15 +718,15 @@ mod tests {
         // tokens: neither a second load nor a notify-only message may follow.
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
-        assert_eq!(s.build_connector_meta().reqs_to_recv.len(), 1);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0).unwrap();
-        assert!(s.build_connector_meta().is_empty());
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        assert_eq!(s.build_connector_meta(Instant::now()).reqs_to_recv.len(), 1);
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 0).unwrap();
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
         // Notify-only, twice: one message.
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
     }
@@ -739,10 +747,10 @@ mod tests {
         // Decode: a load and a notify-only request both carry the prefill engine's id.
         let mut decode = sched();
         decode
-            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 2 * BS)
+            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 0, 2 * BS)
             .unwrap();
-        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0).unwrap();
-        let mut reqs = decode.build_connector_meta().reqs_to_recv;
+        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0, 0).unwrap();
+        let mut reqs = decode.build_connector_meta(Instant::now()).reqs_to_recv;
         reqs.sort_by(|a, b| a.request_id.as_str().cmp(b.request_id.as_str()));
         assert_eq!(reqs.len(), 2);
         for r in &reqs {
@@ -752,8 +760,8 @@ mod tests {
         assert!(!reqs[0].is_notify_only() && reqs[1].is_notify_only());
         // Without it (an older peer), the notification names the decode engine's own id.
         let mut old = decode_params(vec![1]);
-        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], BS).unwrap();
-        let meta = decode.build_connector_meta();
+        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], 0, BS).unwrap();
+        let meta = decode.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv[0].prefill_request_id(), &id("same"));
         // And it survives the wire encoding to the workers.
         let back: ConnectorMetadata = crate::wire::decode(&crate::wire::encode(&meta).unwrap()).unwrap();
@@ -777,8 +785,10 @@ mod tests {
             prefill.request_finished(&id("p1"), Some(&held), FinishReason::LengthCapped, 3 * BS, &[7, 8, 9]);
         let mut params = TransferParams::from_json(&out.params.unwrap().to_json()).unwrap();
         let mut decode = sched();
-        decode.update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 2 * BS).unwrap();
-        let r = decode.build_connector_meta().reqs_to_recv.remove(0);
+        decode
+            .update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 0, 2 * BS)
+            .unwrap();
+        let r = decode.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
         assert_eq!((r.remote_block_ids.as_slice(), r.remote_read_from), (&[7, 8, 9][..], 0));
         r.offer().unwrap().verify(&key, r.mac.as_ref()).unwrap();
         let mut forged = r.clone();

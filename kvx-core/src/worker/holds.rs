@@ -50,6 +50,11 @@ impl Holds {
         self.live.values().map(|h| h.until).chain(self.early.next_deadline()).min()
     }
 
+    #[cfg(test)]
+    pub(super) fn early_len(&self) -> usize {
+        self.early.len()
+    }
+
     pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) {
         stats.stray_notifications += self.early.expire(now);
         self.ended.expire(now);

@@ -30,12 +30,16 @@ pub(super) struct Load {
 
 #[derive(Debug)]
 enum Stage {
-    /// Waiting for the peer's handshake.
-    Waiting,
-    /// READ posted; `answer` holds a [`HoldStatus`] that came before the READ was seen done.
+    /// Waiting for the peer's handshake. After a failed READ, `retry` holds its error and the
+    /// instance it was posted to: the READ is posted again only if the handshake finds a new
+    /// instance (the engine restarted and the offer may be the new one's); otherwise it fails.
+    Waiting { retry: Option<(Error, u64)> },
+    /// READ posted to `instance`; `answer` holds a [`HoldStatus`] that came before the READ was
+    /// seen done.
     Reading {
         xfer: XferId,
         peer: AgentName,
+        instance: u64,
         posted: Instant,
         deadline: Instant,
         bytes: u64,
@@ -48,7 +52,7 @@ enum Stage {
 impl Load {
     pub(super) fn deadline(&self) -> Option<Instant> {
         match &self.stage {
-            Stage::Waiting => None,
+            Stage::Waiting { .. } => None,
             Stage::Reading { deadline, .. } | Stage::Confirming { deadline, .. } => Some(*deadline),
         }
     }
@@ -79,7 +83,7 @@ impl ConnectorWorker {
         if let Some(nonce) = req.nonce {
             self.offers.insert(nonce, id.clone());
         }
-        self.loads.insert(id.clone(), Load { req: req.clone(), stage: Stage::Waiting });
+        self.loads.insert(id.clone(), Load { req: req.clone(), stage: Stage::Waiting { retry: None } });
         match self.when_ready(now, &req.remote, Waiter::Load(id.clone())) {
             Ok(Some(_)) => self.issue(now, &id),
             Ok(None) => {}
@@ -142,10 +146,21 @@ impl ConnectorWorker {
     /// Posts the READ of a load whose peer is ready.
     pub(super) fn issue(&mut self, now: Instant, id: &RequestId) {
         let Some(mut load) = self.loads.remove(id) else { return };
+        if let Stage::Waiting { retry: Some((e, old)) } = &load.stage {
+            let same = matches!(self.peers.get(&load.req.remote.engine_id), Some(Peer::Ready(c)) if c.instance == *old);
+            if same {
+                let e = e.detached();
+                self.loads.insert(id.clone(), load);
+                self.end_load(now, id, Err(e), true);
+                return;
+            }
+            debug!(request_id = %id, "the engine restarted: posting the READ again to its new instance");
+        }
         match self.post_read(&load.req) {
-            Ok((xfer, peer, bytes)) => {
+            Ok((xfer, peer, instance, bytes)) => {
                 let deadline = now + self.config.transfer_timeout;
-                load.stage = Stage::Reading { xfer, peer, posted: now, deadline, bytes, answer: None };
+                load.stage =
+                    Stage::Reading { xfer, peer, instance, posted: now, deadline, bytes, answer: None };
                 self.loads.insert(id.clone(), load);
             }
             Err(e) => {
@@ -155,7 +170,7 @@ impl ConnectorWorker {
         }
     }
 
-    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, u64)> {
+    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, u64, u64)> {
         let (Some(registered), Some(Peer::Ready(conn))) =
             (&self.registered, self.peers.get(&req.remote.engine_id))
         else {
@@ -185,7 +200,7 @@ impl ConnectorWorker {
         self.stats.reads_posted += 1;
         self.stats.descriptors += self.descs_local.len() as u64;
         let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
-        Ok((xfer, conn.agent.clone(), bytes))
+        Ok((xfer, conn.agent.clone(), conn.instance, bytes))
     }
 
     /// Ends a load: reports it done or failed. With `release`, a failed load tells the prefill
@@ -252,12 +267,14 @@ impl ConnectorWorker {
         }
         for (id, outcome) in ended {
             let Some(load) = self.loads.get_mut(&id) else { continue };
-            let Stage::Reading { xfer, peer, posted, bytes, answer, .. } = &load.stage else { continue };
+            let Stage::Reading { xfer, peer, instance, posted, bytes, answer, .. } = &load.stage else {
+                continue;
+            };
             if let Err(e) = self.agent.release(*xfer) {
                 debug!(request_id = %id, error = %e, "releasing a finished transfer failed");
             }
-            let (peer, posted, bytes, answer) = (peer.clone(), *posted, *bytes, *answer);
-            let engine_id = load.req.remote.engine_id.clone();
+            let (peer, instance, posted, bytes, answer) = (peer.clone(), *instance, *posted, *bytes, *answer);
+            let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
                     let deadline = now + self.config.confirm_timeout;
@@ -267,14 +284,18 @@ impl ConnectorWorker {
                     }
                 }
                 Err(e) => {
-                    // The READ's notification was not sent: the transfer did not complete.
-                    let release = self.end_load(now, &id, Err(e), false);
-                    if let Some(release) = release {
-                        if let Err(e) = self.agent.notify(&peer, &release) {
-                            debug!(request_id = %id, error = %e, "prefill not told of the failed load");
+                    // The engine may have restarted: handshake again, and post again only if it
+                    // has (see `Stage::Waiting`). The READ's notification was not sent.
+                    debug!(request_id = %id, error = %e, "READ failed: handshaking with the engine again");
+                    load.stage = Stage::Waiting { retry: Some((e, instance)) };
+                    self.invalidate_connection(&remote.engine_id, &peer);
+                    match self.when_ready(now, &remote, Waiter::Load(id.clone())) {
+                        Ok(Some(_)) => self.issue(now, &id),
+                        Ok(None) => {}
+                        Err(e) => {
+                            self.end_load(now, &id, Err(e), false);
                         }
                     }
-                    self.invalidate_connection(&engine_id, &peer);
                 }
             }
         }
@@ -297,7 +318,7 @@ impl ConnectorWorker {
         let Some(load) = self.loads.get_mut(&id) else { return };
         let from_peer = match &load.stage {
             Stage::Reading { peer, .. } | Stage::Confirming { peer, .. } => peer == from,
-            Stage::Waiting => false,
+            Stage::Waiting { .. } => false,
         };
         if !from_peer || load.req.prefill_request_id() != &status.request_id {
             self.stats.stray_notifications += 1;
@@ -352,7 +373,7 @@ impl ConnectorWorker {
                     let e = "no answer from the prefill engine whether its hold lived through the READ";
                     (Error::new(ErrorKind::Timeout, e), false, peer.clone())
                 }
-                Stage::Waiting => continue,
+                Stage::Waiting { .. } => continue,
             };
             self.end_load(now, &id, Err(e), release);
             self.invalidate_connection(&engine_id, &peer);

@@ -274,6 +274,12 @@ impl ConnectorWorker {
         (self.stats.transfer_latencies.take(), self.stats.handshake_times.take())
     }
 
+    /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
+    /// engine's confirmation. Their local blocks must not be reused.
+    pub fn num_in_flight(&self) -> usize {
+        self.loads.len()
+    }
+
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
         self.loads.is_empty()

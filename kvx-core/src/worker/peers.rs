@@ -250,8 +250,9 @@ impl ConnectorWorker {
         }
     }
 
-    /// Checks a peer's payload and connects to it; `None` while READs of an earlier connection
-    /// to the same agent are in flight (loading its new metadata would first forget the old).
+    /// Checks a peer's payload and connects to it (again, when a dropped connection is to the same
+    /// instance); `None` while READs of an earlier connection to the same agent are in flight
+    /// (loading its new metadata would first forget the old).
     fn connect(&mut self, engine_id: &EngineId, bytes: &[u8]) -> Result<Option<Connected>> {
         let Some(registered) = &self.registered else {
             return Err(Error::new(ErrorKind::State, "not registered"));
@@ -295,6 +296,11 @@ impl ConnectorWorker {
                 p.num_blocks,
                 layout.num_regions()
             )));
+        }
+        // The same instance under the same name: it did not restart; the connection stands.
+        if let Some(i) = self.retired.iter().position(|c| c.agent == p.agent_name && c.instance == p.instance)
+        {
+            return Ok(Some(self.retired.swap_remove(i)));
         }
         if self.loads.values().any(|l| l.reads_from(&p.agent_name)) {
             return Ok(None);
