@@ -810,4 +810,77 @@ mod tests {
         assert_eq!(nonces([1; 32]), nonces([1; 32]));
         assert_ne!(nonces([1; 32]), nonces([2; 32]));
     }
+
+    fn offered(prefill: &mut ConnectorScheduler, id_: &str) -> TransferParams {
+        let held = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id(id_), Some(&held), FinishReason::LengthCapped, 2 * BS, &[3, 4]);
+        out.params.unwrap()
+    }
+
+    #[test]
+    fn waiting_requests_have_their_leases_renewed_every_sixth_of_a_lease() {
+        let mut prefill = sched();
+        let (mut a, b) = (offered(&mut prefill, "pa"), offered(&mut prefill, "pb"));
+        let mut s = sched();
+        let t0 = Instant::now();
+        s.on_new_request(&id("a"), Some(&a));
+        s.on_new_request(&id("b"), Some(&b));
+        s.on_new_request(&id("plain"), None);
+        assert!(s.build_connector_meta(t0).heartbeats.is_empty(), "a new hold needs no renewal yet");
+        let sixth = Duration::from_secs(5);
+        assert_eq!(s.next_deadline(), Some(t0 + sixth));
+        let beats = s.build_connector_meta(t0 + sixth).heartbeats;
+        assert_eq!(beats.len(), 1, "one per prefill engine");
+        let ids: Vec<&str> = beats[0].holds.iter().map(|h| h.request_id.as_str()).collect();
+        assert_eq!(ids, ["pa", "pb"], "named as the prefill engine knows them, with their nonces");
+        assert_eq!(beats[0].holds[0].nonce, a.kvx_hold_nonce.unwrap());
+        assert!(s.build_connector_meta(t0 + sixth + sixth / 2).heartbeats.is_empty());
+        // "a" is loading: still renewed until its load is reported; "b" finishes while queued.
+        s.update_state_after_alloc(&id("a"), 2 * BS, Some(&mut a), &[1, 2], 0, 2 * BS).unwrap();
+        s.request_finished(&id("b"), Some(&b), FinishReason::Aborted, 0, &[]);
+        let meta = s.build_connector_meta(t0 + 2 * sixth);
+        assert_eq!(meta.heartbeats[0].holds.len(), 1);
+        assert_eq!(meta.reqs_to_recv.len(), 2, "a's load, and b's release though it never ran");
+        assert!(meta.reqs_to_recv.iter().any(|r| r.request_id == id("b") && r.is_notify_only()));
+        s.update_finished(&Finished { recving: vec![id("a")], ..Default::default() });
+        assert!(s.build_connector_meta(t0 + 3 * sixth).heartbeats.is_empty());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_keyed_decode_engine_renews_only_offers_that_verify() {
+        let key = AuthKey::new("deployment secret 0123").unwrap();
+        let keyed = |c: SchedulerConfig| {
+            ConnectorScheduler::new(SchedulerConfig { auth_key: Some(key.clone()), ..c })
+        };
+        let mut prefill = keyed(sched().config).unwrap();
+        let good = offered(&mut prefill, "p1");
+        let mut forged = good.clone();
+        forged.remote_host = Some("evil".into());
+        let mut s = keyed(sched().config).unwrap();
+        s.on_new_request(&id("good"), Some(&good));
+        s.on_new_request(&id("forged"), Some(&forged));
+        let t0 = Instant::now();
+        s.build_connector_meta(t0);
+        let beats = s.build_connector_meta(t0 + Duration::from_secs(5)).heartbeats;
+        assert_eq!(beats.len(), 1);
+        assert_eq!(beats[0].remote.host, "10.0.0.1");
+    }
+
+    #[test]
+    fn the_alloc_check_counts_the_local_prefix() {
+        let mut s = sched();
+        // 3 blocks offered, 1 cached locally: at most 2 may load, from the second remote block.
+        let mut p = decode_params(vec![10, 11, 12]);
+        let e =
+            s.update_state_after_alloc(&id("r"), 3 * BS, Some(&mut p), &[5, 6, 7], BS, 3 * BS).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+        let meta = s.build_connector_meta(Instant::now());
+        assert!(meta.reqs_to_recv[0].is_notify_only(), "the prefill engine is still told to free");
+        let mut p = decode_params(vec![10, 11, 12]);
+        s.update_state_after_alloc(&id("q"), 3 * BS, Some(&mut p), &[5], 2 * BS, BS).unwrap();
+        let r = s.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
+        assert_eq!((r.local_block_ids, r.remote_read_from), (vec![5], 2));
+    }
 }

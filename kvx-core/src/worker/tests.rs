@@ -4,7 +4,7 @@ use super::*;
 use crate::auth::Nonce;
 use crate::ids::{AgentName, BlockId};
 use crate::memory::HostMemory;
-use crate::meta::{FailedRecv, HeldRequest, RecvRequest, ReplyTo};
+use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
 use crate::transfer::Capabilities;
 use crate::transfer::{XferId, XferOp, XferState};
@@ -773,4 +773,152 @@ fn an_id_a_report_names_twice_counts_once_for_its_rank() {
     assert!(agg.aggregate([twice("s")]).is_empty(), "one rank of two has reported");
     let out = agg.aggregate([twice("s")]);
     assert_eq!((out.sending, out.recving), (vec![RequestId::new("s")], vec![RequestId::new("r")]));
+}
+
+/// A release from decode worker `instance` that asks for an answer.
+fn release_asking(id: &str, instance: u64) -> Notification {
+    let reply_to = Some(ReplyTo { engine: decode_side_channel(), instance });
+    notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap())
+}
+
+/// The answers a prefill worker sent: what `notify` carried to the decode agent.
+fn answers(sent: &Arc<Mutex<Vec<Vec<u8>>>>) -> Vec<(String, bool)> {
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|m| wire::decode::<HoldStatus>(m).ok())
+        .map(|s| (s.request_id.as_str().to_owned(), s.held))
+        .collect()
+}
+
+/// A prefill worker whose notifications (answers) are recorded.
+fn answering_prefill(config: WorkerConfig) -> (ConnectorWorker, Inbox, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let sent: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let inbox = Inbox::default();
+    let s = sent.clone();
+    let a = agent_with_inbox(Arc::default(), inbox.clone(), move |a| {
+        let s = s.clone();
+        a.expect_notify().returning(move |_, m| {
+            s.lock().unwrap().push(m.to_vec());
+            Ok(())
+        });
+    });
+    let mut w =
+        ConnectorWorker::new(WorkerConfig { engine_id: "prefill".into(), ..config }, Arc::new(a)).unwrap();
+    w.register_kv_caches(&caches(&[None, None])).unwrap();
+    (w, inbox, sent)
+}
+
+/// The payload of the decode worker the prefill worker answers.
+fn decode_payload(instance: u64) -> Vec<u8> {
+    peer_payload(0, &[None, None], |p| {
+        p.engine_id = "decode".into();
+        p.instance = instance;
+    })
+}
+
+#[test]
+fn a_release_is_answered_held_only_while_the_lease_lives() {
+    let (mut w, inbox, sent) = answering_prefill(config(0));
+    let now = Instant::now();
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["live", "late"]), ..Default::default() });
+    inbox.lock().unwrap().push(release_asking("live", 7));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("live")]);
+    // The answer goes to the decode engine's side channel: handshake first, then notify.
+    assert_eq!(
+        w.poll_command(),
+        Some(WorkerCommand::FetchHandshake { engine_id: "decode".into(), host: "d".into(), port: 5700 })
+    );
+    w.handle_handshake(now, &"decode".into(), Ok(decode_payload(7)));
+    assert_eq!(answers(&sent), [("live".to_owned(), true)]);
+    // "late"'s lease runs out; its READ's release comes after: answered "not held" at once.
+    let lease = w.config().lease_duration;
+    assert_eq!(w.get_finished(now + lease).sending, vec![RequestId::new("late")]);
+    inbox.lock().unwrap().push(release_asking("late", 7));
+    assert!(w.get_finished(now + lease).is_empty());
+    assert_eq!(answers(&sent), [("live".to_owned(), true), ("late".to_owned(), false)]);
+    // A release from a restarted decode engine (a new instance): handshaken again first.
+    w.start_load_kv(now + lease, &ConnectorMetadata { reqs_to_send: held(&["next"]), ..Default::default() });
+    inbox.lock().unwrap().push(release_asking("next", 8));
+    w.get_finished(now + lease);
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { .. })));
+    w.handle_handshake(now + lease, &"decode".into(), Ok(decode_payload(8)));
+    assert_eq!(answers(&sent).last(), Some(&("next".to_owned(), true)));
+    let s = w.stats();
+    assert_eq!((s.hold_answers, s.expired_holds, s.peer_restarts), (3, 1, 1));
+}
+
+#[test]
+fn heartbeats_with_the_right_nonce_extend_a_lease() {
+    let (mut w, inbox, _) = answering_prefill(config(0));
+    let now = Instant::now();
+    let lease = w.config().lease_duration;
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["a", "b"]), ..Default::default() });
+    let renew = |holds: Vec<HeldRequest>| notif(&wire::encode(&RenewLeases { holds }).unwrap());
+    let forged = vec![HeldRequest { request_id: "b".into(), nonce: nonce_of("not b") }];
+    let at = now + lease / 2;
+    inbox.lock().unwrap().extend([renew(held(&["a"])), renew(forged)]);
+    assert!(w.get_finished(at).is_empty());
+    assert_eq!(
+        w.get_finished(now + lease).sending,
+        vec![RequestId::new("b")],
+        "a wrong nonce renews nothing"
+    );
+    assert!(w.get_finished(at + lease - Duration::from_millis(1)).is_empty());
+    assert_eq!(w.get_finished(at + lease).sending, vec![RequestId::new("a")]);
+    assert_eq!(w.stats().leases_renewed, 1);
+}
+
+#[test]
+fn a_load_without_an_answer_fails_and_its_engine_is_handshaken_again() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    assert!(w.get_finished(now).is_empty());
+    let timeout = w.config().confirm_timeout;
+    assert_eq!(w.next_deadline(), Some(now + timeout));
+    // An answer for another nonce, or "not held", never completes it.
+    inbox.lock().unwrap().push(answer("other", true));
+    assert!(w.get_finished(now).is_empty());
+    let f = w.get_finished(now + timeout);
+    assert_eq!(f.failed_recving.len(), 1);
+    assert!(f.failed_recving[0].reason.starts_with("timed out"), "{}", f.failed_recving[0].reason);
+    assert_eq!(w.stats().lease_failures, 1);
+    // A "not held" answer fails a load with the lease's error.
+    start_and_handshake(&mut w, now, vec![recv("b", vec![2], vec![2])]);
+    inbox.lock().unwrap().push(answer("b", false));
+    let f = w.get_finished(now);
+    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    assert_eq!((w.stats().lease_failures, w.stats().bytes_read), (2, 0));
+}
+
+#[test]
+fn heartbeats_go_to_the_matching_rank_in_small_messages() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let sent: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let s = sent.clone();
+    let a = agent(posts, move |a| {
+        let s = s.clone();
+        a.expect_notify().returning(move |_, m| {
+            s.lock().unwrap().push(m.to_vec());
+            Ok(())
+        });
+    });
+    let mut w = worker_with(a, 1, &[None, None]);
+    let now = Instant::now();
+    let ids: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
+    let holds = held(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+    let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, holds };
+    w.start_load_kv(now, &ConnectorMetadata { heartbeats: vec![beat], ..Default::default() });
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { port: 5601, .. })));
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+    let renewed: Vec<usize> =
+        sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
+    assert_eq!(renewed, [128, 128, 44]);
+    assert_eq!(w.stats().renewals_sent, 300);
 }
