@@ -114,7 +114,11 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     let meta = decode.build_connector_meta(std::time::Instant::now());
     assert!(meta.reqs_to_recv.len() <= 1 && meta.reqs_to_send.is_empty(), "{meta:?}");
     if let Some(r) = meta.reqs_to_recv.first() {
-        assert!(alloc.is_ok(), "a load recorded although the allocation failed: {alloc:?}");
+        // A failed allocation loads nothing, but still tells the prefill engine to free.
+        assert!(
+            alloc.is_ok() || r.is_notify_only(),
+            "a load recorded although the allocation failed: {alloc:?}"
+        );
         assert!(r.local_block_ids.len() <= r.remote_block_ids.len(), "{r:?}");
         assert!(
             r.local_block_ids.iter().all(|b| new_blocks.contains(b)),
