@@ -77,7 +77,7 @@ fn engine_config(id: &str, host: &str, model: &ModelArgs, auth_key: Option<AuthK
         side_channel: SideChannel::Tcp { host: host.to_owned() },
         auth_key,
         handshake_timeout: Duration::from_secs(10),
-        hold_timeout: Duration::from_secs(60),
+        lease_duration: Duration::from_secs(60),
         clock: Arc::new(SystemClock),
         handshakes: Handshakes::Background,
         nonce_seed: None,

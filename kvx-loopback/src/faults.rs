@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvx_core::{HexBytes, HoldRelease, wire};
+use kvx_core::{HeldRequest, HexBytes, HoldRelease, HoldStatus, RenewLeases, wire};
 
 /// Faults to inject, set on a whole [`Fabric`](crate::Fabric) or on one
 /// [`LoopbackAgent`](crate::LoopbackAgent).
@@ -337,28 +337,40 @@ impl Delivery {
 }
 
 /// The stray notification of `seed` that follows `msg`: garbage, a release for a request nobody
-/// holds, or `msg`'s release with another nonce (garbage when `msg` is not a release).
+/// holds, or `msg` forged with other nonces (a release, a hold's status claiming the opposite, or
+/// a lease renewal; garbage when `msg` is none of them).
 pub(crate) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
     let mut draws = Draws(seed);
-    let nonce = |draws: &mut Draws| {
+    let mut nonce = || {
         let mut bytes = [0u8; 16];
         bytes[..8].copy_from_slice(&draws.next().to_le_bytes());
         bytes[8..].copy_from_slice(&draws.next().to_le_bytes());
         HexBytes(bytes)
     };
-    let release = match seed % 3 {
-        1 => Some(HoldRelease {
-            request_id: format!("kvx-loopback-stray-{:016x}", draws.next()).into(),
-            nonce: nonce(&mut draws),
-        }),
-        2 => wire::decode::<HoldRelease>(msg)
-            .ok()
-            .map(|real| HoldRelease { request_id: real.request_id, nonce: nonce(&mut draws) }),
+    let stray = match seed % 3 {
+        1 => Some(wire::encode(&HoldRelease {
+            request_id: format!("kvx-loopback-stray-{seed:016x}").into(),
+            nonce: nonce(),
+            reply_to: None,
+        })),
+        2 => {
+            if let Ok(real) = wire::decode::<HoldRelease>(msg) {
+                Some(wire::encode(&HoldRelease { nonce: nonce(), ..real }))
+            } else if let Ok(real) = wire::decode::<HoldStatus>(msg) {
+                Some(wire::encode(&HoldStatus { nonce: nonce(), held: !real.held, ..real }))
+            } else if let Ok(real) = wire::decode::<RenewLeases>(msg) {
+                let holds = real.holds.into_iter().map(|h| HeldRequest { nonce: nonce(), ..h }).collect();
+                Some(wire::encode(&RenewLeases { holds }))
+            } else {
+                None
+            }
+        }
         _ => None,
     };
-    match release.map(|r| wire::encode(&r)) {
+    match stray {
         Some(Ok(bytes)) => bytes,
         _ => {
+            let mut draws = Draws(seed ^ 0x6761_7262);
             let len = 1 + draws.next() % 64;
             (0..len).map(|_| draws.next() as u8).collect()
         }
@@ -438,7 +450,7 @@ mod tests {
 
     #[test]
     fn strays_are_garbage_unknown_releases_or_forged_nonces() {
-        let real = HoldRelease { request_id: "req-1".into(), nonce: HexBytes([9; 16]) };
+        let real = HoldRelease { request_id: "req-1".into(), nonce: HexBytes([9; 16]), reply_to: None };
         let msg = wire::encode(&real).unwrap();
         let mut kinds = [0; 3];
         for seed in 0..300 {
@@ -457,6 +469,13 @@ mod tests {
             assert_eq!(stray, stray_message(seed, &msg), "a function of the seed");
         }
         assert_eq!(kinds, [100, 100, 100]);
-        assert!(wire::decode::<HoldRelease>(&stray_message(2, b"not a release")).is_err());
+        let status = HoldStatus { request_id: "req-1".into(), nonce: HexBytes([9; 16]), held: false };
+        let forged = wire::decode::<HoldStatus>(&stray_message(2, &wire::encode(&status).unwrap())).unwrap();
+        assert!(forged.held && forged.nonce != status.nonce, "a forged status claims the opposite");
+        let renew =
+            RenewLeases { holds: vec![HeldRequest { request_id: "req-1".into(), nonce: HexBytes([9; 16]) }] };
+        let forged = wire::decode::<RenewLeases>(&stray_message(5, &wire::encode(&renew).unwrap())).unwrap();
+        assert_ne!(forged.holds[0].nonce, renew.holds[0].nonce);
+        assert!(wire::decode::<HoldRelease>(&stray_message(2, b"not a message")).is_err());
     }
 }

@@ -94,8 +94,9 @@ pub struct EngineConfig {
     pub auth_key: Option<AuthKey>,
     /// Handshake timeout of the workers.
     pub handshake_timeout: Duration,
-    /// How long a prefill engine holds blocks for a reader that does not come.
-    pub hold_timeout: Duration,
+    /// The lease of a prefill engine's hold (renewed by the decode engine's heartbeats while its
+    /// request waits for the KV).
+    pub lease_duration: Duration,
     /// Where the workers take the time from: the system's, or a simulation's manual clock.
     pub clock: Arc<dyn Clock>,
     /// Where the workers' handshake fetches run: [`Handshakes::OnStepThread`] with an
@@ -123,7 +124,7 @@ pub enum LoadFailurePolicy {
 
 impl EngineConfig {
     /// A configuration with an in-process side channel and the usual timeouts (5 s handshake,
-    /// 30 s hold), on the system clock, failing requests whose load failed.
+    /// 30 s lease), on the system clock, failing requests whose load failed.
     pub fn new(
         engine_id: &str,
         tp: u32,
@@ -139,7 +140,7 @@ impl EngineConfig {
             side_channel: SideChannel::InProcess(net.clone()),
             auth_key: None,
             handshake_timeout: Duration::from_secs(5),
-            hold_timeout: Duration::from_secs(30),
+            lease_duration: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             handshakes: Handshakes::Background,
             nonce_seed: None,

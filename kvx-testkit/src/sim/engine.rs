@@ -9,8 +9,8 @@ use tokio::runtime::Runtime;
 use kvx_core::net::NetConfig;
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
-    FinishReason, Finished, InProcessGroup, LayerCache, NonceSource, RequestId, Result, SchedulerConfig,
-    TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
+    FinishReason, Finished, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result,
+    SchedulerConfig, TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
 use super::config::{
@@ -147,9 +147,10 @@ impl SimEngine {
         let scheduler_config = SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
-            side_channel_host: host,
+            side_channel_host: host.clone(),
             side_channel_port: base_port,
             auth_key: config.auth_key.clone(),
+            lease_duration: config.lease_duration,
         };
         let scheduler = match config.nonce_seed {
             Some(seed) => {
@@ -157,6 +158,8 @@ impl SimEngine {
             }
             None => ConnectorScheduler::new(scheduler_config),
         }?;
+        let own_side_channel =
+            RemoteCoordinates { engine_id: config.engine_id.clone(), host, port: base_port };
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
         let regions = model.kind().regions_per_layer() as usize;
@@ -168,7 +171,8 @@ impl SimEngine {
                 WorkerConfig {
                     compat_tag: model.compat_tag(),
                     handshake_timeout: config.handshake_timeout,
-                    hold_timeout: config.hold_timeout,
+                    lease_duration: config.lease_duration,
+                    side_channel: Some(own_side_channel.clone()),
                     auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
@@ -363,6 +367,7 @@ impl SimEngine {
         for &t in prompt {
             req.push_token(t);
         }
+        self.scheduler.on_new_request(&id, req.params.as_ref());
         self.requests.insert(id.clone(), req);
         self.waiting.push_back(id);
         Ok(())
@@ -389,7 +394,7 @@ impl SimEngine {
         self.stats.steps += 1;
         self.schedule_waiting();
         self.run_model();
-        let meta = self.scheduler.build_connector_meta();
+        let meta = self.scheduler.build_connector_meta(self.config.clock.now());
         for recv in &meta.reqs_to_recv {
             if recv.local_block_ids.is_empty() {
                 continue;
@@ -473,6 +478,7 @@ impl SimEngine {
             r.prompt_len,
             r.params.as_mut(),
             &new_blocks,
+            computed,
             matched.count,
         )?;
         if matched.load_async && matched.count > 0 {

@@ -222,7 +222,7 @@ impl<'c> Soak<'c> {
             side_channel: SideChannel::InProcess(self.net.clone()),
             auth_key: None,
             handshake_timeout: cfg.handshake_timeout,
-            hold_timeout: cfg.lease,
+            lease_duration: cfg.lease,
             clock: Arc::new(self.clock.clone()),
             handshakes: Handshakes::OnStepThread,
             nonce_seed: Some(nonce_seed),
