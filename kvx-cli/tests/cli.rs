@@ -233,3 +233,24 @@ fn bench_measures_against_memcpy() {
 fn bench_on_the_native_backend() {
     bench_runs_on(NATIVE);
 }
+
+/// `kvx soak` twice with one seed: the same report, word for word, and a success.
+#[test]
+fn soak_replays_a_seed_and_succeeds() {
+    let run = || {
+        let child = Command::new(KVX)
+            .args(["soak", "--requests", "300", "--seed", "5"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait(child)
+    };
+    let (first, second) = (run(), run());
+    let stdout = text(&first.stdout);
+    assert!(first.status.success(), "{stdout}\n{}", text(&first.stderr));
+    assert!(stdout.contains("unresolved             0 (must be 0)"), "{stdout}");
+    assert!(stdout.contains("kvx soak --requests 300 --seed 5"), "{stdout}");
+    assert!(text(&first.stderr).contains("wall time"), "the wall time goes to stderr");
+    assert_eq!(stdout, text(&second.stdout), "the same seed, the same report");
+}

@@ -20,7 +20,7 @@ use kvx_core::{
 
 use crate::copy::{Pinned, PinnedSet, copy_checked};
 use crate::fabric::FabricInner;
-use crate::faults::{FaultPlan, Faults, TransferFate, event_key, stray_message};
+use crate::faults::{FaultPlan, Faults, TransferFate, message_key, stray_message};
 use crate::metadata::{AgentMetadata, RemoteRegion};
 use crate::{BACKEND, lock};
 
@@ -244,7 +244,7 @@ impl AgentShared {
 
     /// Puts a notification from this agent into `peer`'s inbox, as the faults say.
     fn deliver(&self, peer: &AgentShared, msg: Vec<u8>) -> Result<()> {
-        let key = event_key(&[self.name.as_str().as_bytes(), peer.name.as_str().as_bytes(), &msg]);
+        let key = message_key(self.name.as_str(), peer.name.as_str(), &msg);
         let mine = lock(&self.faults, "agent faults")?.next_notification(key);
         let fabric = lock(&self.fabric.faults, "fabric faults")?.next_notification(key);
         let delivery = mine.combine(fabric);
@@ -559,8 +559,7 @@ impl TransferAgent for LoopbackAgent {
         }
         // Everything is valid: count the transfer for the faults and queue it. Its notification
         // names it for the seeded faults.
-        let key =
-            notify.map(|m| event_key(&[self.shared.name.as_str().as_bytes(), peer.as_str().as_bytes(), m]));
+        let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
         let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
         let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
         let fate = mine.combine(fabric);

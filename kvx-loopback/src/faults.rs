@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvx_core::{HeldRequest, HexBytes, HoldRelease, HoldStatus, RenewLeases, wire};
+use kvx_core::{HeldRequest, HexBytes, HoldRelease, HoldStatus, RenewLeases, ReplyTo, wire};
 
 /// Faults to inject, set on a whole [`Fabric`](crate::Fabric) or on one
 /// [`LoopbackAgent`](crate::LoopbackAgent).
@@ -234,6 +234,20 @@ pub(crate) fn event_key(parts: &[&[u8]]) -> u64 {
     })
 }
 
+/// The key of a notification from `from` to `to`: its bytes, except that a release's
+/// `reply_to` counts without the decode worker's instance id, which is random for each worker
+/// (the same run then meets the same faults).
+pub(crate) fn message_key(from: &str, to: &str, msg: &[u8]) -> u64 {
+    let canonical = match wire::decode::<HoldRelease>(msg) {
+        Ok(release @ HoldRelease { reply_to: Some(_), .. }) => {
+            let reply_to = release.reply_to.map(|r| ReplyTo { instance: 0, ..r });
+            wire::encode(&HoldRelease { reply_to, ..release }).ok()
+        }
+        _ => None,
+    };
+    event_key(&[from.as_bytes(), to.as_bytes(), canonical.as_deref().unwrap_or(msg)])
+}
+
 /// The draws of one event: a stream of numbers from the seed and the event's key.
 struct Draws(u64);
 
@@ -446,6 +460,20 @@ mod tests {
         }
         assert!(counts.notifications_duplicated > 0 && counts.notifications_delayed > 0);
         assert_ne!(forward, fates(&faults.clone().seed(12), &keys), "another seed, other faults");
+    }
+
+    #[test]
+    fn a_release_s_key_leaves_out_the_random_worker_instance() {
+        let release = |instance, nonce| {
+            let engine = kvx_core::RemoteCoordinates { engine_id: "d".into(), host: "h".into(), port: 1 };
+            let reply_to = Some(ReplyTo { engine, instance });
+            wire::encode(&HoldRelease { request_id: "r".into(), nonce: HexBytes([nonce; 16]), reply_to })
+                .unwrap()
+        };
+        let key = |msg: &[u8]| message_key("a", "b", msg);
+        assert_eq!(key(&release(1, 7)), key(&release(2, 7)));
+        assert_ne!(key(&release(1, 7)), key(&release(1, 8)));
+        assert_ne!(message_key("a", "b", b"x"), message_key("a", "c", b"x"));
     }
 
     #[test]

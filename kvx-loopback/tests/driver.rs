@@ -1,5 +1,6 @@
 //! `WorkerDriver` against kvx-core's mockall mocks of `MetadataExchange` and `ParallelGroup`, with
-//! real loopback agents: what the driver publishes and fetches, and how rank 0 aggregates.
+//! real loopback agents: what the driver publishes and fetches, how rank 0 aggregates, and
+//! handshakes polled on the step thread under a manual clock.
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
@@ -8,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    ConnectorMetadata, ConnectorWorker, Finished, HeldRequest, HexBytes, HostMemory, LayerCache, RecvRequest,
-    RemoteCoordinates, RequestId, WorkerConfig, WorkerDriver,
+    ConnectorMetadata, ConnectorWorker, Finished, Handshakes, HeldRequest, HexBytes, HostMemory, LayerCache,
+    ManualClock, MetadataExchange, RecvRequest, RemoteCoordinates, RequestId, SingleRank, WorkerConfig,
+    WorkerDriver,
 };
 use kvx_loopback::Fabric;
 
@@ -121,5 +123,59 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     assert!(!driver.is_idle());
     let second = driver.get_finished().unwrap();
     assert_eq!(second.sending, vec![RequestId::new("b")]);
+    assert!(driver.is_idle());
+}
+
+/// A side channel that publishes and never answers a fetch.
+#[derive(Debug)]
+struct Silent;
+
+#[async_trait::async_trait]
+impl MetadataExchange for Silent {
+    async fn publish(&self, _payload: Vec<u8>) -> kvx_core::Result<()> {
+        Ok(())
+    }
+
+    async fn fetch(&self, _host: &str, _port: u16, _timeout: Duration) -> kvx_core::Result<Vec<u8>> {
+        std::future::pending().await
+    }
+}
+
+#[test]
+fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
+    let rt = runtime();
+    let fabric = Fabric::new();
+    let clock = ManualClock::new();
+    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 5700 };
+    let worker = ConnectorWorker::new(
+        WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 0, 1, 4) },
+        Arc::new(fabric.agent("decode-0").unwrap()),
+    )
+    .unwrap();
+    let mut driver = WorkerDriver::new(worker, Arc::new(Silent), Arc::new(SingleRank), rt.handle().clone())
+        .with_clock(Arc::new(clock.clone()))
+        .with_handshakes(Handshakes::OnStepThread);
+    driver.register_kv_caches(&layer()).unwrap();
+    let req = RecvRequest {
+        request_id: "r".into(),
+        remote_request_id: None,
+        local_block_ids: vec![2],
+        remote_block_ids: vec![5],
+        remote_read_from: 0,
+        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+        nonce: Some(HexBytes([1; 16])),
+        mac: None,
+    };
+    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() });
+    // The fetch never answers; the step thread is never held up by it.
+    driver.wait_for_handshakes(Duration::from_secs(3600));
+    for _ in 0..3 {
+        assert!(driver.get_finished().unwrap().is_empty());
+    }
+    // The handshake times out when the clock says so, not the wall.
+    clock.advance(driver.worker().config().handshake_timeout);
+    let failed = driver.get_finished().unwrap().failed_recving;
+    assert_eq!(failed.len(), 1);
+    assert!(failed[0].reason.contains("took over"), "{}", failed[0].reason);
     assert!(driver.is_idle());
 }
