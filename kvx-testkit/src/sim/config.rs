@@ -75,7 +75,7 @@ pub enum SideChannel {
     },
 }
 
-/// Configuration of a [`SimEngine`].
+/// Configuration of a [`SimEngine`](super::SimEngine).
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// The engine's id (unique among the engines that talk to each other).

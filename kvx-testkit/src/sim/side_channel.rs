@@ -16,6 +16,7 @@ use tokio::runtime::Handle;
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{Clock, Error, ErrorKind, MetadataExchange, Result};
 
+use super::model::mix;
 use super::rng::SimRng;
 
 /// One side channel per rank of an engine, on `base_port + rank`.
@@ -29,7 +30,8 @@ pub struct BoundSideChannels {
 
 /// Seeded faults of an in-process side channel's fetches, each fetch struck independently: it
 /// is refused, answered late, or never answered (it then fails with `Timeout` once its timeout
-/// has passed). Time is `clock`'s: a simulation's manual clock makes late answers and timeouts
+/// has passed). A fetch's fate is a function of the seed, the two addresses and how many fetches
+/// went between them before, not of the order fetches between other addresses interleave. Time is `clock`'s: a simulation's manual clock makes late answers and timeouts
 /// cost no wall time. A late or silent fetch completes only when polled after its time, as a
 /// driver with [`Handshakes::OnStepThread`](kvx_core::Handshakes) does at every call.
 #[derive(Debug, Clone)]
@@ -74,10 +76,15 @@ struct Registry {
     next_binding: u64,
     faults: Option<HandshakeFaults>,
     counts: HandshakeFaultCounts,
+    /// Fetches so far, and between each pair of addresses (from, to).
     fetches: u64,
+    attempts: HashMap<Pair, u64>,
     /// Late and silent fetches not yet complete, by fetch number: when each completes.
     waiting: BTreeMap<u64, Instant>,
 }
+
+/// The addresses a fetch goes from and to.
+type Pair = ((String, u16), (String, u16));
 
 /// One bound address.
 #[derive(Debug)]
@@ -158,12 +165,20 @@ impl InProcessSideChannels {
         self.registry.lock().map_err(|_| Error::new(ErrorKind::State, "side-channel registry lock poisoned"))
     }
 
-    fn fate(&self, timeout: Duration) -> Result<Fate> {
+    fn fate(&self, from: (&str, u16), to: (&str, u16), timeout: Duration) -> Result<Fate> {
         let mut reg = self.lock()?;
         reg.fetches += 1;
         let n = reg.fetches;
+        let pair = ((from.0.to_owned(), from.1), (to.0.to_owned(), to.1));
+        let attempt = reg.attempts.entry(pair).or_insert(0);
+        *attempt += 1;
+        let key = [from.0.as_bytes(), &from.1.to_le_bytes(), to.0.as_bytes(), &to.1.to_le_bytes()]
+            .iter()
+            .fold(*attempt, |h, part| {
+                part.iter().fold(mix(h, part.len() as u64), |h, &b| mix(h, u64::from(b)))
+            });
         let Some(f) = &reg.faults else { return Ok(Fate::Answer) };
-        let mut rng = SimRng::stream(f.seed, n);
+        let mut rng = SimRng::stream(f.seed, key);
         let (refused, delayed, silent) = (rng.chance(f.refuse), rng.chance(f.delay), rng.chance(f.silent));
         let now = f.clock.now();
         let delay = rng.duration(Duration::ZERO, f.max_delay);
@@ -230,7 +245,7 @@ impl MetadataExchange for InProcessSideChannel {
     }
 
     async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
-        match self.channels.fate(timeout)? {
+        match self.channels.fate((&self.host, self.port), (host, port), timeout)? {
             Fate::Answer => self.channels.answer(host, port),
             Fate::Refuse => Err(Error::new(
                 ErrorKind::Handshake,

@@ -95,7 +95,7 @@ pub struct SoakConfig {
 
 impl SoakConfig {
     /// `requests` requests with seed `seed`: 2 prefill and 2 decode engines of TP=2, a small model
-    /// (2 layers, 4 KV heads of 8, 16-token blocks), 256 blocks a pool, prompts of 8 to 256
+    /// (2 layers, 4 KV heads of 8, 16-token blocks), 1024 blocks a pool, prompts of 8 to 256
     /// tokens, 1 to 6 new tokens, 10 ms steps, an arrival every 5 ms on average, a 30 s lease,
     /// 5 s handshakes, half the decode engines recomputing, 10 minutes to drain, and
     /// [`FaultRates::default`].
@@ -106,7 +106,7 @@ impl SoakConfig {
             prefills: 2,
             decodes: 2,
             tp: 2,
-            num_blocks: 256,
+            num_blocks: 1024,
             model: ModelSpec::standard(2, 4, 8, 16),
             prompt_len: 8..=256,
             max_new_tokens: 1..=6,
@@ -200,11 +200,11 @@ impl FaultRates {
 
 impl Default for FaultRates {
     /// 1% failed READs, 3% late ones (up to 2 s); 1% lost, 1% doubled, 2% late (up to 1 s) and
-    /// 1% stray notifications; 25% refused, 20% late (up to 3 s) and 10% unanswered handshakes
-    /// (there are few: a handful per engine start); 5% of requests aborted (within 100 ms), 1% of
-    /// params lost; a prefill restart every 1000
-    /// arrivals, a decode restart and a decode stall (up to 10 s beyond the lease) every 2000,
-    /// each engine down for up to 1 s.
+    /// 1% stray notifications; 10% refused, 10% late (up to 3 s) and 5% unanswered handshakes; 5%
+    /// of requests aborted (within 100 ms), 1% of
+    /// params lost; a prefill and a decode restart every 20 000
+    /// arrivals and a decode stall (up to 10 s beyond the lease) every 50 000 (about every 100 and
+    /// 250 s of simulated time), each engine down for up to 1 s.
     fn default() -> Self {
         FaultRates {
             transfer_failure: 0.01,
@@ -215,16 +215,16 @@ impl Default for FaultRates {
             notification_delay: 0.02,
             max_notification_delay: Duration::from_secs(1),
             stray_notification: 0.01,
-            handshake_refusal: 0.25,
-            handshake_delay: 0.2,
+            handshake_refusal: 0.1,
+            handshake_delay: 0.1,
             max_handshake_delay: Duration::from_secs(3),
-            handshake_silence: 0.1,
+            handshake_silence: 0.05,
             abort: 0.05,
             max_abort_delay: Duration::from_millis(100),
             lost_handoff: 0.01,
-            prefill_restart: 0.001,
-            decode_restart: 0.0005,
-            decode_stall: 0.0005,
+            prefill_restart: 0.00005,
+            decode_restart: 0.00005,
+            decode_stall: 0.00002,
             max_stall_beyond_lease: Duration::from_secs(10),
             max_downtime: Duration::from_secs(1),
         }

@@ -122,6 +122,8 @@ pub struct SoakReport {
     pub lost: Lost,
     /// Requests that never ended. Must be 0.
     pub unresolved: u64,
+    /// The first few of them, with where they were (engine and state).
+    pub unresolved_examples: Vec<String>,
     /// Received blocks whose bytes differ from what the prefill model wrote. Must be 0.
     pub blocks_mismatched: u64,
     /// Blocks not free in the engines' pools at the end. Must be 0.
@@ -278,6 +280,9 @@ impl fmt::Display for SoakReport {
         }
         for e in &self.errors {
             writeln!(f, "  error: {e}")?;
+        }
+        for u in &self.unresolved_examples {
+            writeln!(f, "  never ended: {u}")?;
         }
         if self.more_errors > 0 {
             writeln!(f, "  ... and {} more errors", self.more_errors)?;

@@ -600,13 +600,11 @@ impl<'c> Soak<'c> {
                     Place::Handoff(_) => None,
                 }
                 .and_then(|e| e.state(id).cloned());
-                (l.n, format!("request {id} never ended: {:?}, {state:?}", l.place))
+                (l.n, format!("{id}: {:?}, {state:?}", l.place))
             })
             .collect();
         stuck.sort();
-        for (_, e) in stuck {
-            self.tally.error(e);
-        }
+        self.tally.unresolved_examples = stuck.into_iter().take(5).map(|(_, e)| e).collect();
         for slot in &mut self.slots {
             match slot.engine.take() {
                 Some(engine) => {

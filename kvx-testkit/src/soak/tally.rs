@@ -76,6 +76,8 @@ pub(super) struct Tally {
     pub(super) panics: u64,
     errors: Vec<String>,
     more_errors: u64,
+    /// A few requests that never ended, and where they were.
+    pub(super) unresolved_examples: Vec<String>,
     pub(super) rounds: u64,
 }
 
@@ -94,6 +96,7 @@ impl Tally {
             panics: 0,
             errors: Vec::new(),
             more_errors: 0,
+            unresolved_examples: Vec::new(),
             rounds: 0,
         }
     }
@@ -163,6 +166,7 @@ impl Tally {
                 decode: count(&|o| o == Outcome::Lost(Role::Decode)),
             },
             unresolved: self.outcomes.iter().filter(|o| o.is_none()).count() as u64,
+            unresolved_examples: self.unresolved_examples,
             blocks_mismatched: self.mismatched,
             blocks_leaked: self.blocks_leaked,
             engines_not_idle: self.engines_not_idle,
