@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::{MacTag, Nonce};
 use crate::ids::{BlockId, RequestId};
-use crate::params::{Offer, RemoteCoordinates};
+use crate::params::{InstanceId, Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
 
 /// One request whose KV the decode workers load from a prefill engine.
@@ -34,6 +34,9 @@ pub struct RecvRequest {
     /// The prefill engine's MAC over its offer (authenticated deployments).
     #[serde(default)]
     pub mac: Option<MacTag>,
+    /// The instance of the prefill engine that made the offer, when the params name it.
+    #[serde(default)]
+    pub remote_instance: Option<InstanceId>,
 }
 
 impl RecvRequest {
@@ -54,6 +57,7 @@ impl RecvRequest {
             request_id: self.prefill_request_id(),
             block_ids: &self.remote_block_ids,
             nonce: self.nonce.as_ref()?,
+            instance: self.remote_instance.as_ref(),
         })
     }
 }

@@ -69,6 +69,7 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },
         nonce: Some(HexBytes([1; 16])),
         mac: None,
+        remote_instance: None,
     };
     driver.start_load_kv(&ConnectorMetadata {
         reqs_to_recv: vec![req],

@@ -162,6 +162,7 @@ fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
         nonce: Some(nonce_of(id)),
         mac: None,
+        remote_instance: None,
     }
 }
 
@@ -921,4 +922,67 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
         sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
     assert_eq!(renewed, [128, 128, 44]);
     assert_eq!(w.stats().renewals_sent, 300);
+}
+
+/// A load of an offer made by prefill instance `instance`.
+fn recv_from(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>, instance: u64) -> RecvRequest {
+    RecvRequest {
+        remote_instance: Some(crate::auth::HexBytes(instance.to_le_bytes())),
+        ..recv(id, local, remote)
+    }
+}
+
+#[test]
+fn an_offer_of_another_instance_is_never_read_through_the_old_connection() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    // Connected to instance 1; a load of instance 1's offer is waiting for its answer.
+    start_and_handshake(&mut w, now, vec![recv_from("old", vec![1], vec![1], 1)]);
+    assert!(w.get_finished(now).is_empty());
+    // An offer of instance 2 (the engine restarted): handshake again before reading.
+    w.start_load_kv(now, &meta(vec![recv_from("new", vec![2], vec![2], 2)]));
+    assert_eq!(posts.lock().unwrap().len(), 1, "not read through the connection to instance 1");
+    answer_handshakes(&mut w, now, 2);
+    assert_eq!(posts.lock().unwrap().len(), 2, "read from instance 2");
+    // Instance 1 will never answer: its load fails at once, not at its confirmation timeout.
+    let f = w.get_finished(now);
+    assert_eq!(f.failed_recving.len(), 1);
+    assert_eq!(f.failed_recving[0].request_id, "old".into());
+    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    // An offer of an instance that is gone: one more handshake, then it fails unread.
+    w.start_load_kv(now, &meta(vec![recv_from("gone", vec![3], vec![3], 1)]));
+    answer_handshakes(&mut w, now, 2);
+    let f = w.get_finished(now);
+    assert_eq!(f.failed_recving[0].request_id, "gone".into());
+    assert!(f.failed_recving[0].reason.contains("is gone"), "{}", f.failed_recving[0].reason);
+    assert_eq!(posts.lock().unwrap().len(), 2);
+    inbox.lock().unwrap().push(answer("new", true));
+    assert_eq!(w.get_finished(now).recving, vec![RequestId::new("new")]);
+    assert_eq!(w.stats().peer_restarts, 1);
+}
+
+#[test]
+fn a_post_the_transport_refuses_is_retried_on_a_new_connection() {
+    let mut a = MockTransferAgent::new();
+    let mut refused = true;
+    a.expect_post().times(1).returning(move |_, _, _, _, _, _| {
+        assert!(std::mem::take(&mut refused));
+        Err(Error::new(ErrorKind::Backend, "remote agent was disconnected"))
+    });
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), move |m| {
+        *m = std::mem::replace(&mut a, MockTransferAgent::new())
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    assert!(w.get_finished(now).is_empty(), "not failed: handshaking again");
+    answer_handshakes(&mut w, now, 2);
+    assert_eq!(posts.lock().unwrap().len(), 1, "posted to the new instance");
 }

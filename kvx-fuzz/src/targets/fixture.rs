@@ -162,6 +162,7 @@ pub(crate) fn recv(id: &str, local: Vec<u32>, remote: Vec<u32>) -> RecvRequest {
         remote: RemoteCoordinates { engine_id: PREFILL.into(), host: "10.0.0.1".into(), port: 5600 },
         nonce: Some(NONCE),
         mac: None,
+        remote_instance: None,
     }
 }
 

@@ -49,6 +49,7 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
         side_channel_port: 5700,
         auth_key,
         lease_duration: std::time::Duration::from_secs(30),
+        instance: None,
     })
     .ok()
 }
@@ -161,7 +162,9 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         let nonce = offered.kvx_hold_nonce;
         assert!(remote.is_some() && nonce.is_some(), "an offer without coordinates or nonce: {offered:?}");
         if let (Some(key), Some(remote), Some(nonce)) = (&key, &remote, &nonce) {
-            let offer = Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce };
+            let instance = offered.kvx_instance.as_ref();
+            let offer =
+                Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce, instance };
             let verified = offer.verify(key, offered.kvx_offer_mac.as_ref());
             assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
         }

@@ -104,6 +104,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             side_channel_port: 5600,
             auth_key: Some(auth_key()),
             lease_duration: std::time::Duration::from_secs(30),
+            instance: None,
         }),
         "scheduler",
     )
@@ -158,6 +159,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     remote: RemoteCoordinates { port: u16::MAX, ..remote.clone() },
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),
+                    remote_instance: Some(kvx_core::HexBytes([0xff; 8])),
                 }],
                 reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
                 heartbeats: vec![kvx_core::Heartbeat {

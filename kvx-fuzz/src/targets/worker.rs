@@ -340,6 +340,7 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
                 remote: kvx_core::RemoteCoordinates { engine_id, host: "10.0.0.1".into(), port },
                 nonce,
                 mac: None,
+                remote_instance: None,
             };
             if keyed {
                 r.mac = match src.below(4) {
@@ -503,6 +504,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             side_channel_port: 5600,
             auth_key: None,
             lease_duration: Duration::from_secs(30),
+            instance: None,
         }),
         "scheduler",
     );

@@ -274,6 +274,9 @@ impl SimEngine {
                 bind_tcp(runtime.handle(), host, config.tp, &NetConfig::with_key(config.auth_key.clone()))?
             }
         };
+        // One instance for the scheduler and the workers: the params name the one the workers
+        // publish, so a decode engine never reads them through a connection to an earlier start.
+        let instance = u64::from_le_bytes(kvx_core::auth::random_bytes()?);
         let scheduler = ConnectorScheduler::new(SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
@@ -281,6 +284,7 @@ impl SimEngine {
             side_channel_port: base_port,
             auth_key: config.auth_key.clone(),
             lease_duration: config.lease_duration,
+            instance: Some(instance),
         })?;
         let own_side_channel =
             RemoteCoordinates { engine_id: config.engine_id.clone(), host, port: base_port };
@@ -297,6 +301,7 @@ impl SimEngine {
                     handshake_timeout: config.handshake_timeout,
                     lease_duration: config.lease_duration,
                     side_channel: Some(own_side_channel.clone()),
+                    instance: Some(instance),
                     auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
