@@ -78,6 +78,8 @@ pub enum SideChannel {
     Tcp {
         /// The host to bind and to hand to decode engines.
         host: String,
+        /// The port of rank 0 (rank r binds `port + r`); 0: free ports from the OS.
+        port: u16,
     },
 }
 
@@ -265,13 +267,17 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Tcp { host } => host.clone(),
+            SideChannel::Tcp { host, .. } => host.clone(),
         };
         let BoundSideChannels { base_port, ranks: exchanges } = match &config.side_channel {
             SideChannel::InProcess(net) => net.bind(&host, config.tp)?,
-            SideChannel::Tcp { host } => {
-                bind_tcp(runtime.handle(), host, config.tp, &NetConfig::with_key(config.auth_key.clone()))?
-            }
+            SideChannel::Tcp { host, port } => bind_tcp(
+                runtime.handle(),
+                host,
+                *port,
+                config.tp,
+                &NetConfig::with_key(config.auth_key.clone()),
+            )?,
         };
         let scheduler = ConnectorScheduler::new(SchedulerConfig {
             engine_id: config.engine_id.clone(),
