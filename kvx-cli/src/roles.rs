@@ -268,6 +268,9 @@ pub(crate) struct DecodeArgs {
     auth: AuthArgs,
 }
 
+/// Failed requests named on stderr, at most.
+const FAILURES_SHOWN: usize = 20;
+
 /// First and longest pause between two attempts to reach the request API.
 const RETRY_FIRST: Duration = Duration::from_millis(10);
 const RETRY_MAX: Duration = Duration::from_millis(500);
@@ -413,7 +416,7 @@ impl Tracker {
                 }
                 Err(why) => why,
             };
-            eprintln!("kvx decode: request {id} failed: {why}");
+            self.report(&id, &why);
             self.failed_loads.push(id.clone());
             if self.policy != OnLoadFailure::Recompute {
                 self.failed += 1;
@@ -425,7 +428,7 @@ impl Tracker {
                     self.recomputing.insert(again, id);
                 }
                 Err(e) => {
-                    eprintln!("kvx decode: recomputing request {id}: {e}");
+                    self.report(&again, &e.to_string());
                     self.failed += 1;
                     self.recomputes_failed += 1;
                 }
@@ -438,11 +441,21 @@ impl Tracker {
             match outcome {
                 Ok(_) => self.recomputed += 1,
                 Err(why) => {
-                    eprintln!("kvx decode: request {again} failed: {why}");
+                    self.report(&again, &why);
                     self.failed += 1;
                     self.recomputes_failed += 1;
                 }
             }
+        }
+    }
+
+    /// Says why a request failed, on stderr: the first [`FAILURES_SHOWN`]; the summary counts all.
+    fn report(&self, id: &RequestId, why: &str) {
+        let shown = self.failed_loads.len() + self.recomputes_failed;
+        if shown < FAILURES_SHOWN {
+            eprintln!("kvx decode: request {id} failed: {why}");
+        } else if shown == FAILURES_SHOWN {
+            eprintln!("kvx decode: request {id} failed: {why} (further failures only counted)");
         }
     }
 
@@ -472,9 +485,20 @@ struct DecodeRun {
 impl DecodeRun {
     fn check_deadline(&self) -> Result<()> {
         if Instant::now() > self.deadline {
+            let mut stuck: Vec<String> = (self.tracker.unfinished.keys())
+                .chain(self.tracker.recomputing.keys())
+                .map(|id| format!("{id} {:?}", self.engine.state(id)))
+                .collect();
+            stuck.sort();
+            stuck.truncate(8);
             return Err(Error::new(
                 ErrorKind::Timeout,
-                format!("decode run not done after {:?}", self.limit),
+                format!(
+                    "decode run not done after {:?}; {} requests in the engine ({})",
+                    self.limit,
+                    self.tracker.in_flight(),
+                    stuck.join(", ")
+                ),
             ));
         }
         Ok(())
@@ -601,4 +625,35 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     // After the last reply: a restart noticed only by the last one counts too.
     summary.set_losses(run.tracker.losses());
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn losses_count_the_requests_in_flight_after_the_last_reply_once_per_outage() {
+        let mut t = Tracker::new(OnLoadFailure::Fail, 1);
+        // Unreachable before any reply: waiting for the prefill process, not a loss.
+        t.prefill_lost("refused");
+        t.prefill_answered("one");
+        assert_eq!(t.losses, 0);
+        t.added("a".into(), vec![1]);
+        t.added("b".into(), vec![1]);
+        t.prefill_lost("reset");
+        t.prefill_lost("refused");
+        assert_eq!((t.losses, t.in_flight_at_losses), (1, 2));
+        // The new instance answers: the outage ends; it is not a second loss.
+        t.prefill_answered("two");
+        assert_eq!(t.losses, 1);
+        t.unfinished.clear();
+        t.added("c".into(), vec![1]);
+        // A restart seen only by the instance id is a loss too.
+        t.prefill_answered("three");
+        assert_eq!((t.losses, t.in_flight_at_losses), (2, 3));
+        t.added("d".into(), vec![1]);
+        t.failed_loads = vec!["a".into(), "c".into(), "d".into()];
+        let l = t.losses();
+        assert_eq!((l.tolerated, l.load_failures, l.unexpected), (true, 3, 1), "d came after the losses");
+    }
 }

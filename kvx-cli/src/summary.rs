@@ -173,3 +173,59 @@ impl fmt::Display for Summary {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_summary(finished: u64, failed: u64, recomputed: u64, losses: Option<PrefillLosses>) -> Summary {
+        let mut s = Summary { requests: 10, ..Summary::default() };
+        s.set_outcomes(finished, failed, recomputed);
+        if let Some(l) = losses {
+            s.set_losses(l);
+        }
+        s
+    }
+
+    fn lost(tolerated: bool, load_failures: usize, unexpected: usize) -> Option<PrefillLosses> {
+        Some(PrefillLosses { tolerated, losses: 1, in_flight: 4, load_failures, unexpected })
+    }
+
+    #[test]
+    fn failed_requests_fail_a_run_unless_a_prefill_loss_explains_them() {
+        assert!(decode_summary(10, 0, 0, None).is_correct());
+        assert!(!decode_summary(9, 1, 0, None).is_correct());
+        // `--on-load-failure error`: a loss explains nothing.
+        assert!(!decode_summary(9, 1, 0, lost(false, 1, 0)).is_correct());
+        // `fail` / `recompute`: failures of requests in flight at the loss are accepted...
+        assert!(decode_summary(8, 1, 1, lost(true, 2, 0)).is_correct());
+        // ...others are not, nor requests unaccounted for.
+        assert!(!decode_summary(8, 1, 1, lost(true, 2, 1)).is_correct());
+        assert!(!decode_summary(8, 1, 0, lost(true, 1, 0)).is_correct());
+    }
+
+    #[test]
+    fn wrong_bytes_and_leaks_fail_a_run_whatever_the_policy() {
+        let mut wrong = decode_summary(9, 0, 1, lost(true, 1, 0));
+        wrong.mismatched = 1;
+        assert!(!wrong.is_correct());
+        let mut leaky = decode_summary(9, 0, 1, lost(true, 1, 0));
+        leaky.add_remote("prefill", 3, Vec::new());
+        assert!(!leaky.is_correct());
+    }
+
+    #[test]
+    fn the_decode_rows_name_every_outcome() {
+        let text = decode_summary(8, 1, 1, lost(true, 2, 0)).to_string();
+        assert!(text.contains("requests               10 (8 finished, 1 failed, 1 recomputed)"), "{text}");
+        assert!(text.contains("prefill losses         1 (4 requests in flight)"), "{text}");
+        assert!(text.contains("load failures          2\n"), "{text}");
+        assert!(text.contains("unexpected failures    0\n"), "{text}");
+        // Without losses or a tolerant policy, the demo's rows only.
+        let plain = decode_summary(10, 0, 0, Some(PrefillLosses::default())).to_string();
+        assert!(
+            plain.contains("10 (10 finished, 0 failed)\n") && !plain.contains("prefill losses"),
+            "{plain}"
+        );
+    }
+}
