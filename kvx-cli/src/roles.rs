@@ -91,7 +91,7 @@ fn engine_config(
         side_channel: SideChannel::Tcp { host: host.to_owned(), port },
         auth_key,
         handshake_timeout: Duration::from_secs(10),
-        hold_timeout: Duration::from_secs(60),
+        lease_duration: Duration::from_secs(60),
     }
 }
 

@@ -50,7 +50,7 @@ impl Summary {
     pub(crate) fn of_engine(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
         let workers = decode.worker_stats();
         let mut latencies: Vec<Duration> =
-            workers.iter().flat_map(|w| w.transfer_latencies.iter().copied()).collect();
+            workers.iter().flat_map(|w| w.transfer_latencies.kept().iter().copied()).collect();
         latencies.sort();
         let stats = decode.stats();
         let mut s = Summary {
@@ -60,7 +60,11 @@ impl Summary {
             bytes_moved: workers.iter().map(|w| w.bytes_read).sum(),
             wall,
             latencies,
-            handshake: workers.iter().flat_map(|w| w.handshake_times.iter().copied()).max(),
+            handshake: workers
+                .iter()
+                .filter(|w| w.handshake_times.count() > 0)
+                .map(|w| w.handshake_times.max())
+                .max(),
             blocks_verified: stats.blocks_verified,
             bytes_verified: stats.bytes_verified,
             mismatched: stats.blocks_mismatched,

@@ -42,6 +42,10 @@ pub enum ErrorKind {
     /// A peer or client failed authentication: a missing or wrong key, or a MAC that does not
     /// verify. Nothing was served or transferred.
     Unauthenticated,
+    /// A lease ran out before the work it covered was done: the prefill engine's hold expired (or
+    /// was already released) before the READ's notification reached it, so the bytes read may be
+    /// another request's. The load fails; nothing it read is used.
+    Expired,
 }
 
 impl ErrorKind {
@@ -68,6 +72,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Backend => "backend error",
             ErrorKind::State => "invalid state",
             ErrorKind::Unauthenticated => "not authenticated",
+            ErrorKind::Expired => "lease expired",
         };
         f.write_str(s)
     }

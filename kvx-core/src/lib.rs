@@ -28,14 +28,17 @@ pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{ByteAccess, HostMemory, KvMemory, MemKind, MemRegion};
-pub use meta::{ConnectorMetadata, FailedRecv, Finished, HeldRequest, HoldRelease, RankReport, RecvRequest};
+pub use meta::{
+    ConnectorMetadata, FailedRecv, Finished, Heartbeat, HeldRequest, HoldRelease, HoldStatus, RankReport,
+    RecvRequest, RenewLeases, ReplyTo,
+};
 pub use params::{Offer, RemoteCoordinates, TransferParams};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
     BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,
     XferOp, XferState,
 };
-pub use worker::{ConnectorWorker, FinishedAggregator, WorkerCommand, WorkerConfig, WorkerStats};
+pub use worker::{ConnectorWorker, FinishedAggregator, Samples, WorkerCommand, WorkerConfig, WorkerStats};
 
 /// mockall mocks of the three traits (feature `mock`).
 #[cfg(any(test, feature = "mock"))]

@@ -68,18 +68,72 @@ pub struct HeldRequest {
 }
 
 /// The notification a decode worker sends the prefill engine: free the hold of `request_id`,
-/// whose params carried `nonce`. Sent after the READ completed, after it failed, or instead of
-/// one (nothing to read).
+/// whose params carried `nonce`. Sent after the READ completed (with `reply_to`: the decode worker
+/// waits for the [`HoldStatus`] answer before it reports the load done), after it failed, or
+/// instead of one (nothing to read).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HoldRelease {
     /// The prefill engine's id of the request.
     pub request_id: RequestId,
     /// The hold's nonce, from the params.
     pub nonce: Nonce,
+    /// Where to answer whether the hold was still alive; `None`: no answer wanted.
+    #[serde(default)]
+    pub reply_to: Option<ReplyTo>,
 }
 
 impl WireMessage for HoldRelease {
     const KIND: MessageKind = MessageKind::HoldRelease;
+}
+
+/// The decode worker that wants a [`HoldStatus`]: its engine's side channel and the instance of
+/// its worker (a restarted decode engine has a new one, so the prefill engine handshakes again).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplyTo {
+    /// The decode engine and its side channel (base port; the answering rank adds its own).
+    pub engine: RemoteCoordinates,
+    /// The decode worker's instance id (from its handshake payload).
+    pub instance: u64,
+}
+
+/// The prefill worker's answer to a [`HoldRelease`] with `reply_to`: whether the hold was still
+/// alive when the release arrived. The release is sent only after the READ completed, so `held`
+/// means the lease covered the whole READ; otherwise the blocks may have been reused and the
+/// decode worker fails the load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldStatus {
+    /// The prefill engine's id of the request.
+    pub request_id: RequestId,
+    /// The hold's nonce.
+    pub nonce: Nonce,
+    /// Whether the hold was alive (and is now released).
+    pub held: bool,
+}
+
+impl WireMessage for HoldStatus {
+    const KIND: MessageKind = MessageKind::HoldStatus;
+}
+
+/// A decode worker's heartbeat: extend the leases of these holds (each named with its nonce, so
+/// nobody without the params can keep blocks pinned).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewLeases {
+    /// The holds, by the prefill engine's request id and nonce.
+    pub holds: Vec<HeldRequest>,
+}
+
+impl WireMessage for RenewLeases {
+    const KIND: MessageKind = MessageKind::RenewLeases;
+}
+
+/// The scheduler's heartbeat for one prefill engine: the holds of requests still waiting for
+/// their KV, whose leases the workers renew.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The prefill engine.
+    pub remote: RemoteCoordinates,
+    /// Its holds to renew.
+    pub holds: Vec<HeldRequest>,
 }
 
 /// The scheduler's output for the workers of one engine step. Serialisable: in a real engine it
@@ -90,12 +144,15 @@ pub struct ConnectorMetadata {
     pub reqs_to_recv: Vec<RecvRequest>,
     /// Prefill side: requests whose blocks are now held for a remote reader.
     pub reqs_to_send: Vec<HeldRequest>,
+    /// Decode side: leases to renew, per prefill engine (at most every sixth of a lease).
+    #[serde(default)]
+    pub heartbeats: Vec<Heartbeat>,
 }
 
 impl ConnectorMetadata {
     /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
-        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty()
+        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty() && self.heartbeats.is_empty()
     }
 }
 

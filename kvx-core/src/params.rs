@@ -61,6 +61,31 @@ pub struct RemoteCoordinates {
     pub port: u16,
 }
 
+/// The longest request or engine id kvx accepts from a peer or a client, in bytes.
+pub const MAX_ID_LEN: usize = 1024;
+
+/// The longest side-channel host kvx accepts from a client (a DNS name is at most 253).
+pub const MAX_HOST_LEN: usize = 255;
+
+impl RemoteCoordinates {
+    /// Refuses a host over [`MAX_HOST_LEN`] or an engine id over [`MAX_ID_LEN`].
+    pub fn check(&self) -> Result<()> {
+        if self.host.len() > MAX_HOST_LEN {
+            return Err(Error::invalid_peer_data(format!(
+                "remote host {} is over {MAX_HOST_LEN} bytes",
+                crate::error::quote(&self.host)
+            )));
+        }
+        if self.engine_id.as_str().len() > MAX_ID_LEN {
+            return Err(Error::invalid_peer_data(format!(
+                "remote engine id {} is over {MAX_ID_LEN} bytes",
+                crate::error::quote(self.engine_id.as_str())
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl TransferParams {
     /// The params a prefill engine returns for a finished request whose blocks it keeps.
     pub fn for_decode(block_ids: Vec<BlockId>, engine_id: EngineId, host: String, port: u16) -> Self {
@@ -137,6 +162,21 @@ impl Offer<'_> {
     /// The offer's MAC under `key`.
     pub fn tag(&self, key: &AuthKey) -> MacTag {
         crate::auth::HexBytes(self.with_parts(|parts| key.tag(Purpose::TransferParams, parts)))
+    }
+
+    /// Checks what came from a client before anything touches the network: the ids and host are
+    /// not over kvx's limits ([`MAX_ID_LEN`], [`MAX_HOST_LEN`]), and with a key, the MAC verifies.
+    pub fn check(&self, key: Option<&AuthKey>, mac: Option<&MacTag>) -> Result<()> {
+        if let Some(key) = key {
+            self.verify(key, mac)?;
+        }
+        if self.request_id.as_str().len() > MAX_ID_LEN {
+            return Err(Error::invalid_peer_data(format!(
+                "remote request id {} is over {MAX_ID_LEN} bytes",
+                crate::error::quote(self.request_id.as_str())
+            )));
+        }
+        self.remote.check()
     }
 
     /// Checks `mac` (absent: refused) against the offer under `key`.

@@ -1,7 +1,9 @@
 //! The scheduler side of the connector: which requests load KV remotely, which prefill requests
-//! keep their blocks, and the per-step [`ConnectorMetadata`]. Pure logic: no I/O, no clock.
+//! keep their blocks, the leases to renew, and the per-step [`ConnectorMetadata`]. Pure logic: no
+//! I/O; time comes in as `now`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use crate::auth::{AuthKey, MacTag, Nonce, NonceSource};
@@ -9,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, EngineId, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
-use crate::meta::{ConnectorMetadata, Finished, HeldRequest, RecvRequest};
+use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, RecvRequest};
 use crate::params::{Offer, RemoteCoordinates, TransferParams};
 
 /// Configuration of one engine's scheduler-side connector.
@@ -24,8 +26,31 @@ pub struct SchedulerConfig {
     /// Base port of this engine's side channel (rank `r` listens on `port + r`).
     pub side_channel_port: u16,
     /// The deployment's shared key: with it, the params this engine hands out carry a MAC over
-    /// the offer (engine, side channel, request id, blocks and nonce).
+    /// the offer (engine, side channel, request id, blocks and nonce); a decode engine renews only
+    /// the leases of offers whose MAC verifies.
     pub auth_key: Option<AuthKey>,
+    /// The deployment's lease (vLLM's `kv_lease_duration`, 30 s by default): a decode engine
+    /// renews the leases of the requests still waiting for their KV every sixth of it.
+    pub lease_duration: Duration,
+}
+
+impl SchedulerConfig {
+    /// A configuration with no key and a 30 s lease.
+    pub fn new(
+        engine_id: EngineId,
+        block_size: u32,
+        side_channel_host: String,
+        side_channel_port: u16,
+    ) -> Self {
+        SchedulerConfig {
+            engine_id,
+            block_size,
+            side_channel_host,
+            side_channel_port,
+            auth_key: None,
+            lease_duration: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Why the engine finished a request.
@@ -109,6 +134,10 @@ pub struct ConnectorScheduler {
     new_sending: Vec<HeldRequest>,
     /// Prefill side: each hold's nonce.
     nonces: NonceSource,
+    /// Decode side: requests waiting for their KV (queued, loading), whose leases are renewed.
+    awaiting: HashMap<RequestId, (RemoteCoordinates, HeldRequest)>,
+    /// Decode side: when the next heartbeat is due.
+    next_heartbeat: Option<Instant>,
 }
 
 impl ConnectorScheduler {
@@ -131,6 +160,8 @@ impl ConnectorScheduler {
             sending: HashSet::new(),
             new_sending: Vec::new(),
             nonces,
+            awaiting: HashMap::new(),
+            next_heartbeat: None,
         })
     }
 
@@ -141,6 +172,34 @@ impl ConnectorScheduler {
 
     fn block_size(&self) -> usize {
         self.config.block_size as usize
+    }
+
+    /// A request arrived. Decode side: one whose params load KV from a prefill engine has its
+    /// lease renewed from now on (at most every sixth of a lease) until its load is reported or
+    /// it finishes, however long it queues. Offers that do not check (a MAC under this engine's
+    /// key, kvx's size limits) are not renewed; their loads fail in the workers.
+    pub fn on_new_request(&mut self, request_id: &RequestId, params: Option<&TransferParams>) {
+        if let Some(entry) = params.filter(|p| p.do_remote_prefill).and_then(|p| self.lease_of(p)) {
+            self.awaiting.insert(request_id.clone(), entry);
+        }
+    }
+
+    /// The prefill engine and hold whose lease a request's params name, if they check.
+    fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, HeldRequest)> {
+        if params.remote_blocks().is_empty() {
+            return None;
+        }
+        let remote = params.coordinates()?;
+        let nonce = params.kvx_hold_nonce?;
+        let request_id = params.remote_request_id.clone()?;
+        let offer = Offer {
+            remote: &remote,
+            request_id: &request_id,
+            block_ids: params.remote_blocks(),
+            nonce: &nonce,
+        };
+        offer.check(self.config.auth_key.as_ref(), params.kvx_offer_mac.as_ref()).ok()?;
+        Some((remote, HeldRequest { request_id, nonce }))
     }
 
     /// How many of the prompt's tokens, beyond the `num_computed_tokens` the local prefix cache
@@ -178,7 +237,8 @@ impl ConnectorScheduler {
 
     /// Records the blocks allocated for a request's remote tokens. `new_block_ids` are the blocks
     /// newly allocated for it (not prefix-cached), in token order; the first
-    /// `num_external_tokens / block_size` of them receive the remote blocks.
+    /// `num_external_tokens / block_size` of them receive the remote blocks from the one after the
+    /// `num_computed_tokens` the local prefix cache holds.
     ///
     /// A request triggers at most one load: `do_remote_prefill` is turned off here, so a second
     /// call for the same request (vLLM makes one when an async load completes) does nothing. With
@@ -190,6 +250,7 @@ impl ConnectorScheduler {
         prompt_len: usize,
         params: Option<&mut TransferParams>,
         new_block_ids: &[BlockId],
+        num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> Result<()> {
         let Some(params) = params.filter(|p| p.do_remote_prefill) else {
@@ -198,9 +259,11 @@ impl ConnectorScheduler {
         params.do_remote_prefill = false;
         let Some(remote) = params.coordinates() else {
             warn!(%request_id, "invalid kv_transfer_params (incomplete remote coordinates): no transfer");
+            self.awaiting.remove(request_id);
             return Ok(());
         };
         if num_external_tokens == 0 {
+            self.awaiting.remove(request_id);
             if !params.remote_blocks().is_empty() {
                 debug!(%request_id, "nothing to load: notify the prefill engine only");
                 self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
@@ -209,26 +272,36 @@ impl ConnectorScheduler {
         }
         let bs = self.block_size();
         let needed = num_external_tokens / bs;
-        if num_external_tokens % bs != 0 || needed > new_block_ids.len() {
-            return Err(Error::invalid_argument(format!(
-                "request {request_id}: {num_external_tokens} external tokens need whole blocks; {} allocated",
-                new_block_ids.len()
-            )));
+        let first = num_computed_tokens / bs;
+        let loadable = (prompt_len / bs).min(params.remote_blocks().len());
+        let misfit = if num_external_tokens % bs != 0 || num_computed_tokens % bs != 0 {
+            Some("computed and external tokens must be whole blocks".to_owned())
+        } else if needed > new_block_ids.len() {
+            Some(format!("{needed} blocks to load but {} allocated", new_block_ids.len()))
+        } else if first.checked_add(needed).is_none_or(|end| end > loadable) {
+            Some(format!(
+                "{num_computed_tokens} computed and {num_external_tokens} external tokens exceed the {loadable} blocks \
+                 the remote offers for a {prompt_len}-token prompt"
+            ))
+        } else {
+            None
+        };
+        if let Some(misfit) = misfit {
+            // The prefill engine is still told to free: the load never happens.
+            self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
+            self.awaiting.remove(request_id);
+            return Err(Error::invalid_argument(format!("request {request_id}: {misfit}")));
         }
-        let remote_ids = params.remote_blocks();
-        if needed > (prompt_len / bs).min(remote_ids.len()) {
-            return Err(Error::invalid_argument(format!(
-                "request {request_id}: {needed} blocks to load but the remote offers {} for a {prompt_len}-token prompt",
-                remote_ids.len()
-            )));
-        }
-        // The READ ends at the last remote block the prompt fills and takes `needed` blocks.
-        let loadable = (prompt_len / bs).min(remote_ids.len());
-        let remote_read_from = u32::try_from(loadable - needed).map_err(|_| {
+        let remote_read_from = u32::try_from(first).map_err(|_| {
             Error::invalid_argument(format!(
-                "request {request_id}: {loadable} remote blocks overflow a block id"
+                "request {request_id}: {first} computed blocks overflow a block id"
             ))
         })?;
+        if !self.awaiting.contains_key(request_id) {
+            if let Some(entry) = self.lease_of(params) {
+                self.awaiting.insert(request_id.clone(), entry);
+            }
+        }
         let pending = PendingRecv {
             remote_read_from,
             local_block_ids: new_block_ids[..needed].to_vec(),
@@ -238,8 +311,9 @@ impl ConnectorScheduler {
         Ok(())
     }
 
-    /// The metadata for this step's workers; clears what it hands over.
-    pub fn build_connector_meta(&mut self) -> ConnectorMetadata {
+    /// The metadata for this step's workers; clears what it hands over. `now` paces the
+    /// heartbeats: the leases of requests waiting for their KV are renewed every sixth of a lease.
+    pub fn build_connector_meta(&mut self, now: Instant) -> ConnectorMetadata {
         let mut reqs_to_recv: Vec<RecvRequest> = self
             .pending_recv
             .drain()
@@ -260,16 +334,54 @@ impl ConnectorScheduler {
                 self.recving.insert(r.request_id.clone());
             }
         }
-        ConnectorMetadata { reqs_to_recv, reqs_to_send: std::mem::take(&mut self.new_sending) }
+        ConnectorMetadata {
+            reqs_to_recv,
+            reqs_to_send: std::mem::take(&mut self.new_sending),
+            heartbeats: self.heartbeats(now),
+        }
+    }
+
+    /// The leases to renew now, grouped by prefill engine (in a stable order).
+    fn heartbeats(&mut self, now: Instant) -> Vec<Heartbeat> {
+        if self.awaiting.is_empty() {
+            self.next_heartbeat = None;
+            return Vec::new();
+        }
+        // The first request waits a sixth of a lease for its first renewal: its hold is new.
+        let due = *self.next_heartbeat.get_or_insert(now + self.config.lease_duration / 6);
+        if now < due {
+            return Vec::new();
+        }
+        self.next_heartbeat = Some(now + self.config.lease_duration / 6);
+        let mut by_engine: BTreeMap<(&str, &str, u16), Heartbeat> = BTreeMap::new();
+        for (remote, held) in self.awaiting.values() {
+            by_engine
+                .entry((remote.engine_id.as_str(), remote.host.as_str(), remote.port))
+                .or_insert_with(|| Heartbeat { remote: remote.clone(), holds: Vec::new() })
+                .holds
+                .push(held.clone());
+        }
+        let mut beats: Vec<Heartbeat> = by_engine.into_values().collect();
+        for beat in &mut beats {
+            beat.holds.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        }
+        beats
+    }
+
+    /// When [`build_connector_meta`](Self::build_connector_meta) next has a heartbeat to send,
+    /// for engines that sleep between steps.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.next_heartbeat.filter(|_| !self.awaiting.is_empty())
     }
 
     /// A request finished or was aborted. `block_ids` are its blocks in token order.
     ///
-    /// - Prefill side (`do_remote_decode`, finished by the length cap): keep the full computed
-    ///   blocks for the decode engine (a trailing partial block is not sent) and return the params
-    ///   it needs.
-    /// - Decode side, aborted before its load was handed to the workers: the load is dropped (no
-    ///   READ into freed blocks) but the prefill engine is still told to free.
+    /// - Prefill side (`do_remote_decode`, finished by the length cap or a stop, as vLLM keeps
+    ///   both): keep the full computed blocks for the decode engine (a trailing partial block is
+    ///   not sent) and return the params it needs.
+    /// - Decode side, finished before its blocks were allocated, or aborted before its load was
+    ///   handed to the workers: the load is dropped (no READ into freed blocks) but the prefill
+    ///   engine is still told to free.
     /// - Decode side, aborted while its READ is in flight: keep the blocks until the workers report
     ///   the load finished or failed.
     pub fn request_finished(
@@ -280,6 +392,7 @@ impl ConnectorScheduler {
         num_computed_tokens: usize,
         block_ids: &[BlockId],
     ) -> FinishOutcome {
+        self.awaiting.remove(request_id);
         if let Some(pending) = self.pending_recv.get_mut(request_id) {
             pending.local_block_ids.clear();
             return FinishOutcome::default();
@@ -287,7 +400,17 @@ impl ConnectorScheduler {
         if self.recving.contains(request_id) {
             return FinishOutcome { delay_free: true, params: None };
         }
-        if !params.is_some_and(|p| p.do_remote_decode) || reason != FinishReason::LengthCapped {
+        if let Some(params) = params.filter(|p| p.do_remote_prefill) {
+            // Finished before its blocks were allocated (aborted while queued): nothing will be
+            // read, but the prefill engine is told to free now rather than at the lease's end.
+            if let Some(remote) = params.coordinates().filter(|_| !params.remote_blocks().is_empty()) {
+                debug!(%request_id, "finished before its load: notify the prefill engine only");
+                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
+            }
+            return FinishOutcome::default();
+        }
+        let keeps = matches!(reason, FinishReason::LengthCapped | FinishReason::Stopped);
+        if !params.is_some_and(|p| p.do_remote_decode) || !keeps {
             return FinishOutcome::default();
         }
         let full_blocks = (num_computed_tokens / self.block_size()).min(block_ids.len());
@@ -321,12 +444,17 @@ impl ConnectorScheduler {
         }
         for id in finished.recving.iter().chain(finished.failed_recving.iter().map(|f| &f.request_id)) {
             self.recving.remove(id);
+            self.awaiting.remove(id);
         }
     }
 
-    /// Whether the scheduler tracks nothing (every load reported, every hold released).
+    /// Whether the scheduler tracks nothing (every load reported, every hold released, no lease to
+    /// renew).
     pub fn is_idle(&self) -> bool {
-        self.pending_recv.is_empty() && self.recving.is_empty() && self.sending.is_empty()
+        self.pending_recv.is_empty()
+            && self.recving.is_empty()
+            && self.sending.is_empty()
+            && self.awaiting.is_empty()
     }
 
     /// Requests whose loads are in flight.
@@ -353,6 +481,7 @@ mod tests {
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
             auth_key: None,
+            lease_duration: Duration::from_secs(30),
         })
         .unwrap()
     }
@@ -376,7 +505,7 @@ mod tests {
         // Capped by the blocks the remote offers, not only by the prompt.
         let m = s.get_num_new_matched_tokens(&id("r"), 10 * BS, Some(&p), 0).unwrap();
         assert_eq!(m.count, 3 * BS);
-        assert!(s.build_connector_meta().is_empty());
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
     }
 
     #[test]
@@ -410,9 +539,9 @@ mod tests {
             }
             let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
             assert_eq!(m, MatchedTokens::default(), "case {strip}");
-            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).unwrap();
+            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).unwrap();
             assert!(!p.do_remote_prefill, "at most one transfer");
-            assert!(s.build_connector_meta().reqs_to_recv.is_empty());
+            assert!(s.build_connector_meta(Instant::now()).reqs_to_recv.is_empty());
         }
     }
 
@@ -421,11 +550,11 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11, 12]);
         s.get_num_new_matched_tokens(&id("r"), 3 * BS + 1, Some(&p), BS).unwrap();
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], BS, 2 * BS).unwrap();
         assert!(!p.do_remote_prefill);
         // A second allocation for the same request triggers nothing.
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 2 * BS).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         let r = &meta.reqs_to_recv[0];
         assert_eq!(r.local_block_ids, vec![5, 6]);
@@ -433,7 +562,7 @@ mod tests {
         assert_eq!(r.remote_read_from, 1, "the first block hit the local prefix cache");
         assert_eq!(r.remote.engine_id, "prefill".into());
         assert_eq!(s.num_recving(), 1);
-        assert!(s.build_connector_meta().is_empty(), "the record is cleared");
+        assert!(s.build_connector_meta(Instant::now()).is_empty(), "the record is cleared");
     }
 
     #[test]
@@ -443,8 +572,8 @@ mod tests {
         let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), 2 * BS).unwrap();
         assert_eq!(m, MatchedTokens::default());
         // The engine allocates a block for its own computation of the tail: not a load target.
-        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
         assert_eq!(s.num_recving(), 0, "a notify-only request does not wait");
@@ -456,18 +585,18 @@ mod tests {
         let mut p = decode_params(vec![]);
         let m = s.get_num_new_matched_tokens(&id("r"), 5 * BS, Some(&p), 0).unwrap();
         assert_eq!(m, MatchedTokens::default());
-        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0).unwrap();
-        assert!(s.build_connector_meta().is_empty(), "nothing held remotely: nothing to free");
+        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0, 0).unwrap();
+        assert!(s.build_connector_meta(Instant::now()).is_empty(), "nothing held remotely: nothing to free");
     }
 
     #[test]
     fn alloc_with_too_few_blocks_is_an_error() {
         let mut s = sched();
         let mut p = decode_params(vec![1, 2]);
-        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 2 * BS).unwrap_err();
+        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 2 * BS).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
         let mut p = decode_params(vec![1]);
-        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 2 * BS).is_err());
+        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).is_err());
     }
 
     #[test]
@@ -501,7 +630,7 @@ mod tests {
         // Shorter than a block: free now.
         let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &[9]);
         assert!(!out.delay_free);
-        let meta = s.build_connector_meta();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(
             meta.reqs_to_send,
             vec![
@@ -515,10 +644,17 @@ mod tests {
     }
 
     #[test]
-    fn only_length_capped_remote_decode_requests_are_held() {
+    fn remote_decode_requests_that_stopped_or_hit_their_cap_are_held_and_no_others() {
         let mut s = sched();
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
-        for reason in [FinishReason::Stopped, FinishReason::Aborted, FinishReason::Error] {
+        for reason in [FinishReason::LengthCapped, FinishReason::Stopped] {
+            assert!(
+                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]).delay_free,
+                "{reason:?}"
+            );
+        }
+        s.update_finished(&Finished { sending: vec![id("a")], ..Default::default() });
+        for reason in [FinishReason::Aborted, FinishReason::Error] {
             assert_eq!(
                 s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]),
                 FinishOutcome::default()
@@ -536,10 +672,10 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
         s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
         let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5, 6]);
         assert!(!out.delay_free, "no READ will target the blocks: free them now");
-        let meta = s.build_connector_meta();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
         assert!(s.is_idle());
@@ -550,8 +686,8 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10]);
         s.get_num_new_matched_tokens(&id("r"), BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], BS).unwrap();
-        s.build_connector_meta();
+        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], 0, BS).unwrap();
+        s.build_connector_meta(Instant::now());
         let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5]);
         assert!(out.delay_free);
         s.update_finished(&Finished {
@@ -571,7 +707,7 @@ mod tests {
                 s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), computed).unwrap();
             }
         }
-        assert!(s.build_connector_meta().is_empty());
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
         assert!(s.is_idle());
         assert_eq!(s.num_recving(), 0);
     }
@@ -582,15 +718,15 @@ mod tests {
         // tokens: neither a second load nor a notify-only message may follow.
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 2 * BS).unwrap();
-        assert_eq!(s.build_connector_meta().reqs_to_recv.len(), 1);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0).unwrap();
-        assert!(s.build_connector_meta().is_empty());
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        assert_eq!(s.build_connector_meta(Instant::now()).reqs_to_recv.len(), 1);
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 0).unwrap();
+        assert!(s.build_connector_meta(Instant::now()).is_empty());
         // Notify-only, twice: one message.
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0).unwrap();
-        let meta = s.build_connector_meta();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
     }
@@ -611,10 +747,10 @@ mod tests {
         // Decode: a load and a notify-only request both carry the prefill engine's id.
         let mut decode = sched();
         decode
-            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 2 * BS)
+            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 0, 2 * BS)
             .unwrap();
-        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0).unwrap();
-        let mut reqs = decode.build_connector_meta().reqs_to_recv;
+        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0, 0).unwrap();
+        let mut reqs = decode.build_connector_meta(Instant::now()).reqs_to_recv;
         reqs.sort_by(|a, b| a.request_id.as_str().cmp(b.request_id.as_str()));
         assert_eq!(reqs.len(), 2);
         for r in &reqs {
@@ -624,8 +760,8 @@ mod tests {
         assert!(!reqs[0].is_notify_only() && reqs[1].is_notify_only());
         // Without it (an older peer), the notification names the decode engine's own id.
         let mut old = decode_params(vec![1]);
-        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], BS).unwrap();
-        let meta = decode.build_connector_meta();
+        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], 0, BS).unwrap();
+        let meta = decode.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv[0].prefill_request_id(), &id("same"));
         // And it survives the wire encoding to the workers.
         let back: ConnectorMetadata = crate::wire::decode(&crate::wire::encode(&meta).unwrap()).unwrap();
@@ -649,8 +785,10 @@ mod tests {
             prefill.request_finished(&id("p1"), Some(&held), FinishReason::LengthCapped, 3 * BS, &[7, 8, 9]);
         let mut params = TransferParams::from_json(&out.params.unwrap().to_json()).unwrap();
         let mut decode = sched();
-        decode.update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 2 * BS).unwrap();
-        let r = decode.build_connector_meta().reqs_to_recv.remove(0);
+        decode
+            .update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 0, 2 * BS)
+            .unwrap();
+        let r = decode.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
         assert_eq!((r.remote_block_ids.as_slice(), r.remote_read_from), (&[7, 8, 9][..], 0));
         r.offer().unwrap().verify(&key, r.mac.as_ref()).unwrap();
         let mut forged = r.clone();
@@ -671,5 +809,78 @@ mod tests {
         };
         assert_eq!(nonces([1; 32]), nonces([1; 32]));
         assert_ne!(nonces([1; 32]), nonces([2; 32]));
+    }
+
+    fn offered(prefill: &mut ConnectorScheduler, id_: &str) -> TransferParams {
+        let held = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id(id_), Some(&held), FinishReason::LengthCapped, 2 * BS, &[3, 4]);
+        out.params.unwrap()
+    }
+
+    #[test]
+    fn waiting_requests_have_their_leases_renewed_every_sixth_of_a_lease() {
+        let mut prefill = sched();
+        let (mut a, b) = (offered(&mut prefill, "pa"), offered(&mut prefill, "pb"));
+        let mut s = sched();
+        let t0 = Instant::now();
+        s.on_new_request(&id("a"), Some(&a));
+        s.on_new_request(&id("b"), Some(&b));
+        s.on_new_request(&id("plain"), None);
+        assert!(s.build_connector_meta(t0).heartbeats.is_empty(), "a new hold needs no renewal yet");
+        let sixth = Duration::from_secs(5);
+        assert_eq!(s.next_deadline(), Some(t0 + sixth));
+        let beats = s.build_connector_meta(t0 + sixth).heartbeats;
+        assert_eq!(beats.len(), 1, "one per prefill engine");
+        let ids: Vec<&str> = beats[0].holds.iter().map(|h| h.request_id.as_str()).collect();
+        assert_eq!(ids, ["pa", "pb"], "named as the prefill engine knows them, with their nonces");
+        assert_eq!(beats[0].holds[0].nonce, a.kvx_hold_nonce.unwrap());
+        assert!(s.build_connector_meta(t0 + sixth + sixth / 2).heartbeats.is_empty());
+        // "a" is loading: still renewed until its load is reported; "b" finishes while queued.
+        s.update_state_after_alloc(&id("a"), 2 * BS, Some(&mut a), &[1, 2], 0, 2 * BS).unwrap();
+        s.request_finished(&id("b"), Some(&b), FinishReason::Aborted, 0, &[]);
+        let meta = s.build_connector_meta(t0 + 2 * sixth);
+        assert_eq!(meta.heartbeats[0].holds.len(), 1);
+        assert_eq!(meta.reqs_to_recv.len(), 2, "a's load, and b's release though it never ran");
+        assert!(meta.reqs_to_recv.iter().any(|r| r.request_id == id("b") && r.is_notify_only()));
+        s.update_finished(&Finished { recving: vec![id("a")], ..Default::default() });
+        assert!(s.build_connector_meta(t0 + 3 * sixth).heartbeats.is_empty());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_keyed_decode_engine_renews_only_offers_that_verify() {
+        let key = AuthKey::new("deployment secret 0123").unwrap();
+        let keyed = |c: SchedulerConfig| {
+            ConnectorScheduler::new(SchedulerConfig { auth_key: Some(key.clone()), ..c })
+        };
+        let mut prefill = keyed(sched().config).unwrap();
+        let good = offered(&mut prefill, "p1");
+        let mut forged = good.clone();
+        forged.remote_host = Some("evil".into());
+        let mut s = keyed(sched().config).unwrap();
+        s.on_new_request(&id("good"), Some(&good));
+        s.on_new_request(&id("forged"), Some(&forged));
+        let t0 = Instant::now();
+        s.build_connector_meta(t0);
+        let beats = s.build_connector_meta(t0 + Duration::from_secs(5)).heartbeats;
+        assert_eq!(beats.len(), 1);
+        assert_eq!(beats[0].remote.host, "10.0.0.1");
+    }
+
+    #[test]
+    fn the_alloc_check_counts_the_local_prefix() {
+        let mut s = sched();
+        // 3 blocks offered, 1 cached locally: at most 2 may load, from the second remote block.
+        let mut p = decode_params(vec![10, 11, 12]);
+        let e =
+            s.update_state_after_alloc(&id("r"), 3 * BS, Some(&mut p), &[5, 6, 7], BS, 3 * BS).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+        let meta = s.build_connector_meta(Instant::now());
+        assert!(meta.reqs_to_recv[0].is_notify_only(), "the prefill engine is still told to free");
+        let mut p = decode_params(vec![10, 11, 12]);
+        s.update_state_after_alloc(&id("q"), 3 * BS, Some(&mut p), &[5], 2 * BS, BS).unwrap();
+        let r = s.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
+        assert_eq!((r.local_block_ids, r.remote_read_from), (vec![5], 2));
     }
 }

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId};
 
 /// The wire-format version. Bump it on any incompatible change of a message.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 
 const MAGIC: [u8; 4] = *b"KVX1";
 
@@ -34,6 +34,10 @@ pub enum MessageKind {
     SessionReply,
     /// A rank's message to rank 0 of a `net::TcpGroup`.
     GroupReport,
+    /// A prefill worker's answer to a release: was the hold alive.
+    HoldStatus,
+    /// A decode worker's heartbeat: renew these leases.
+    RenewLeases,
 }
 
 /// A message type that travels inside an [`Envelope`].
@@ -76,6 +80,37 @@ fn from_slice_bounded<'a, T: Deserialize<'a>>(
 
 /// Decodes a message from bytes that came from a peer: checks magic, version and kind first.
 pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
+    open(bytes)?.decode()
+}
+
+/// A message whose envelope checked (magic and version) and whose body is not decoded yet: for
+/// receivers that take several kinds on one channel (a worker's notifications).
+#[derive(Debug)]
+pub struct Opened {
+    kind: MessageKind,
+    body: Vec<u8>,
+}
+
+impl Opened {
+    /// The message's kind.
+    pub fn kind(&self) -> MessageKind {
+        self.kind
+    }
+
+    /// The body as a `T`; an error if the kind is another.
+    pub fn decode<T: WireMessage>(&self) -> Result<T> {
+        if self.kind != T::KIND {
+            return Err(Error::new(
+                ErrorKind::Wire,
+                format!("expected a {:?} message, got {:?}", T::KIND, self.kind),
+            ));
+        }
+        from_slice_bounded(&self.body).map_err(|e| wire_error("decode body", e))
+    }
+}
+
+/// Checks the envelope of bytes that came from a peer (magic, then version).
+pub fn open(bytes: &[u8]) -> Result<Opened> {
     let env: Envelope = from_slice_bounded(bytes).map_err(|e| wire_error("decode envelope", e))?;
     if env.magic != MAGIC {
         return Err(Error::new(ErrorKind::Wire, "not a kvx message (bad magic)"));
@@ -86,13 +121,7 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T> {
             format!("peer speaks wire version {}, this build speaks {WIRE_VERSION}", env.version),
         ));
     }
-    if env.kind != T::KIND {
-        return Err(Error::new(
-            ErrorKind::Wire,
-            format!("expected a {:?} message, got {:?}", T::KIND, env.kind),
-        ));
-    }
-    from_slice_bounded(&env.body).map_err(|e| wire_error("decode body", e))
+    Ok(Opened { kind: env.kind, body: env.body })
 }
 
 fn wire_error(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
@@ -121,6 +150,9 @@ pub struct HandshakePayload {
     pub block_len: u64,
     /// `KvCacheLayout::compat_hash` of the worker's layout and model tag.
     pub compat_hash: u64,
+    /// Chosen at random when the worker starts: a restarted engine publishes a new one, so its
+    /// peers tell it from the engine they knew.
+    pub instance: u64,
 }
 
 impl WireMessage for HandshakePayload {
@@ -142,6 +174,7 @@ mod tests {
             num_blocks: 10,
             block_len: 256,
             compat_hash: 42,
+            instance: 7,
         }
     }
 

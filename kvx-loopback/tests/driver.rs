@@ -51,8 +51,9 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
     group.expect_world_size().return_const(2u32);
     group.expect_gather_finished().returning(|_| Ok(None));
 
+    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "10.0.0.2".into(), port: 5700 };
     let worker = ConnectorWorker::new(
-        WorkerConfig::new("decode".into(), 1, 2, 4),
+        WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 1, 2, 4) },
         Arc::new(fabric.agent("decode-1").unwrap()),
     )
     .unwrap();
@@ -69,12 +70,16 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
         nonce: Some(HexBytes([1; 16])),
         mac: None,
     };
-    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], reqs_to_send: vec![] });
+    driver.start_load_kv(&ConnectorMetadata {
+        reqs_to_recv: vec![req],
+        reqs_to_send: vec![],
+        heartbeats: vec![],
+    });
     // The fetch runs on the runtime; the result is fed at a later call.
     driver.wait_for_handshakes(Duration::from_secs(5));
     let deadline = Instant::now() + Duration::from_secs(5);
-    while driver.worker().stats().bytes_read == 0 {
-        assert!(Instant::now() < deadline, "the READ did not complete");
+    while driver.worker().stats().reads_posted == 0 {
+        assert!(Instant::now() < deadline, "the READ was not posted");
         // Rank 1 reports to rank 0: it returns nothing itself.
         assert!(driver.get_finished().unwrap().is_empty());
     }
@@ -97,7 +102,7 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     let mut steps = vec![other(&["b"]), other(&["a"])];
     group.expect_gather_finished().times(2).returning(move |own| Ok(Some(vec![own, steps.pop().unwrap()])));
     let worker = ConnectorWorker::new(
-        WorkerConfig { hold_timeout: Duration::ZERO, ..WorkerConfig::new("prefill".into(), 0, 2, 4) },
+        WorkerConfig { lease_duration: Duration::ZERO, ..WorkerConfig::new("prefill".into(), 0, 2, 4) },
         Arc::new(fabric.agent("prefill-0").unwrap()),
     )
     .unwrap();
@@ -105,7 +110,11 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     driver.register_kv_caches(&layer()).unwrap();
     // Holds for "a" and "b" expire at once on this rank (hold timeout zero).
     let held = |id: &str| HeldRequest { request_id: id.into(), nonce: HexBytes([2; 16]) };
-    let meta = ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: vec![held("a"), held("b")] };
+    let meta = ConnectorMetadata {
+        reqs_to_recv: vec![],
+        reqs_to_send: vec![held("a"), held("b")],
+        heartbeats: vec![],
+    };
     driver.start_load_kv(&meta);
     let first = driver.get_finished().unwrap();
     assert_eq!(first.sending, vec![RequestId::new("a")], "b is not finished on rank 1 yet");

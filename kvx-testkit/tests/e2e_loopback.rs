@@ -211,7 +211,7 @@ fn a_refused_handshake_fails_the_waiting_requests() {
     let lb = Loopback::default();
     let m = model();
     let prefill =
-        lb.engine(EngineConfig { hold_timeout: Duration::from_millis(200), ..lb.config("prefill", &m) });
+        lb.engine(EngineConfig { lease_duration: Duration::from_millis(200), ..lb.config("prefill", &m) });
     let mut c = Cluster::new(vec![prefill], lb.engine(lb.config("decode", &m))).unwrap();
     for rank in 0..2 {
         lb.agent("prefill", rank).set_faults(Faults::none().refuse_handshakes()).unwrap();

@@ -29,7 +29,7 @@ fn engine(fabric: &Fabric, id: &str, auth_key: Option<AuthKey>) -> SimEngine {
     let config = EngineConfig {
         side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 },
         auth_key,
-        hold_timeout: Duration::from_millis(300),
+        lease_duration: Duration::from_millis(300),
         ..EngineConfig::new(id, 2, 512, model, &InProcessSideChannels::new())
     };
     SimEngine::new(config, &backend).unwrap()

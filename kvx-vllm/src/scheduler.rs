@@ -55,6 +55,7 @@ impl Scheduler {
             side_channel_host,
             side_channel_port,
             auth_key: self::auth_key(auth_key)?,
+            lease_duration: std::time::Duration::from_secs(30),
         })
         .map_err(py_err)?;
         Ok(Scheduler { inner })
@@ -84,13 +85,14 @@ impl Scheduler {
 
     /// Records the blocks allocated for the request (its unhashed new blocks, first KV-cache
     /// group). Returns whether the caller must turn the request's `do_remote_prefill` off.
-    #[pyo3(signature = (request_id, prompt_len, params_json, block_ids, num_external_tokens))]
+    #[pyo3(signature = (request_id, prompt_len, params_json, block_ids, num_computed_tokens, num_external_tokens))]
     fn update_state_after_alloc(
         &mut self,
         request_id: &str,
         prompt_len: usize,
         params_json: Option<&str>,
         block_ids: Vec<BlockId>,
+        num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
         // Unreadable params load nothing: turn the flag off so vLLM does not ask again.
@@ -102,6 +104,7 @@ impl Scheduler {
                 prompt_len,
                 p.as_mut(),
                 &block_ids,
+                num_computed_tokens,
                 num_external_tokens,
             )
             .map_err(py_err)?;
@@ -139,7 +142,7 @@ impl Scheduler {
 
     /// This step's metadata for the workers, encoded.
     fn build_connector_meta<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let meta = self.inner.build_connector_meta();
+        let meta = self.inner.build_connector_meta(std::time::Instant::now());
         let bytes = wire::encode(&meta).map_err(py_err)?;
         Ok(PyBytes::new(py, &bytes))
     }

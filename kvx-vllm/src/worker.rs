@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RequestId, SingleRank,
-    TransferAgent, WorkerConfig, WorkerDriver, wire,
+    BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RemoteCoordinates, RequestId,
+    SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
 };
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -150,8 +150,14 @@ impl Worker {
         );
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
-        config.hold_timeout = duration(options.hold_timeout_s, "hold_timeout_s")?;
+        config.lease_duration = duration(options.hold_timeout_s, "hold_timeout_s")?;
         config.auth_key = auth_key;
+        // Where this engine serves its payloads: a prefill engine answers its leases there.
+        config.side_channel = Some(RemoteCoordinates {
+            engine_id: options.engine_id.clone().into(),
+            host: options.side_channel_host.clone(),
+            port: options.side_channel_port,
+        });
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

@@ -1,10 +1,13 @@
 //! Every worker path against a mockall agent: what is posted, what is refused, what is reported.
 
 use super::*;
+use crate::auth::Nonce;
+use crate::ids::{AgentName, BlockId};
 use crate::memory::HostMemory;
-use crate::meta::HeldRequest;
+use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
 use crate::transfer::Capabilities;
+use crate::transfer::{XferId, XferOp, XferState};
 use mockall::predicate::*;
 use std::sync::Mutex;
 
@@ -24,9 +27,18 @@ struct Posted {
     notify: Option<Vec<u8>>,
 }
 
+/// Notifications a test delivers to a mock agent.
+type Inbox = Arc<Mutex<Vec<Notification>>>;
+
 /// A mock agent that accepts registration, loads any metadata as "peer", and records posts.
-fn agent(
+fn agent(posts: Arc<Mutex<Vec<Posted>>>, configure: impl FnMut(&mut MockTransferAgent)) -> MockTransferAgent {
+    agent_with_inbox(posts, Inbox::default(), configure)
+}
+
+/// The same, delivering what the test pushes on `inbox`.
+fn agent_with_inbox(
     posts: Arc<Mutex<Vec<Posted>>>,
+    inbox: Inbox,
     mut configure: impl FnMut(&mut MockTransferAgent),
 ) -> MockTransferAgent {
     let mut a = MockTransferAgent::new();
@@ -54,7 +66,13 @@ fn agent(
         Ok(XferId(posts.len() as u64))
     });
     a.expect_release().returning(|_| Ok(()));
-    a.expect_drain_notifications().returning(|_| Ok(()));
+    a.expect_release_dlist().returning(|_| Ok(()));
+    a.expect_forget_remote().returning(|_| Ok(()));
+    a.expect_notify().returning(|_, _| Ok(()));
+    a.expect_drain_notifications().returning(move |out| {
+        out.append(&mut inbox.lock().unwrap());
+        Ok(())
+    });
     a
 }
 
@@ -70,8 +88,16 @@ fn caches(windows: &[Option<u32>]) -> Vec<LayerCache> {
         .collect()
 }
 
+/// The decode engine's own side channel, where the prefill engine answers.
+fn decode_side_channel() -> RemoteCoordinates {
+    RemoteCoordinates { engine_id: "decode".into(), host: "d".into(), port: 5700 }
+}
+
 fn config(rank: u32) -> WorkerConfig {
-    WorkerConfig::new("decode".into(), rank, 2, BS)
+    WorkerConfig {
+        side_channel: Some(decode_side_channel()),
+        ..WorkerConfig::new("decode".into(), rank, 2, BS)
+    }
 }
 
 fn worker_with(agent: MockTransferAgent, rank: u32, windows: &[Option<u32>]) -> ConnectorWorker {
@@ -93,6 +119,7 @@ fn peer_payload(rank: u32, windows: &[Option<u32>], edit: impl FnOnce(&mut Hands
         num_blocks: 16,
         block_len: layout.block_len,
         compat_hash: layout.compat_hash(""),
+        instance: 1,
     };
     edit(&mut p);
     wire::encode(&p).unwrap()
@@ -107,9 +134,21 @@ fn nonce_of(id: &str) -> Nonce {
     crate::auth::HexBytes(b)
 }
 
-/// The notification that frees the prefill engine's hold of `id`.
+/// The notification that frees the prefill engine's hold of `id`, wanting no answer (a failed
+/// or notify-only load).
 fn release(id: &str) -> Vec<u8> {
-    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id) }).unwrap()
+    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to: None }).unwrap()
+}
+
+/// The notification a READ of `id` by `w` carries: the release, asking for an answer.
+fn read_release(w: &ConnectorWorker, id: &str) -> Vec<u8> {
+    let reply_to = Some(ReplyTo { engine: decode_side_channel(), instance: w.instance() });
+    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap()
+}
+
+/// The prefill engine's answer for the hold of `id`.
+fn answer(id: &str, held: bool) -> Notification {
+    notif(&wire::encode(&HoldStatus { request_id: id.into(), nonce: nonce_of(id), held }).unwrap())
 }
 
 /// A load of `local` blocks from the last `local.len()` of the `remote` blocks offered.
@@ -127,10 +166,8 @@ fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
 }
 
 fn meta(reqs: Vec<RecvRequest>) -> ConnectorMetadata {
-    ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] }
+    ConnectorMetadata { reqs_to_recv: reqs, ..Default::default() }
 }
-
-use crate::ids::BlockId;
 
 /// Starts `reqs` and completes the handshake with a compatible peer.
 fn start_and_handshake(w: &mut ConnectorWorker, now: Instant, reqs: Vec<RecvRequest>) {
@@ -192,7 +229,7 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 17, 18, 25, 26]);
     assert_eq!(posts[0].remote, vec![10, 11, 26, 27, 42, 43, 58, 59]);
     assert_eq!(posts[0].remote_dlist, DlistId(200));
-    assert_eq!(posts[0].notify, Some(release("a")));
+    assert_eq!(posts[0].notify, Some(read_release(&w, "a")), "the release asks for an answer");
     assert_eq!(posts[1].local, vec![3, 11, 19, 27]);
     assert_eq!(w.stats().handshakes, 1);
 }
@@ -231,7 +268,8 @@ fn the_prefill_engines_request_id_names_every_notification() {
     // vLLM gives the two engines' requests different ids: the READ's notification, a notify-only
     // message and the free-at-once after a failed READ all name the prefill engine's id.
     let posts = Arc::new(Mutex::new(vec![]));
-    let a = agent(posts.clone(), |a| {
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
         for id in ["p-only", "p-bad"] {
             a.expect_notify()
                 .withf(move |to, m| to.as_str() == "peer" && m == release(id))
@@ -258,16 +296,50 @@ fn the_prefill_engines_request_id_names_every_notification() {
         ],
     );
     let notes: Vec<_> = posts.lock().unwrap().iter().map(|p| p.notify.clone()).collect();
-    assert_eq!(notes, vec![Some(release("p-ok")), Some(release("p-bad"))]);
-    let f = w.get_finished(now);
+    assert_eq!(notes, vec![Some(read_release(&w, "p-ok")), Some(read_release(&w, "p-bad"))]);
+    inbox.lock().unwrap().push(answer("p-ok", true));
+    let mut f = w.get_finished(now);
     assert_eq!(f.recving, vec![RequestId::new("ok")], "reported under the decode engine's id");
+    // The failed READ's engine is handshaken again; the same instance: the load fails.
+    answer_handshakes(&mut w, now, 1);
+    f.extend(w.get_finished(now));
     assert_eq!(f.failed_recving[0].request_id, "bad".into());
+}
+
+/// Answers every queued handshake with a compatible peer of `instance`.
+fn answer_handshakes(w: &mut ConnectorWorker, now: Instant, instance: u64) {
+    let rank = w.config().rank;
+    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = w.poll_command() {
+        w.handle_handshake(now, &engine_id, Ok(peer_payload(rank, &[None, None], |p| p.instance = instance)));
+    }
+}
+
+#[test]
+fn a_read_that_fails_because_the_engine_restarted_is_posted_again_to_its_new_instance() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Failed("peer is gone".into())));
+        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    assert!(w.get_finished(now).is_empty(), "not failed yet: the engine may have restarted");
+    answer_handshakes(&mut w, now, 2);
+    assert_eq!(posts.lock().unwrap().len(), 2, "posted again to the new instance");
+    inbox.lock().unwrap().push(answer("a", true));
+    assert_eq!(w.get_finished(now).recving, vec![RequestId::new("a")]);
+    let s = w.stats();
+    assert_eq!((s.handshakes, s.peer_restarts, s.peers_invalidated), (2, 1, 1));
+    assert!(w.is_idle());
 }
 
 #[test]
 fn completed_and_failed_transfers_are_reported_per_request() {
     let posts = Arc::new(Mutex::new(vec![]));
-    let a = agent(posts, |a| {
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts, inbox.clone(), |a| {
         // The failed load tells the prefill engine to free its blocks at once.
         a.expect_notify()
             .withf(|to, m| to.as_str() == "peer" && m == release("bad"))
@@ -281,13 +353,18 @@ fn completed_and_failed_transfers_are_reported_per_request() {
     let now = Instant::now();
     start_and_handshake(&mut w, now, vec![recv("ok", vec![1], vec![1]), recv("bad", vec![2], vec![2])]);
     w.start_load_kv(now, &meta(vec![recv("slow", vec![3], vec![3])]));
-    let f = w.get_finished(now + Duration::from_millis(7));
-    assert_eq!(f.recving, vec![RequestId::new("ok")]);
+    let mut f = w.get_finished(now + Duration::from_millis(5));
+    assert!(f.recving.is_empty(), "a READ done is not a load done: the prefill engine confirms");
+    answer_handshakes(&mut w, now, 1);
+    inbox.lock().unwrap().push(answer("ok", true));
+    let f2 = w.get_finished(now + Duration::from_millis(7));
+    assert_eq!(f2.recving, vec![RequestId::new("ok")]);
+    f.extend(f2);
     assert_eq!(f.failed_recving.len(), 1);
     assert_eq!(f.failed_recving[0].request_id, "bad".into());
     assert!(f.failed_recving[0].reason.contains("link down"));
     assert_eq!(w.num_in_flight(), 1, "the worker goes on with the others");
-    assert_eq!(w.stats().transfer_latencies, vec![Duration::from_millis(7)]);
+    assert_eq!(w.stats().transfer_latencies.kept(), [Duration::from_millis(7)]);
     assert_eq!(w.stats().bytes_read, 4 * u64::from(BS) * 2);
 }
 
@@ -508,10 +585,10 @@ fn prefill_worker(config: WorkerConfig) -> (ConnectorWorker, Arc<Mutex<Vec<Notif
 fn a_forged_or_replayed_release_frees_no_hold() {
     let (mut w, queue) = prefill_worker(config(0));
     let now = Instant::now();
-    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(ids) };
+    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_send: held(ids), ..Default::default() };
     let forged = |id: &str| {
         let nonce = crate::auth::HexBytes([0xee; 16]);
-        notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce }).unwrap())
+        notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce, reply_to: None }).unwrap())
     };
     w.start_load_kv(now, &send(&["victim"]));
     // Another client names the victim's request id: without its nonce, nothing is freed.
@@ -525,8 +602,8 @@ fn a_forged_or_replayed_release_frees_no_hold() {
     queue.lock().unwrap().push(notif(&release("victim")));
     assert!(w.get_finished(now).is_empty());
     let again = ConnectorMetadata {
-        reqs_to_recv: vec![],
         reqs_to_send: vec![HeldRequest { request_id: "victim".into(), nonce: nonce_of("second hold") }],
+        ..Default::default()
     };
     w.start_load_kv(now, &again);
     assert!(w.get_finished(now).sending.is_empty(), "the replay does not free the new hold");
@@ -543,12 +620,12 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
     let config = WorkerConfig { max_early_releases: 64, ..config(0) };
     let (mut w, queue) = prefill_worker(config);
     let now = Instant::now();
-    w.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(&["real"]) });
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["real"]), ..Default::default() });
     for round in 0..20 {
         let flood: Vec<_> = (0..1000).map(|i| notif(&release(&format!("ghost-{round}-{i}")))).collect();
         queue.lock().unwrap().extend(flood);
         assert!(w.get_finished(now).is_empty());
-        assert!(w.early.len() <= 64);
+        assert!(w.holds.early_len() <= 64);
     }
     assert_eq!(w.stats().stray_notifications, 20_000 - 64);
     // The real release still finds its hold, and the rest expire.
@@ -556,7 +633,7 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
     assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
     assert!(w.next_deadline().is_some());
     w.get_finished(now + w.config().early_release_ttl);
-    assert_eq!((w.early.len(), w.stats().stray_notifications), (0, 20_000));
+    assert_eq!((w.holds.early_len(), w.stats().stray_notifications), (0, 20_000));
 }
 
 #[test]
@@ -620,16 +697,16 @@ fn holds_end_on_notification_or_expiry() {
         notif(&release("held")),
     ]);
     let now = Instant::now();
-    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held(ids) };
+    let send = |ids: &[&str]| ConnectorMetadata { reqs_to_send: held(ids), ..Default::default() };
     w.start_load_kv(now, &send(&["held", "forgotten"]));
     let f = w.get_finished(now);
     assert_eq!(f.sending, vec![RequestId::new("held")]);
     // The early notification completes its hold as soon as the hold arrives.
     w.start_load_kv(now, &send(&["early"]));
     assert_eq!(w.get_finished(now).sending, vec![RequestId::new("early")]);
-    // A hold no reader claims is released after the hold timeout.
-    assert!(w.get_finished(now + Duration::from_secs(119)).is_empty());
-    assert_eq!(w.get_finished(now + Duration::from_secs(120)).sending, vec![RequestId::new("forgotten")]);
+    // A hold no reader claims is released when its lease runs out.
+    assert!(w.get_finished(now + Duration::from_secs(29)).is_empty());
+    assert_eq!(w.get_finished(now + Duration::from_secs(30)).sending, vec![RequestId::new("forgotten")]);
     let s = w.stats();
     assert_eq!((s.notifications, s.stray_notifications, s.expired_holds), (2, 2, 1));
     assert!(w.is_idle());
@@ -666,7 +743,8 @@ fn rank0_reports_an_id_once_every_rank_has_it() {
 #[test]
 fn the_same_request_twice_while_its_handshake_runs_loads_once() {
     let posts = Arc::new(Mutex::new(vec![]));
-    let a = agent(posts.clone(), |a| {
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
         a.expect_poll().returning(|_| Ok(XferState::Done));
     });
     let mut w = worker_with(a, 0, &[None, None]);
@@ -679,6 +757,7 @@ fn the_same_request_twice_while_its_handshake_runs_loads_once() {
         w.handle_handshake(now, &engine_id, Ok(peer_payload(0, &[None, None], |_| {})));
     }
     assert_eq!(posts.lock().unwrap().len(), 1, "one READ");
+    inbox.lock().unwrap().push(answer("a", true));
     assert_eq!(w.get_finished(now).recving, vec![RequestId::new("a")]);
     assert!(w.is_idle(), "nothing left in flight unpolled");
 }
@@ -694,4 +773,152 @@ fn an_id_a_report_names_twice_counts_once_for_its_rank() {
     assert!(agg.aggregate([twice("s")]).is_empty(), "one rank of two has reported");
     let out = agg.aggregate([twice("s")]);
     assert_eq!((out.sending, out.recving), (vec![RequestId::new("s")], vec![RequestId::new("r")]));
+}
+
+/// A release from decode worker `instance` that asks for an answer.
+fn release_asking(id: &str, instance: u64) -> Notification {
+    let reply_to = Some(ReplyTo { engine: decode_side_channel(), instance });
+    notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap())
+}
+
+/// The answers a prefill worker sent: what `notify` carried to the decode agent.
+fn answers(sent: &Arc<Mutex<Vec<Vec<u8>>>>) -> Vec<(String, bool)> {
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|m| wire::decode::<HoldStatus>(m).ok())
+        .map(|s| (s.request_id.as_str().to_owned(), s.held))
+        .collect()
+}
+
+/// A prefill worker whose notifications (answers) are recorded.
+fn answering_prefill(config: WorkerConfig) -> (ConnectorWorker, Inbox, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let sent: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let inbox = Inbox::default();
+    let s = sent.clone();
+    let a = agent_with_inbox(Arc::default(), inbox.clone(), move |a| {
+        let s = s.clone();
+        a.expect_notify().returning(move |_, m| {
+            s.lock().unwrap().push(m.to_vec());
+            Ok(())
+        });
+    });
+    let mut w =
+        ConnectorWorker::new(WorkerConfig { engine_id: "prefill".into(), ..config }, Arc::new(a)).unwrap();
+    w.register_kv_caches(&caches(&[None, None])).unwrap();
+    (w, inbox, sent)
+}
+
+/// The payload of the decode worker the prefill worker answers.
+fn decode_payload(instance: u64) -> Vec<u8> {
+    peer_payload(0, &[None, None], |p| {
+        p.engine_id = "decode".into();
+        p.instance = instance;
+    })
+}
+
+#[test]
+fn a_release_is_answered_held_only_while_the_lease_lives() {
+    let (mut w, inbox, sent) = answering_prefill(config(0));
+    let now = Instant::now();
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["live", "late"]), ..Default::default() });
+    inbox.lock().unwrap().push(release_asking("live", 7));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("live")]);
+    // The answer goes to the decode engine's side channel: handshake first, then notify.
+    assert_eq!(
+        w.poll_command(),
+        Some(WorkerCommand::FetchHandshake { engine_id: "decode".into(), host: "d".into(), port: 5700 })
+    );
+    w.handle_handshake(now, &"decode".into(), Ok(decode_payload(7)));
+    assert_eq!(answers(&sent), [("live".to_owned(), true)]);
+    // "late"'s lease runs out; its READ's release comes after: answered "not held" at once.
+    let lease = w.config().lease_duration;
+    assert_eq!(w.get_finished(now + lease).sending, vec![RequestId::new("late")]);
+    inbox.lock().unwrap().push(release_asking("late", 7));
+    assert!(w.get_finished(now + lease).is_empty());
+    assert_eq!(answers(&sent), [("live".to_owned(), true), ("late".to_owned(), false)]);
+    // A release from a restarted decode engine (a new instance): handshaken again first.
+    w.start_load_kv(now + lease, &ConnectorMetadata { reqs_to_send: held(&["next"]), ..Default::default() });
+    inbox.lock().unwrap().push(release_asking("next", 8));
+    w.get_finished(now + lease);
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { .. })));
+    w.handle_handshake(now + lease, &"decode".into(), Ok(decode_payload(8)));
+    assert_eq!(answers(&sent).last(), Some(&("next".to_owned(), true)));
+    let s = w.stats();
+    assert_eq!((s.hold_answers, s.expired_holds, s.peer_restarts), (3, 1, 1));
+}
+
+#[test]
+fn heartbeats_with_the_right_nonce_extend_a_lease() {
+    let (mut w, inbox, _) = answering_prefill(config(0));
+    let now = Instant::now();
+    let lease = w.config().lease_duration;
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["a", "b"]), ..Default::default() });
+    let renew = |holds: Vec<HeldRequest>| notif(&wire::encode(&RenewLeases { holds }).unwrap());
+    let forged = vec![HeldRequest { request_id: "b".into(), nonce: nonce_of("not b") }];
+    let at = now + lease / 2;
+    inbox.lock().unwrap().extend([renew(held(&["a"])), renew(forged)]);
+    assert!(w.get_finished(at).is_empty());
+    assert_eq!(
+        w.get_finished(now + lease).sending,
+        vec![RequestId::new("b")],
+        "a wrong nonce renews nothing"
+    );
+    assert!(w.get_finished(at + lease - Duration::from_millis(1)).is_empty());
+    assert_eq!(w.get_finished(at + lease).sending, vec![RequestId::new("a")]);
+    assert_eq!(w.stats().leases_renewed, 1);
+}
+
+#[test]
+fn a_load_without_an_answer_fails_and_its_engine_is_handshaken_again() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    assert!(w.get_finished(now).is_empty());
+    let timeout = w.config().confirm_timeout;
+    assert_eq!(w.next_deadline(), Some(now + timeout));
+    // An answer for another nonce, or "not held", never completes it.
+    inbox.lock().unwrap().push(answer("other", true));
+    assert!(w.get_finished(now).is_empty());
+    let f = w.get_finished(now + timeout);
+    assert_eq!(f.failed_recving.len(), 1);
+    assert!(f.failed_recving[0].reason.starts_with("timed out"), "{}", f.failed_recving[0].reason);
+    assert_eq!(w.stats().lease_failures, 1);
+    // A "not held" answer fails a load with the lease's error.
+    start_and_handshake(&mut w, now, vec![recv("b", vec![2], vec![2])]);
+    inbox.lock().unwrap().push(answer("b", false));
+    let f = w.get_finished(now);
+    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    assert_eq!((w.stats().lease_failures, w.stats().bytes_read), (2, 0));
+}
+
+#[test]
+fn heartbeats_go_to_the_matching_rank_in_small_messages() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let sent: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let s = sent.clone();
+    let a = agent(posts, move |a| {
+        let s = s.clone();
+        a.expect_notify().returning(move |_, m| {
+            s.lock().unwrap().push(m.to_vec());
+            Ok(())
+        });
+    });
+    let mut w = worker_with(a, 1, &[None, None]);
+    let now = Instant::now();
+    let ids: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
+    let holds = held(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+    let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, holds };
+    w.start_load_kv(now, &ConnectorMetadata { heartbeats: vec![beat], ..Default::default() });
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { port: 5601, .. })));
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+    let renewed: Vec<usize> =
+        sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
+    assert_eq!(renewed, [128, 128, 44]);
+    assert_eq!(w.stats().renewals_sent, 300);
 }

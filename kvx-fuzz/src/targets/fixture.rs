@@ -102,6 +102,27 @@ impl Prefill {
         must(wire::decode(&self.payload), "decoding the prefill payload")
     }
 
+    /// Answers every release that asks, as a prefill worker whose holds all live does: "held",
+    /// to the decode agent (loaded on first use).
+    pub(crate) fn answer_releases(&self, decode: &ConnectorWorker) {
+        let mut received: Vec<Notification> = Vec::new();
+        must(self.agent.drain_notifications(&mut received), "draining prefill notifications");
+        for n in received {
+            let Ok(release) = wire::decode::<kvx_core::HoldRelease>(&n.msg) else { continue };
+            if release.reply_to.is_none() {
+                continue;
+            }
+            // Each session's decode agent has the same name: the last one is the one loaded.
+            let _ = self.agent.forget_remote(decode.agent().name());
+            if let Ok(md) = decode.agent().local_metadata() {
+                let _ = self.agent.load_remote(&md);
+            }
+            let status =
+                kvx_core::HoldStatus { request_id: release.request_id, nonce: release.nonce, held: true };
+            let _ = self.agent.notify(&n.from, &must(wire::encode(&status), "encoding an answer"));
+        }
+    }
+
     /// Empties the prefill agent's notification queue (READs of earlier runs notify it).
     pub(crate) fn drain(&self) {
         let mut sink: Vec<Notification> = Vec::new();
@@ -122,7 +143,8 @@ pub(crate) fn prefill() -> Rc<Prefill> {
 /// deployment) or none.
 pub(crate) fn decode_worker(prefill: &Prefill, key: Option<AuthKey>) -> ConnectorWorker {
     let agent = Arc::new(must(prefill.fabric.agent("decode-agent"), "decode agent"));
-    let config = WorkerConfig { auth_key: key, ..config(DECODE) };
+    let side_channel = RemoteCoordinates { engine_id: DECODE.into(), host: "10.0.0.2".into(), port: 5700 };
+    let config = WorkerConfig { auth_key: key, side_channel: Some(side_channel), ..config(DECODE) };
     let mut worker = must(ConnectorWorker::new(config, agent), "decode worker");
     must(worker.register_kv_caches(&caches(DECODE_BLOCKS)), "registering decode caches");
     worker
@@ -166,9 +188,11 @@ pub(crate) fn decode_session(
             }
         }
         finished.extend(worker.get_finished(now));
+        prefill.answer_releases(&worker);
     }
     for _ in 0..2 {
         finished.extend(worker.get_finished(now));
+        prefill.answer_releases(&worker);
     }
     let later = now + Duration::from_secs(7 * 24 * 3600);
     finished.extend(worker.get_finished(later));
@@ -179,6 +203,7 @@ pub(crate) fn decode_session(
     let all = ConnectorMetadata {
         reqs_to_recv: steps.iter().flat_map(|m| m.reqs_to_recv.iter().cloned()).collect(),
         reqs_to_send: steps.iter().flat_map(|m| m.reqs_to_send.iter().cloned()).collect(),
+        heartbeats: vec![],
     };
     check_session(&all, &finished);
     assert!(

@@ -48,6 +48,7 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
         side_channel_host: "10.0.0.2".into(),
         side_channel_port: 5700,
         auth_key,
+        lease_duration: std::time::Duration::from_secs(30),
     })
     .ok()
 }
@@ -95,18 +96,29 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         _ => Vec::new(),
     };
     let mut alloc_params = params.clone();
-    let alloc =
-        decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, external);
+    let alloc = decode.update_state_after_alloc(
+        &id,
+        prompt_len,
+        Some(&mut alloc_params),
+        &new_blocks,
+        computed,
+        external,
+    );
     if params.do_remote_prefill {
         assert!(!alloc_params.do_remote_prefill, "a request may trigger one load only");
     }
     // vLLM allocates again once an async load completes: nothing more is recorded.
-    let again = decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, 0);
+    let again =
+        decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, computed, 0);
     assert!(again.is_ok(), "the second allocation failed: {again:?}");
-    let meta = decode.build_connector_meta();
+    let meta = decode.build_connector_meta(std::time::Instant::now());
     assert!(meta.reqs_to_recv.len() <= 1 && meta.reqs_to_send.is_empty(), "{meta:?}");
     if let Some(r) = meta.reqs_to_recv.first() {
-        assert!(alloc.is_ok(), "a load recorded although the allocation failed: {alloc:?}");
+        // A failed allocation loads nothing, but still tells the prefill engine to free.
+        assert!(
+            alloc.is_ok() || r.is_notify_only(),
+            "a load recorded although the allocation failed: {alloc:?}"
+        );
         assert!(r.local_block_ids.len() <= r.remote_block_ids.len(), "{r:?}");
         assert!(
             r.local_block_ids.iter().all(|b| new_blocks.contains(b)),
@@ -132,7 +144,7 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
             Err(e) => panic!("the params a scheduler hands out do not parse: {e}"),
         }
     }
-    decode.build_connector_meta();
+    decode.build_connector_meta(std::time::Instant::now());
     // The workers report every load done and every hold released.
     let report = Finished { sending: vec![id.clone()], recving: vec![id.clone()], failed_recving: vec![] };
     decode.update_finished(&report);
@@ -154,7 +166,7 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
             assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
         }
     }
-    let meta = prefill.build_connector_meta();
+    let meta = prefill.build_connector_meta(std::time::Instant::now());
     assert_eq!(meta.reqs_to_send.len(), usize::from(out.delay_free));
     prefill.update_finished(&report);
     assert!(prefill.is_idle(), "the prefill scheduler is not idle once the hold is released");

@@ -55,6 +55,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 num_blocks: 1024,
                 block_len: 16 << 10,
                 compat_hash: 0x9e37_79b9_7f4a_7c15,
+                instance: 1,
             },
         ),
         (
@@ -69,6 +70,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 num_blocks: 0,
                 block_len: 0,
                 compat_hash: 0,
+                instance: 0,
             },
         ),
         (
@@ -83,6 +85,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 num_blocks: u32::MAX,
                 block_len: u64::MAX,
                 compat_hash: u64::MAX,
+                instance: u64::MAX,
             },
         ),
     ]
@@ -100,6 +103,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
             auth_key: Some(auth_key()),
+            lease_duration: std::time::Duration::from_secs(30),
         }),
         "scheduler",
     )
@@ -117,7 +121,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
         4 * 3 + 1,
         &[28, 29, 30, 31],
     );
-    let prefill_meta = prefill.build_connector_meta();
+    let prefill_meta = prefill.build_connector_meta(std::time::Instant::now());
     let json = out.params.unwrap_or_default().to_json();
     let mut params = must(TransferParams::from_json(&json), "params");
     let mut decode = scheduler("decode");
@@ -127,12 +131,16 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
             4 * 3 + 1,
             Some(&mut params.clone()),
             &[0, 1, 2],
+            0,
             12,
         ),
         "alloc",
     );
-    must(decode.update_state_after_alloc(&"cmpl-d-1".into(), 4 * 3 + 1, Some(&mut params), &[9], 0), "alloc");
-    let decode_meta = decode.build_connector_meta();
+    must(
+        decode.update_state_after_alloc(&"cmpl-d-1".into(), 4 * 3 + 1, Some(&mut params), &[9], 12, 0),
+        "alloc",
+    );
+    let decode_meta = decode.build_connector_meta(std::time::Instant::now());
     let remote = RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 };
     vec![
         ("decode-step", decode_meta),
@@ -147,11 +155,15 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     local_block_ids: vec![u32::MAX, 0],
                     remote_block_ids: vec![],
                     remote_read_from: u32::MAX,
-                    remote: RemoteCoordinates { port: u16::MAX, ..remote },
+                    remote: RemoteCoordinates { port: u16::MAX, ..remote.clone() },
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),
                 }],
                 reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
+                heartbeats: vec![kvx_core::Heartbeat {
+                    remote: RemoteCoordinates { host: "h".repeat(300), ..remote.clone() },
+                    holds: vec![HeldRequest { request_id: "x".into(), nonce: NONCE }; 3],
+                }],
             },
         ),
     ]
@@ -168,8 +180,11 @@ pub(crate) fn rank_report_seeds() -> Vec<Seed> {
 /// Hold releases: a typical one, an empty id.
 pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
     vec![
-        ("typical", HoldRelease { request_id: "cmpl-7f3a-0".into(), nonce: NONCE }),
-        ("empty-id", HoldRelease { request_id: "".into(), nonce: kvx_core::HexBytes([0; 16]) }),
+        ("typical", HoldRelease { request_id: "cmpl-7f3a-0".into(), nonce: NONCE, reply_to: None }),
+        (
+            "empty-id",
+            HoldRelease { request_id: "".into(), nonce: kvx_core::HexBytes([0; 16]), reply_to: None },
+        ),
     ]
 }
 

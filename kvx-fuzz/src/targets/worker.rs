@@ -34,7 +34,8 @@ pub fn worker_handshake(data: &[u8]) {
 
 fn handshake_session(data: &[u8]) -> Finished {
     let prefill = prefill();
-    let meta = ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![] };
+    let meta =
+        ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![], heartbeats: vec![] };
     decode_session(&prefill, None, &[meta], |_| Some(Ok(data.to_vec())))
 }
 
@@ -59,7 +60,7 @@ fn handshake_fields_session(data: &[u8]) -> Finished {
     let payload = fuzzed_payload(&mut src, &valid, &prefill.stale_metadata);
     let bytes = must(wire::encode(&payload), "encoding a payload");
     let reqs = fuzzed_requests(&mut src);
-    let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![] };
+    let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![], heartbeats: vec![] };
     decode_session(&prefill, None, &[meta], |_| Some(Ok(bytes.clone())))
 }
 
@@ -236,6 +237,7 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
             .into_iter()
             .map(|id| HeldRequest { request_id: id.into(), nonce: NONCE })
             .collect(),
+        heartbeats: vec![],
     };
     seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
     seeds
@@ -361,7 +363,7 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
             HeldRequest { request_id: request_id.into(), nonce: NONCE }
         })
         .collect();
-    ConnectorMetadata { reqs_to_recv, reqs_to_send }
+    ConnectorMetadata { reqs_to_recv, reqs_to_send, heartbeats: vec![] }
 }
 
 /// Seeds: no choice (one valid load), each answer, and a few loads with one field changed.
@@ -404,7 +406,10 @@ pub fn worker_notification(data: &[u8]) {
 
     let now = Instant::now();
     let held: Vec<HeldRequest> = notification_holds();
-    worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held.clone() });
+    worker.start_load_kv(
+        now,
+        &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held.clone(), heartbeats: vec![] },
+    );
     for _ in 0..2 {
         must(reader.notify(&prefill_name, data), "notifying");
     }
@@ -420,13 +425,16 @@ pub fn worker_notification(data: &[u8]) {
     }
     let late: Vec<HeldRequest> =
         release.iter().map(|r| HeldRequest { request_id: r.request_id.clone(), nonce: r.nonce }).collect();
-    worker.start_load_kv(now, &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: late.clone() });
+    worker.start_load_kv(
+        now,
+        &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: late.clone(), heartbeats: vec![] },
+    );
     let early = worker.get_finished(now).sending;
     for id in &early {
         assert!(releases(id, &late), "hold {id:?} freed by an early notification that does not release it");
     }
     released.extend(early);
-    let later = now + worker.config().hold_timeout + Duration::from_secs(1);
+    let later = now + worker.config().lease_duration + Duration::from_secs(1);
     released.extend(worker.get_finished(later).sending);
 
     let all_held: HashSet<&RequestId> = held.iter().chain(&late).map(|h| &h.request_id).collect();
@@ -453,7 +461,7 @@ const OTHER_NONCE: Nonce = kvx_core::HexBytes([0xa5; 16]);
 /// Releases: of each hold, with the wrong nonce, of no hold (it comes before its hold), and
 /// hostile variants; then bare request ids (what kvx sent before nonces), and other bytes.
 pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
-    let release = |id: &str, nonce| HoldRelease { request_id: id.into(), nonce };
+    let release = |id: &str, nonce| HoldRelease { request_id: id.into(), nonce, reply_to: None };
     let samples = vec![
         ("releases-a-hold", release("req-0", NONCE)),
         ("releases-a-vllm-hold", release("cmpl-7f3a-0", OTHER_NONCE)),
@@ -494,6 +502,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             side_channel_host: "10.0.0.1".into(),
             side_channel_port: 5600,
             auth_key: None,
+            lease_duration: Duration::from_secs(30),
         }),
         "scheduler",
     );

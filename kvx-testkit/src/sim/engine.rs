@@ -10,8 +10,8 @@ use tokio::runtime::Runtime;
 use kvx_core::net::NetConfig;
 use kvx_core::{
     AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, ErrorKind,
-    FinishReason, Finished, InProcessGroup, LayerCache, RequestId, Result, SchedulerConfig, TransferAgent,
-    TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
+    FinishReason, Finished, InProcessGroup, LayerCache, RemoteCoordinates, RequestId, Result,
+    SchedulerConfig, TransferAgent, TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
 use super::model::{self, ModelSpec};
@@ -102,8 +102,9 @@ pub struct EngineConfig {
     pub auth_key: Option<AuthKey>,
     /// Handshake timeout of the workers.
     pub handshake_timeout: Duration,
-    /// How long a prefill engine holds blocks for a reader that does not come.
-    pub hold_timeout: Duration,
+    /// The lease of a prefill engine's hold (renewed by the decode engine's heartbeats while its
+    /// request waits for the KV).
+    pub lease_duration: Duration,
 }
 
 impl EngineConfig {
@@ -124,7 +125,7 @@ impl EngineConfig {
             side_channel: SideChannel::InProcess(net.clone()),
             auth_key: None,
             handshake_timeout: Duration::from_secs(5),
-            hold_timeout: Duration::from_secs(30),
+            lease_duration: Duration::from_secs(30),
         }
     }
 }
@@ -282,10 +283,13 @@ impl SimEngine {
         let scheduler = ConnectorScheduler::new(SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
-            side_channel_host: host,
+            side_channel_host: host.clone(),
             side_channel_port: base_port,
             auth_key: config.auth_key.clone(),
+            lease_duration: config.lease_duration,
         })?;
+        let own_side_channel =
+            RemoteCoordinates { engine_id: config.engine_id.clone(), host, port: base_port };
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
         let regions = model.kind().regions_per_layer() as usize;
@@ -297,7 +301,8 @@ impl SimEngine {
                 WorkerConfig {
                     compat_tag: model.compat_tag(),
                     handshake_timeout: config.handshake_timeout,
-                    hold_timeout: config.hold_timeout,
+                    lease_duration: config.lease_duration,
+                    side_channel: Some(own_side_channel.clone()),
                     auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
@@ -431,6 +436,7 @@ impl SimEngine {
         for &t in prompt {
             req.push_token(t);
         }
+        self.scheduler.on_new_request(&id, req.params.as_ref());
         self.requests.insert(id.clone(), req);
         self.waiting.push_back(id);
         Ok(())
@@ -457,7 +463,7 @@ impl SimEngine {
         self.stats.steps += 1;
         self.schedule_waiting();
         self.run_model();
-        let meta = self.scheduler.build_connector_meta();
+        let meta = self.scheduler.build_connector_meta(std::time::Instant::now());
         for recv in &meta.reqs_to_recv {
             if recv.local_block_ids.is_empty() {
                 continue;
@@ -541,6 +547,7 @@ impl SimEngine {
             r.prompt_len,
             r.params.as_mut(),
             &new_blocks,
+            computed,
             matched.count,
         )?;
         if matched.load_async && matched.count > 0 {

@@ -219,8 +219,18 @@ class KvxConnector(KVConnectorBase_V1):
         if not params or not params.get("do_remote_prefill"):
             return
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        # request.num_computed_tokens is set only after this call: the local prefix-cache hit is
+        # the request's hashed (cached) blocks, the rest are new.
+        num_local_computed = 0
+        if block_ids:
+            num_local_computed = (len(blocks.get_block_ids()[0]) - len(block_ids)) * self._block_size
         if self._sched.update_state_after_alloc(
-            request.request_id, request.num_prompt_tokens, json.dumps(params), block_ids, num_external_tokens
+            request.request_id,
+            request.num_prompt_tokens,
+            json.dumps(params),
+            block_ids,
+            num_local_computed,
+            num_external_tokens,
         ):
             params["do_remote_prefill"] = False
 

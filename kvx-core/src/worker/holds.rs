@@ -1,0 +1,157 @@
+//! The prefill side: each held request's blocks stay under a lease until its reader releases
+//! them or the lease runs out; heartbeats extend it. A release that asks is answered whether the
+//! hold was still alive: the release comes only after the READ completed, so "held" means the
+//! lease covered the whole READ.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+use super::ttl::{Key, TtlMap};
+use super::{ConnectorWorker, WorkerConfig, WorkerStats};
+use crate::auth::Nonce;
+use crate::ids::{AgentName, RequestId};
+use crate::meta::{HeldRequest, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
+use crate::params::MAX_ID_LEN;
+use crate::wire;
+
+#[derive(Debug)]
+struct Hold {
+    until: Instant,
+    nonce: Nonce,
+}
+
+/// Held requests, releases that came before their hold, and holds that ended recently.
+#[derive(Debug)]
+pub(super) struct Holds {
+    lease: Duration,
+    live: HashMap<RequestId, Hold>,
+    /// Releases that arrived before their hold, with whom to answer.
+    early: TtlMap<Option<ReplyTo>>,
+    /// Holds released or expired: a late release is answered "not held" at once.
+    ended: TtlMap<()>,
+}
+
+impl Holds {
+    pub(super) fn new(config: &WorkerConfig) -> Self {
+        Holds {
+            lease: config.lease_duration,
+            live: HashMap::new(),
+            early: TtlMap::new(config.max_early_releases, config.early_release_ttl),
+            ended: TtlMap::new(config.max_early_releases, config.lease_duration),
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        self.live.values().map(|h| h.until).chain(self.early.next_deadline()).min()
+    }
+
+    #[cfg(test)]
+    pub(super) fn early_len(&self) -> usize {
+        self.early.len()
+    }
+
+    pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) {
+        stats.stray_notifications += self.early.expire(now);
+        self.ended.expire(now);
+    }
+}
+
+impl ConnectorWorker {
+    /// A hold from the scheduler: its lease starts now, unless its release already came.
+    pub(super) fn hold(&mut self, now: Instant, held: &HeldRequest) {
+        let key = (held.request_id.clone(), held.nonce);
+        if let Some(reply_to) = self.holds.early.take(&key) {
+            self.end_hold(now, key, reply_to);
+        } else {
+            let hold = Hold { until: now + self.holds.lease, nonce: held.nonce };
+            self.holds.live.insert(held.request_id.clone(), hold);
+        }
+    }
+
+    /// Frees a hold its reader released, and answers if asked.
+    fn end_hold(&mut self, now: Instant, key: Key, reply_to: Option<ReplyTo>) {
+        self.stats.notifications += 1;
+        self.finished.sending.push(key.0.clone());
+        let status = HoldStatus { request_id: key.0.clone(), nonce: key.1, held: true };
+        self.holds.ended.insert(now, key, ());
+        self.answer(now, reply_to, status);
+    }
+
+    pub(super) fn on_release(&mut self, now: Instant, from: &AgentName, release: HoldRelease) {
+        if release.request_id.as_str().len() > MAX_ID_LEN {
+            self.stats.stray_notifications += 1;
+            return;
+        }
+        let key = (release.request_id, release.nonce);
+        match self.holds.live.get(&key.0) {
+            Some(hold) if hold.nonce == key.1 => {
+                self.holds.live.remove(&key.0);
+                self.end_hold(now, key, release.reply_to);
+            }
+            Some(_) => {
+                // Counted, and logged at debug only: a flood of forged releases must not flood
+                // the log.
+                debug!(request_id = %key.0, %from, "release with a wrong nonce refused: the hold stays");
+                self.stats.rejected_notifications += 1;
+            }
+            None if self.holds.ended.contains(&key) => {
+                // Its lease ran out (or it was released) before this release came: the READ may
+                // have copied reused blocks.
+                self.stats.stray_notifications += 1;
+                let status = HoldStatus { request_id: key.0, nonce: key.1, held: false };
+                self.answer(now, release.reply_to, status);
+            }
+            None => self.stats.stray_notifications += self.holds.early.insert(now, key, release.reply_to),
+        }
+    }
+
+    /// Sends `status` to the decode worker that asked. A decode engine that restarted (a new
+    /// instance) is handshaken again first.
+    fn answer(&mut self, now: Instant, reply_to: Option<ReplyTo>, status: HoldStatus) {
+        let Some(ReplyTo { engine, instance }) = reply_to else { return };
+        if engine.check().is_err() || engine.engine_id == self.config.engine_id {
+            self.stats.unsent_messages += 1;
+            return;
+        }
+        if matches!(self.peers.get(&engine.engine_id), Some(super::Peer::Ready(c)) if c.instance != instance)
+        {
+            self.invalidate(&engine.engine_id);
+        }
+        match wire::encode(&status) {
+            Ok(msg) => {
+                self.stats.hold_answers += 1;
+                self.send_to(now, &engine, msg);
+            }
+            Err(e) => debug!(error = %e, "encoding an answer failed"),
+        }
+    }
+
+    /// A heartbeat: extends the leases of the holds it names with their nonces.
+    pub(super) fn on_renew(&mut self, now: Instant, renew: RenewLeases) {
+        let until = now + self.holds.lease;
+        for held in renew.holds {
+            if let Some(hold) = self.holds.live.get_mut(&held.request_id).filter(|h| h.nonce == held.nonce) {
+                hold.until = hold.until.max(until);
+                self.stats.leases_renewed += 1;
+            }
+        }
+    }
+
+    /// Frees the holds whose lease ran out.
+    pub(super) fn expire_holds(&mut self, now: Instant) {
+        let expired: Vec<RequestId> =
+            self.holds.live.iter().filter(|(_, h)| h.until <= now).map(|(id, _)| id.clone()).collect();
+        for id in expired {
+            let Some(hold) = self.holds.live.remove(&id) else { continue };
+            warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
+            self.stats.expired_holds += 1;
+            self.finished.sending.push(id.clone());
+            self.holds.ended.insert(now, (id, hold.nonce), ());
+        }
+    }
+}

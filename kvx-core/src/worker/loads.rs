@@ -1,0 +1,412 @@
+//! The decode side: admit a load, READ the blocks, and report it done only once the prefill
+//! engine confirms its hold lived through the READ; renew the leases of requests still waiting.
+//!
+//! A load goes `Waiting` (for the handshake) → `Reading` (READ posted, its notification the
+//! release with `reply_to`) → `Confirming` (READ done, waiting for [`HoldStatus`]) → reported.
+//! Every stage has a deadline. A load that fails after its offer checked tells the prefill
+//! engine to free at once.
+
+use std::collections::HashSet;
+use std::time::Instant;
+use tracing::{debug, warn};
+
+use super::ConnectorWorker;
+use super::peers::{Peer, Waiter};
+use crate::error::{Error, ErrorKind, Result};
+use crate::ids::{AgentName, RequestId};
+use crate::layout::KvCacheLayout;
+use crate::meta::{FailedRecv, Heartbeat, HoldRelease, HoldStatus, RecvRequest, RenewLeases, ReplyTo};
+use crate::transfer::{XferId, XferOp, XferState};
+use crate::wire;
+
+/// At most this many holds per heartbeat message (a notification stays small).
+const RENEWALS_PER_MESSAGE: usize = 128;
+
+#[derive(Debug)]
+pub(super) struct Load {
+    req: RecvRequest,
+    stage: Stage,
+}
+
+#[derive(Debug)]
+enum Stage {
+    /// Waiting for the peer's handshake. After a failed READ, `retry` holds its error and the
+    /// instance it was posted to: the READ is posted again only if the handshake finds a new
+    /// instance (the engine restarted and the offer may be the new one's); otherwise it fails.
+    Waiting { retry: Option<(Error, u64)> },
+    /// READ posted to `instance`; `answer` holds a [`HoldStatus`] that came before the READ was
+    /// seen done.
+    Reading {
+        xfer: XferId,
+        peer: AgentName,
+        instance: u64,
+        posted: Instant,
+        deadline: Instant,
+        bytes: u64,
+        answer: Option<bool>,
+    },
+    /// READ done; waiting for the prefill engine's answer.
+    Confirming { peer: AgentName, posted: Instant, deadline: Instant, bytes: u64 },
+}
+
+impl Load {
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        match &self.stage {
+            Stage::Waiting { .. } => None,
+            Stage::Reading { deadline, .. } | Stage::Confirming { deadline, .. } => Some(*deadline),
+        }
+    }
+
+    /// Whether a READ from `agent` is in flight for this load.
+    pub(super) fn reads_from(&self, agent: &AgentName) -> bool {
+        matches!(&self.stage, Stage::Reading { peer, .. } if peer == agent)
+    }
+}
+
+/// How a load's check failed: the error, and whether the prefill engine is told to free (only
+/// once the offer itself checked and no other load uses it).
+type Refusal = (Error, bool);
+
+impl ConnectorWorker {
+    pub(super) fn admit(&mut self, now: Instant, req: &RecvRequest) {
+        if let Err((e, release)) = self.check_load(req) {
+            if release {
+                self.release_hold(now, req);
+            }
+            return self.fail(&req.request_id, e);
+        }
+        if req.is_notify_only() {
+            self.stats.notify_only += 1;
+            return self.release_hold(now, req);
+        }
+        let id = req.request_id.clone();
+        if let Some(nonce) = req.nonce {
+            self.offers.insert(nonce, id.clone());
+        }
+        self.loads.insert(id.clone(), Load { req: req.clone(), stage: Stage::Waiting { retry: None } });
+        match self.when_ready(now, &req.remote, Waiter::Load(id.clone())) {
+            Ok(Some(_)) => self.issue(now, &id),
+            Ok(None) => {}
+            Err(e) => {
+                self.end_load(now, &id, Err(e), true);
+            }
+        }
+    }
+
+    /// Checks what came from the client's params before anything touches the network, then the
+    /// local side of the load.
+    fn check_load(&self, req: &RecvRequest) -> std::result::Result<(), Refusal> {
+        let Some(registered) = &self.registered else {
+            return Err((
+                Error::new(ErrorKind::State, "load requested before KV caches were registered"),
+                false,
+            ));
+        };
+        let Some(offer) = req.offer() else {
+            let e = "kv_transfer_params carry no kvx_hold_nonce: not an offer of a kvx prefill engine";
+            return Err((Error::invalid_peer_data(e), false));
+        };
+        offer.check(self.config.auth_key.as_ref(), req.mac.as_ref()).map_err(|e| (e, false))?;
+        if req.remote.engine_id == self.config.engine_id {
+            let e = format!("remote engine {} is this engine", req.remote.engine_id);
+            return Err((Error::invalid_peer_data(e), false));
+        }
+        if self.loads.contains_key(&req.request_id) || req.nonce.is_some_and(|n| self.offers.contains_key(&n))
+        {
+            let e = "a load for this request or this offer is already in flight";
+            return Err((Error::invalid_argument(e), false));
+        }
+        if req.is_notify_only() {
+            return Ok(());
+        }
+        if self.config.side_channel.is_none() {
+            let e = "a decode worker needs WorkerConfig::side_channel: the prefill engine answers there";
+            return Err((Error::new(ErrorKind::State, e), true));
+        }
+        let local = |e| (e, true);
+        KvCacheLayout::check_block_ids(&req.local_block_ids, registered.layout.num_blocks, "local")
+            .map_err(local)?;
+        let mut seen = HashSet::with_capacity(req.local_block_ids.len());
+        if let Some(dup) = req.local_block_ids.iter().find(|b| !seen.insert(**b)) {
+            return Err(local(Error::invalid_argument(format!("local block {dup} appears twice"))));
+        }
+        remote_read(req).map(|_| ()).map_err(local)
+    }
+
+    /// Tells the prefill engine to free the hold of `req` (no answer wanted).
+    fn release_hold(&mut self, now: Instant, req: &RecvRequest) {
+        let Some(nonce) = req.nonce else { return };
+        let release = HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to: None };
+        match wire::encode(&release) {
+            Ok(msg) => self.send_to(now, &req.remote, msg),
+            Err(e) => debug!(error = %e, "encoding a release failed"),
+        }
+    }
+
+    /// Posts the READ of a load whose peer is ready.
+    pub(super) fn issue(&mut self, now: Instant, id: &RequestId) {
+        let Some(mut load) = self.loads.remove(id) else { return };
+        if let Stage::Waiting { retry: Some((e, old)) } = &load.stage {
+            let same = matches!(self.peers.get(&load.req.remote.engine_id), Some(Peer::Ready(c)) if c.instance == *old);
+            if same {
+                let e = e.detached();
+                self.loads.insert(id.clone(), load);
+                self.end_load(now, id, Err(e), true);
+                return;
+            }
+            debug!(request_id = %id, "the engine restarted: posting the READ again to its new instance");
+        }
+        match self.post_read(&load.req) {
+            Ok((xfer, peer, instance, bytes)) => {
+                let deadline = now + self.config.transfer_timeout;
+                load.stage =
+                    Stage::Reading { xfer, peer, instance, posted: now, deadline, bytes, answer: None };
+                self.loads.insert(id.clone(), load);
+            }
+            Err(e) => {
+                self.loads.insert(id.clone(), load);
+                self.end_load(now, id, Err(e), true);
+            }
+        }
+    }
+
+    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, u64, u64)> {
+        let (Some(registered), Some(Peer::Ready(conn))) =
+            (&self.registered, self.peers.get(&req.remote.engine_id))
+        else {
+            return Err(Error::new(ErrorKind::State, "peer not ready"));
+        };
+        let (Some(nonce), Some(me)) = (req.nonce, &self.config.side_channel) else {
+            return Err(Error::new(ErrorKind::State, "no nonce or no side channel to answer on"));
+        };
+        let reply_to = Some(ReplyTo { engine: me.clone(), instance: self.instance });
+        let release =
+            wire::encode(&HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to })?;
+        let remote = remote_read(req)?;
+        KvCacheLayout::check_block_ids(remote, conn.num_blocks, "remote")?;
+        let layout = &registered.layout;
+        self.descs_local.clear();
+        self.descs_remote.clear();
+        layout.descriptor_ids(layout.num_blocks, &req.local_block_ids, &mut self.descs_local);
+        layout.descriptor_ids(conn.num_blocks, remote, &mut self.descs_remote);
+        let xfer = self.agent.post(
+            XferOp::Read,
+            registered.local_dlist,
+            &self.descs_local,
+            conn.dlist,
+            &self.descs_remote,
+            Some(&release),
+        )?;
+        self.stats.reads_posted += 1;
+        self.stats.descriptors += self.descs_local.len() as u64;
+        let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
+        Ok((xfer, conn.agent.clone(), conn.instance, bytes))
+    }
+
+    /// Ends a load: reports it done or failed. With `release`, a failed load tells the prefill
+    /// engine to free; without, the encoded release is returned for the caller to send.
+    pub(super) fn end_load(
+        &mut self,
+        now: Instant,
+        id: &RequestId,
+        outcome: Result<()>,
+        release: bool,
+    ) -> Option<Vec<u8>> {
+        let load = self.loads.remove(id)?;
+        if let Some(nonce) = load.req.nonce {
+            self.offers.remove(&nonce);
+        }
+        match outcome {
+            Ok(()) => {
+                if let Stage::Confirming { posted, bytes, .. } = load.stage {
+                    let took = now.saturating_duration_since(posted);
+                    debug!(request_id = %id, ?took, bytes, "READ done and confirmed");
+                    self.stats.bytes_read += bytes;
+                    self.stats.transfer_latencies.push(took);
+                }
+                self.finished.recving.push(id.clone());
+                None
+            }
+            Err(e) => {
+                self.fail(id, e);
+                if release {
+                    self.release_hold(now, &load.req);
+                    return None;
+                }
+                let nonce = load.req.nonce?;
+                let release =
+                    HoldRelease { request_id: load.req.prefill_request_id().clone(), nonce, reply_to: None };
+                wire::encode(&release).ok()
+            }
+        }
+    }
+
+    pub(super) fn fail(&mut self, request_id: &RequestId, error: Error) {
+        warn!(%request_id, %error, "KV load failed");
+        self.stats.failed_loads += 1;
+        self.finished
+            .failed_recving
+            .push(FailedRecv { request_id: request_id.clone(), reason: error.to_string() });
+    }
+
+    /// Polls the READs in flight: a done READ waits for its confirmation; a failed one fails its
+    /// load, tells the prefill engine to free, and drops the peer (it may have restarted).
+    pub(super) fn collect_transfers(&mut self, now: Instant) {
+        let mut ended = Vec::new();
+        for (id, load) in &self.loads {
+            if let Stage::Reading { xfer, .. } = &load.stage {
+                match self.agent.poll(*xfer) {
+                    Ok(XferState::Pending) => {}
+                    Ok(XferState::Done) => ended.push((id.clone(), Ok(()))),
+                    Ok(XferState::Failed(reason)) => {
+                        ended.push((id.clone(), Err(Error::new(ErrorKind::Transfer, reason))))
+                    }
+                    Err(e) => ended.push((id.clone(), Err(e))),
+                }
+            }
+        }
+        for (id, outcome) in ended {
+            let Some(load) = self.loads.get_mut(&id) else { continue };
+            let Stage::Reading { xfer, peer, instance, posted, bytes, answer, .. } = &load.stage else {
+                continue;
+            };
+            if let Err(e) = self.agent.release(*xfer) {
+                debug!(request_id = %id, error = %e, "releasing a finished transfer failed");
+            }
+            let (peer, instance, posted, bytes, answer) = (peer.clone(), *instance, *posted, *bytes, *answer);
+            let remote = load.req.remote.clone();
+            match outcome {
+                Ok(()) => {
+                    let deadline = now + self.config.confirm_timeout;
+                    load.stage = Stage::Confirming { peer, posted, deadline, bytes };
+                    if let Some(held) = answer {
+                        self.confirm(now, &id, held);
+                    }
+                }
+                Err(e) => {
+                    // The engine may have restarted: handshake again, and post again only if it
+                    // has (see `Stage::Waiting`). The READ's notification was not sent.
+                    debug!(request_id = %id, error = %e, "READ failed: handshaking with the engine again");
+                    load.stage = Stage::Waiting { retry: Some((e, instance)) };
+                    self.invalidate_connection(&remote.engine_id, &peer);
+                    match self.when_ready(now, &remote, Waiter::Load(id.clone())) {
+                        Ok(Some(_)) => self.issue(now, &id),
+                        Ok(None) => {}
+                        Err(e) => {
+                            self.end_load(now, &id, Err(e), false);
+                        }
+                    }
+                }
+            }
+        }
+        self.forget_retired();
+    }
+
+    /// Drops the engine's peer if it is still the connection `agent`.
+    fn invalidate_connection(&mut self, engine_id: &crate::ids::EngineId, agent: &AgentName) {
+        if matches!(self.peers.get(engine_id), Some(Peer::Ready(c)) if &c.agent == agent) {
+            self.invalidate(engine_id);
+        }
+    }
+
+    /// The prefill engine's answer for one of this worker's loads.
+    pub(super) fn on_hold_status(&mut self, now: Instant, from: &AgentName, status: HoldStatus) {
+        let Some(id) = self.offers.get(&status.nonce).cloned() else {
+            self.stats.stray_notifications += 1;
+            return;
+        };
+        let Some(load) = self.loads.get_mut(&id) else { return };
+        let from_peer = match &load.stage {
+            Stage::Reading { peer, .. } | Stage::Confirming { peer, .. } => peer == from,
+            Stage::Waiting { .. } => false,
+        };
+        if !from_peer || load.req.prefill_request_id() != &status.request_id {
+            self.stats.stray_notifications += 1;
+            return;
+        }
+        match &mut load.stage {
+            Stage::Reading { answer, .. } => *answer = Some(status.held),
+            _ => self.confirm(now, &id, status.held),
+        }
+    }
+
+    fn confirm(&mut self, now: Instant, id: &RequestId, held: bool) {
+        if held {
+            self.end_load(now, id, Ok(()), false);
+        } else {
+            self.stats.lease_failures += 1;
+            let e = Error::new(
+                ErrorKind::Expired,
+                "the prefill engine's hold ended before the READ's release reached it: the blocks read may have been reused",
+            );
+            self.end_load(now, id, Err(e), false);
+        }
+    }
+
+    /// Fails READs and confirmations past their deadlines. A READ whose transfer cannot be
+    /// cancelled keeps its blocks until it ends.
+    pub(super) fn expire_loads(&mut self, now: Instant) {
+        let expired: Vec<RequestId> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.deadline().is_some_and(|d| d <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            let Some(load) = self.loads.get(&id) else { continue };
+            let engine_id = load.req.remote.engine_id.clone();
+            let (e, release, peer) = match &load.stage {
+                Stage::Reading { xfer, peer, .. } => {
+                    if let Err(e) = self.agent.release(*xfer) {
+                        debug!(request_id = %id, error = %e, "an overdue READ cannot be cancelled yet");
+                        continue;
+                    }
+                    let timeout = self.config.transfer_timeout;
+                    (
+                        Error::new(ErrorKind::Timeout, format!("the READ took over {timeout:?}")),
+                        true,
+                        peer.clone(),
+                    )
+                }
+                Stage::Confirming { peer, .. } => {
+                    self.stats.lease_failures += 1;
+                    let e = "no answer from the prefill engine whether its hold lived through the READ";
+                    (Error::new(ErrorKind::Timeout, e), false, peer.clone())
+                }
+                Stage::Waiting { .. } => continue,
+            };
+            self.end_load(now, &id, Err(e), release);
+            self.invalidate_connection(&engine_id, &peer);
+        }
+    }
+
+    /// Renews the leases of requests still waiting for their KV on the matching prefill rank.
+    pub(super) fn send_heartbeat(&mut self, now: Instant, beat: &Heartbeat) {
+        if beat.remote.check().is_err() || beat.remote.engine_id == self.config.engine_id {
+            return;
+        }
+        for chunk in beat.holds.chunks(RENEWALS_PER_MESSAGE) {
+            match wire::encode(&RenewLeases { holds: chunk.to_vec() }) {
+                Ok(msg) => {
+                    self.stats.renewals_sent += chunk.len() as u64;
+                    self.send_to(now, &beat.remote, msg);
+                }
+                Err(e) => debug!(error = %e, "encoding a heartbeat failed"),
+            }
+        }
+    }
+}
+
+/// The offered blocks the READ takes: `local_block_ids.len()` from `remote_read_from`.
+fn remote_read(req: &RecvRequest) -> Result<&[u32]> {
+    let from = req.remote_read_from as usize;
+    from.checked_add(req.local_block_ids.len())
+        .and_then(|end| req.remote_block_ids.get(from..end))
+        .ok_or_else(|| {
+            Error::invalid_peer_data(format!(
+                "{} local blocks from remote block {from}, but only {} remote blocks",
+                req.local_block_ids.len(),
+                req.remote_block_ids.len()
+            ))
+        })
+}
