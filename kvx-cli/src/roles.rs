@@ -618,9 +618,12 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let mut summary = Summary::of_engine(&run.engine, total, start.elapsed());
     let t = &run.tracker;
     summary.set_outcomes(t.completed, t.failed, t.recomputed);
-    match run.ask(&ApiRequest::Done)? {
-        ApiReply::Finished { leaked, errors, .. } => summary.add_remote("prefill", leaked, errors),
-        other => return Err(api_error("unexpected reply", format!("{other:?}"))),
+    // The prefill process answers once its holds are released: a hold whose release never
+    // reached it lasts until its lease ends. Without an answer the summary still counts the run.
+    match run.ask(&ApiRequest::Done) {
+        Ok(ApiReply::Finished { leaked, errors, .. }) => summary.add_remote("prefill", leaked, errors),
+        Ok(other) => return Err(api_error("unexpected reply", format!("{other:?}"))),
+        Err(e) => summary.add_remote("prefill", 0, vec![format!("no answer to Done (leaks unknown): {e}")]),
     }
     // After the last reply: a restart noticed only by the last one counts too.
     summary.set_losses(run.tracker.losses());
