@@ -78,6 +78,8 @@ pub enum SideChannel {
     Tcp {
         /// The host to bind and to hand to decode engines.
         host: String,
+        /// The port of rank 0 (rank r binds `port + r`); 0: free ports from the OS.
+        port: u16,
     },
 }
 
@@ -266,13 +268,17 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Tcp { host } => host.clone(),
+            SideChannel::Tcp { host, .. } => host.clone(),
         };
         let BoundSideChannels { base_port, ranks: exchanges } = match &config.side_channel {
             SideChannel::InProcess(net) => net.bind(&host, config.tp)?,
-            SideChannel::Tcp { host } => {
-                bind_tcp(runtime.handle(), host, config.tp, &NetConfig::with_key(config.auth_key.clone()))?
-            }
+            SideChannel::Tcp { host, port } => bind_tcp(
+                runtime.handle(),
+                host,
+                *port,
+                config.tp,
+                &NetConfig::with_key(config.auth_key.clone()),
+            )?,
         };
         // One instance for the scheduler and the workers: the params name the one the workers
         // publish, so a decode engine never reads them through a connection to an earlier start.
