@@ -98,6 +98,10 @@ pub struct ReplyTo {
     pub engine: RemoteCoordinates,
     /// The decode worker's instance id (from its handshake payload).
     pub instance: u64,
+    /// Random for each READ, echoed in the answer: only the release the READ itself carried can
+    /// confirm it (a release sent by anyone else who knows the nonce gets an answer the decode
+    /// worker does not take).
+    pub token: Nonce,
 }
 
 /// The prefill worker's answer to a [`HoldRelease`] with `reply_to`: whether the hold was still
@@ -112,6 +116,8 @@ pub struct HoldStatus {
     pub nonce: Nonce,
     /// Whether the hold was alive (and is now released).
     pub held: bool,
+    /// The release's [`ReplyTo::token`].
+    pub token: Nonce,
 }
 
 impl WireMessage for HoldStatus {

@@ -12,6 +12,7 @@ use tracing::{debug, warn};
 
 use super::ConnectorWorker;
 use super::peers::{Peer, Waiter};
+use crate::auth::Nonce;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId, RequestId};
 use crate::layout::KvCacheLayout;
@@ -44,13 +45,21 @@ enum Stage {
         xfer: XferId,
         peer: AgentName,
         instance: u64,
+        token: Nonce,
         posted: Instant,
         deadline: Instant,
         bytes: u64,
         answer: Option<bool>,
     },
     /// READ done; waiting for the prefill engine's answer.
-    Confirming { peer: AgentName, instance: u64, posted: Instant, deadline: Instant, bytes: u64 },
+    Confirming {
+        peer: AgentName,
+        instance: u64,
+        token: Nonce,
+        posted: Instant,
+        deadline: Instant,
+        bytes: u64,
+    },
 }
 
 impl Load {
@@ -195,10 +204,18 @@ impl ConnectorWorker {
             }
         }
         match self.post_read(&load.req) {
-            Ok((xfer, peer, bytes)) => {
+            Ok((xfer, peer, token, bytes)) => {
                 let deadline = now + self.config.transfer_timeout;
-                load.stage =
-                    Stage::Reading { xfer, peer, instance, posted: now, deadline, bytes, answer: None };
+                load.stage = Stage::Reading {
+                    xfer,
+                    peer,
+                    instance,
+                    token,
+                    posted: now,
+                    deadline,
+                    bytes,
+                    answer: None,
+                };
                 self.loads.insert(id.clone(), load);
             }
             Err(e)
@@ -252,7 +269,7 @@ impl ConnectorWorker {
         }
     }
 
-    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, u64)> {
+    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, Nonce, u64)> {
         let (Some(registered), Some(Peer::Ready(conn))) =
             (&self.registered, self.peers.get(&req.remote.engine_id))
         else {
@@ -261,7 +278,8 @@ impl ConnectorWorker {
         let (Some(nonce), Some(me)) = (req.nonce, &self.config.side_channel) else {
             return Err(Error::new(ErrorKind::State, "no nonce or no side channel to answer on"));
         };
-        let reply_to = Some(ReplyTo { engine: me.clone(), instance: self.instance });
+        let token = self.tokens.next_nonce();
+        let reply_to = Some(ReplyTo { engine: me.clone(), instance: self.instance, token });
         let release =
             wire::encode(&HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to })?;
         let remote = remote_read(req)?;
@@ -282,7 +300,7 @@ impl ConnectorWorker {
         self.stats.reads_posted += 1;
         self.stats.descriptors += self.descs_local.len() as u64;
         let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
-        Ok((xfer, conn.agent.clone(), bytes))
+        Ok((xfer, conn.agent.clone(), token, bytes))
     }
 
     /// Ends a load: reports it done or failed. With `release`, a failed load tells the prefill
@@ -349,18 +367,20 @@ impl ConnectorWorker {
         }
         for (id, outcome) in ended {
             let Some(load) = self.loads.get_mut(&id) else { continue };
-            let Stage::Reading { xfer, peer, instance, posted, bytes, answer, .. } = &load.stage else {
+            let Stage::Reading { xfer, peer, instance, token, posted, bytes, answer, .. } = &load.stage
+            else {
                 continue;
             };
             if let Err(e) = self.agent.release(*xfer) {
                 debug!(request_id = %id, error = %e, "releasing a finished transfer failed");
             }
-            let (peer, instance, posted, bytes, answer) = (peer.clone(), *instance, *posted, *bytes, *answer);
+            let (peer, instance, token, posted, bytes, answer) =
+                (peer.clone(), *instance, *token, *posted, *bytes, *answer);
             let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
                     let deadline = now + self.config.confirm_timeout;
-                    load.stage = Stage::Confirming { peer, instance, posted, deadline, bytes };
+                    load.stage = Stage::Confirming { peer, instance, token, posted, deadline, bytes };
                     if let Some(held) = answer {
                         self.confirm(now, &id, held);
                     }
@@ -397,11 +417,14 @@ impl ConnectorWorker {
             return;
         };
         let Some(load) = self.loads.get_mut(&id) else { return };
-        let from_peer = match &load.stage {
-            Stage::Reading { peer, .. } | Stage::Confirming { peer, .. } => peer == from,
+        // Only the answer to the release this READ carried (its token) confirms it.
+        let ours = match &load.stage {
+            Stage::Reading { peer, token, .. } | Stage::Confirming { peer, token, .. } => {
+                peer == from && *token == status.token
+            }
             Stage::Waiting { .. } => false,
         };
-        if !from_peer || load.req.prefill_request_id() != &status.request_id {
+        if !ours || load.req.prefill_request_id() != &status.request_id {
             self.stats.stray_notifications += 1;
             return;
         }

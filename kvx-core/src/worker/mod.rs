@@ -190,6 +190,8 @@ pub struct ConnectorWorker {
     agent: Arc<dyn TransferAgent>,
     /// Chosen at start; published in the handshake payload.
     instance: u64,
+    /// Decode side: each READ's token (see `ReplyTo::token`).
+    tokens: crate::auth::NonceSource,
     registered: Option<Registered>,
     peers: HashMap<EngineId, Peer>,
     /// Peers dropped while READs to them were still in flight: forgotten once those end.
@@ -235,6 +237,7 @@ impl ConnectorWorker {
             config,
             agent,
             instance,
+            tokens: crate::auth::NonceSource::from_entropy()?,
             registered: None,
             peers: HashMap::new(),
             retired: Vec::new(),
