@@ -47,11 +47,13 @@ fn lease_loads() -> Vec<RecvRequest> {
 ///
 /// Checks: no panic; the prefill rank frees exactly what a model of its leases frees (a release
 /// or heartbeat counts only with its hold's nonce), at each step; a load is done only if the
-/// prefill engine held its offer throughout (unless the prefill agent itself lied), and then its
-/// blocks hold the prefill's bytes as held; every load is reported once, every hold freed once;
+/// prefill engine held its offer, and then its blocks hold the prefill's bytes as held (unless the
+/// prefill agent itself lied, or, until kvx-core is fixed, a third agent's release asked for the
+/// answer: see [`KNOWN_FORGED_RELEASE`]); every load is reported once, every hold freed once;
 /// both ranks end idle; the counters agree with what was sent (notifications, expired holds,
 /// renewals, rejected releases and answers exactly; stray notifications within bounds), and
-/// the prefill rank handshakes only to send an answer.
+/// the prefill rank handshakes only to send an answer; at every step neither rank keeps more
+/// unanswered releases than its buffer holds.
 pub fn worker_lease_notifications(data: &[u8]) {
     lease_session(data);
 }
