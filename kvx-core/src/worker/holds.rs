@@ -104,7 +104,8 @@ impl ConnectorWorker {
                 // Its lease ran out (or it was released) before this release came: the READ may
                 // have copied reused blocks. Answered once: replays cost no more handshakes.
                 self.stats.stray_notifications += 1;
-                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| !**a) {
+                let asks = release.reply_to.is_some();
+                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| asks && !**a) {
                     *answered = true;
                     self.answer(now, &key, release.reply_to, false);
                 }
