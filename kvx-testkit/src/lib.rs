@@ -3,5 +3,6 @@
 
 pub mod conformance;
 pub mod hostile;
+pub mod matrix;
 pub mod sim;
 pub mod xproc;
