@@ -39,7 +39,12 @@ impl Holds {
             lease: config.lease_duration,
             live: HashMap::new(),
             early: TtlMap::new(config.max_early_releases, config.early_release_ttl),
-            ended: TtlMap::new(config.max_early_releases, config.lease_duration),
+            // Kept at least as long as an early release: a release that comes later than that is
+            // kept as early and never answered (the decode worker waits out its confirmation).
+            ended: TtlMap::new(
+                config.max_early_releases,
+                config.lease_duration.max(config.early_release_ttl),
+            ),
         }
     }
 

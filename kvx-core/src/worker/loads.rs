@@ -473,14 +473,17 @@ impl ConnectorWorker {
                     )
                 }
                 Stage::Confirming { peer, .. } => {
+                    // Released again (no answer wanted): a hold the release never reached is
+                    // freed now, not at the end of its lease.
                     self.stats.lease_failures += 1;
                     let e = "no answer from the prefill engine whether its hold lived through the READ";
-                    (Error::new(ErrorKind::Timeout, e), false, peer.clone())
+                    (Error::new(ErrorKind::Timeout, e), true, peer.clone())
                 }
                 Stage::Waiting { .. } => continue,
             };
-            self.end_load(now, &id, Err(e), release);
+            // Dropped first: the release goes out on a fresh connection.
             self.invalidate_connection(&engine_id, &peer);
+            self.end_load(now, &id, Err(e), release);
         }
     }
 
