@@ -10,21 +10,28 @@
 //! it is done; the prefill process answers once every hold is released, with its errors and leaked
 //! blocks. With `--auth-key` (or `KVX_AUTH_KEY`), the side channels and the API authenticate every
 //! connection with the key.
+//!
+//! A prefill process may die and be started again on the same ports (`--api-port`,
+//! `--side-channel-port`). The decode process then retries the request API with a bounded back-off
+//! (resubmitting the prompt whose round trip was lost), notices a restart by the new process's
+//! instance id in its replies, and counts the requests that were in flight when the prefill
+//! process was lost: with `--on-load-failure fail` or `recompute` their failed loads are expected
+//! (counted failed, or computed again by the decode engine), any other failure still fails the run.
 
 use async_trait::async_trait;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use kvx_core::net::{Connection, NetConfig, Server, Service, parse_endpoint};
 use kvx_core::{AuthKey, Error, ErrorKind, Handshakes, RequestId, Result, SystemClock, TransferParams};
-use kvx_testkit::sim::{EngineConfig, LoadFailurePolicy, SideChannel, SimEngine};
+use kvx_testkit::sim::{EngineConfig, LoadFailurePolicy, RequestState, SideChannel, SimEngine};
 
 use crate::backend::Backend;
-use crate::summary::Summary;
+use crate::summary::{PrefillLosses, Summary};
 use crate::workload::{ModelArgs, WorkloadArgs};
 
 /// What the decode process asks the prefill process.
@@ -36,11 +43,12 @@ enum ApiRequest {
     Done,
 }
 
-/// What the prefill process answers.
+/// What the prefill process answers. `instance` is random per prefill process: a new one after a
+/// restart tells the decode process that the holds of the old one are gone.
 #[derive(Debug, Serialize, Deserialize)]
 enum ApiReply {
-    Params(TransferParams),
-    Finished { leaked: usize, errors: Vec<String> },
+    Params { params: TransferParams, instance: String },
+    Finished { leaked: usize, errors: Vec<String>, instance: String },
     Error(String),
 }
 
@@ -68,19 +76,25 @@ impl AuthArgs {
     }
 }
 
-fn engine_config(id: &str, host: &str, model: &ModelArgs, auth_key: Option<AuthKey>) -> EngineConfig {
+fn engine_config(
+    id: &str,
+    host: &str,
+    port: u16,
+    model: &ModelArgs,
+    auth_key: Option<AuthKey>,
+) -> EngineConfig {
     EngineConfig {
         engine_id: id.into(),
         tp: model.tp,
         num_blocks: model.blocks,
         model: model.model(),
-        side_channel: SideChannel::Tcp { host: host.to_owned() },
+        side_channel: SideChannel::Tcp { host: host.to_owned(), port },
         auth_key,
         handshake_timeout: Duration::from_secs(10),
         lease_duration: Duration::from_secs(60),
         clock: Arc::new(SystemClock),
         handshakes: Handshakes::Background,
-        nonce_seed: None,
+        seed: None,
         load_failure: LoadFailurePolicy::Fail,
         side_channel_port: None,
     }
@@ -98,6 +112,10 @@ pub(crate) struct PrefillArgs {
     /// Port of the request API (0: any free port, printed on start).
     #[arg(long, default_value_t = 5600)]
     api_port: u16,
+    /// Port of rank 0's side channel; rank r serves on this port + r (0: free ports, printed on
+    /// start). Give the ports a process had to restart it in its place.
+    #[arg(long, default_value_t = 0)]
+    side_channel_port: u16,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -132,7 +150,7 @@ impl Service for Api {
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
-    let config = engine_config("prefill", &args.host, &args.model, key.clone());
+    let config = engine_config("prefill", &args.host, args.side_channel_port, &args.model, key.clone());
     let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
@@ -141,9 +159,11 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
         rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
     let base = engine.side_channel_port();
     let last = u32::from(base) + args.model.tp.saturating_sub(1);
+    let instance = format!("{:016x}", rand::random::<u64>());
     // The line a launcher waits for (the request API's endpoint comes last).
     println!(
-        "kvx prefill: {} backend, {}; side channels on ports {base}-{last}; request API on tcp://{}",
+        "kvx prefill: {} backend, {}; instance {instance}; side channels on ports {base}-{last}; \
+         request API on tcp://{}",
         args.backend.name(),
         args.model.describe(),
         server.local_addr()
@@ -184,14 +204,14 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
         engine.step()?;
         for (id, params) in engine.take_transfer_params() {
             if let Some(reply) = waiting.remove(&id) {
-                let _ = reply.send(ApiReply::Params(params));
+                let _ = reply.send(ApiReply::Params { params, instance: instance.clone() });
             }
         }
         if done.is_some() && waiting.is_empty() && engine.is_idle() {
             let summary = Summary::of_engine(&engine, served, start.elapsed());
             if let Some(reply) = done.take() {
                 let (leaked, errors) = (summary.leaked(), summary.errors().to_vec());
-                let _ = reply.send(ApiReply::Finished { leaked, errors });
+                let _ = reply.send(ApiReply::Finished { leaked, errors, instance: instance.clone() });
                 // Let the server write that reply (and close idle connections) before the
                 // runtime goes with this function; bounded.
                 let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(10));
@@ -206,6 +226,20 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     }
 }
 
+/// What `kvx decode` does with a request whose KV load failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OnLoadFailure {
+    /// The request fails, and so does the run: no load should fail.
+    Error,
+    /// The request fails. The run still succeeds when every failed request was in flight when the
+    /// prefill process was lost (its request API went away or a new instance answered).
+    Fail,
+    /// The decode engine computes the request's prompt itself, without remote KV (vLLM's
+    /// `recompute` policy). The run still succeeds when every failed load was of a request in
+    /// flight when the prefill process was lost, and every recompute finished.
+    Recompute,
+}
+
 /// Options of `kvx decode`.
 #[derive(Debug, Args)]
 pub(crate) struct DecodeArgs {
@@ -218,6 +252,19 @@ pub(crate) struct DecodeArgs {
     /// The prefill process's request API (`tcp://host:port` or `host:port`).
     #[arg(long, default_value = "tcp://127.0.0.1:5600")]
     prefill: String,
+    /// What a failed KV load means: `error` fails the run; `fail` and `recompute` (compute the
+    /// prompt here) accept the failed loads of requests in flight when the prefill process was
+    /// lost.
+    #[arg(long, value_enum, default_value_t = OnLoadFailure::Error)]
+    on_load_failure: OnLoadFailure,
+    /// At most this many requests in this engine at once (0: no limit): the next prompt goes to
+    /// the prefill process when one has finished.
+    #[arg(long, default_value_t = 0)]
+    max_in_flight: usize,
+    /// Give up when the request API stays unreachable this many seconds (connections refused or
+    /// reset: a prefill process that is down or restarting); retried with a back-off meanwhile.
+    #[arg(long, default_value_t = 30)]
+    reconnect_timeout: u64,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -226,30 +273,32 @@ pub(crate) struct DecodeArgs {
     auth: AuthArgs,
 }
 
-/// Runs the workload through the prefill process and this decode engine.
-pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
-    let backend = args.backend.sim_backend(true)?;
-    let key = args.auth.key()?;
-    let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let mut engine = SimEngine::new(engine_config("decode", &args.host, &args.model, key.clone()), &backend)?;
-    println!(
-        "kvx decode: {} backend, {}; prefill at {}",
-        args.backend.name(),
-        args.model.describe(),
-        args.prefill
-    );
-    let rt = runtime()?;
-    let api = NetConfig::with_key(key);
-    let limit = Duration::from_secs(args.workload.timeout);
-    let deadline = Instant::now() + limit;
-    // One connection per request: a lost reply cannot wedge the next one.
-    let ask = |request: &ApiRequest| -> Result<ApiReply> {
+/// Failed requests named on stderr, at most.
+const FAILURES_SHOWN: usize = 20;
+
+/// First and longest pause between two attempts to reach the request API.
+const RETRY_FIRST: Duration = Duration::from_millis(10);
+const RETRY_MAX: Duration = Duration::from_millis(500);
+
+/// The decode side of the request API: one connection per request, so that a lost reply cannot
+/// wedge the next one.
+struct ApiClient {
+    rt: Runtime,
+    host: String,
+    port: u16,
+    net: NetConfig,
+}
+
+impl ApiClient {
+    /// One exchange within `wait`. An unreachable prefill process (refused, reset, closed without a
+    /// reply) fails with `Handshake`.
+    fn exchange(&self, request: &ApiRequest, wait: Duration) -> Result<ApiReply> {
         let body = serde_json::to_vec(request).map_err(|e| api_error("encoding", e))?;
-        let wait = deadline.saturating_duration_since(Instant::now());
-        let reply = rt
+        let reply = self
+            .rt
             .block_on(async {
                 let exchange = async {
-                    let mut conn = Connection::connect(&api_host, api_port, &api).await?;
+                    let mut conn = Connection::connect(&self.host, self.port, &self.net).await?;
                     conn.request(body).await
                 };
                 tokio::time::timeout(wait, exchange).await
@@ -258,27 +307,361 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
             .map_err(|e| e.context("request API"))?;
         serde_json::from_slice(&reply)
             .map_err(|e| Error::invalid_peer_data(format!("request API: decoding the reply: {e}")))
+    }
+}
+
+/// The workload's requests in the decode engine, and what became of them; which of them were in
+/// flight when the prefill process was lost.
+#[derive(Debug)]
+struct Tracker {
+    policy: OnLoadFailure,
+    max_new_tokens: usize,
+    /// Requests of the workload the engine has not ended, with their prompts (for a recompute).
+    unfinished: HashMap<RequestId, Vec<u32>>,
+    /// Local recomputes of failed loads (the recompute's id to the request's).
+    recomputing: HashMap<RequestId, RequestId>,
+    /// The unfinished requests right after the last reply of the prefill process: all the
+    /// requests a loss after it can affect.
+    in_flight_at_reply: Vec<RequestId>,
+    /// Requests in flight at a loss of the prefill process.
+    excused: HashSet<RequestId>,
+    /// Requests whose load failed.
+    failed_loads: Vec<RequestId>,
+    /// The prefill instance that answered last.
+    instance: Option<String>,
+    /// Whether the prefill process is unreachable now (a loss is counted once).
+    lost: bool,
+    losses: usize,
+    in_flight_at_losses: usize,
+    completed: u64,
+    failed: u64,
+    recomputed: u64,
+    recomputes_failed: usize,
+}
+
+impl Tracker {
+    fn new(policy: OnLoadFailure, max_new_tokens: usize) -> Self {
+        Tracker {
+            policy,
+            max_new_tokens,
+            unfinished: HashMap::new(),
+            recomputing: HashMap::new(),
+            in_flight_at_reply: Vec::new(),
+            excused: HashSet::new(),
+            failed_loads: Vec::new(),
+            instance: None,
+            lost: false,
+            losses: 0,
+            in_flight_at_losses: 0,
+            completed: 0,
+            failed: 0,
+            recomputed: 0,
+            recomputes_failed: 0,
+        }
+    }
+
+    /// Requests in the engine: the workload's not yet ended, and recomputes.
+    fn in_flight(&self) -> usize {
+        self.unfinished.len() + self.recomputing.len()
+    }
+
+    /// A request the engine took, with params from the prefill process that answered last.
+    fn added(&mut self, id: RequestId, prompt: Vec<u32>) {
+        self.unfinished.insert(id, prompt);
+        self.in_flight_at_reply = self.unfinished.keys().cloned().collect();
+    }
+
+    /// The prefill process is unreachable: the requests in flight after its last reply may fail.
+    fn prefill_lost(&mut self, why: &str) {
+        if self.lost {
+            return;
+        }
+        self.lost = true;
+        if self.instance.is_none() {
+            // Not up yet: nothing of it was in flight.
+            println!("kvx decode: waiting for the request API ({why})");
+            return;
+        }
+        self.losses += 1;
+        let in_flight = std::mem::take(&mut self.in_flight_at_reply);
+        self.in_flight_at_losses += in_flight.len();
+        println!("kvx decode: prefill lost ({why}); {} requests were in flight", in_flight.len());
+        self.excused.extend(in_flight);
+    }
+
+    /// A reply from prefill instance `instance`; another instance than the last one means the
+    /// process restarted (its predecessor's holds are gone).
+    fn prefill_answered(&mut self, instance: &str) {
+        if let Some(last) = self.instance.clone().filter(|last| last != instance) {
+            self.prefill_lost(&format!("instance {last} replaced by {instance}"));
+        }
+        if self.lost && self.instance.is_some() {
+            println!("kvx decode: request API back, prefill instance {instance}");
+        }
+        self.lost = false;
+        self.instance = Some(instance.to_owned());
+    }
+
+    /// Records the requests `engine` ended; with `recompute`, submits failed loads again without
+    /// params.
+    fn sweep(&mut self, engine: &mut SimEngine) {
+        let ended = |engine: &SimEngine, id: &RequestId| match engine.state(id) {
+            Some(RequestState::Finished(reason)) => Some(Ok(*reason)),
+            Some(RequestState::Failed(why)) => Some(Err(why.clone())),
+            _ => None,
+        };
+        let done: Vec<_> =
+            self.unfinished.keys().filter_map(|id| Some((id.clone(), ended(engine, id)?))).collect();
+        for (id, outcome) in done {
+            let prompt = self.unfinished.remove(&id).unwrap_or_default();
+            let why = match outcome {
+                Ok(_) => {
+                    self.completed += 1;
+                    continue;
+                }
+                Err(why) => why,
+            };
+            self.report(&id, &why);
+            self.failed_loads.push(id.clone());
+            if self.policy != OnLoadFailure::Recompute {
+                self.failed += 1;
+                continue;
+            }
+            let again = RequestId::new(format!("{id}/recompute"));
+            match engine.add_request(again.clone(), &prompt, self.max_new_tokens, None) {
+                Ok(()) => {
+                    self.recomputing.insert(again, id);
+                }
+                Err(e) => {
+                    self.report(&again, &e.to_string());
+                    self.failed += 1;
+                    self.recomputes_failed += 1;
+                }
+            }
+        }
+        let done: Vec<_> =
+            self.recomputing.keys().filter_map(|id| Some((id.clone(), ended(engine, id)?))).collect();
+        for (again, outcome) in done {
+            self.recomputing.remove(&again);
+            match outcome {
+                Ok(_) => self.recomputed += 1,
+                Err(why) => {
+                    self.report(&again, &why);
+                    self.failed += 1;
+                    self.recomputes_failed += 1;
+                }
+            }
+        }
+    }
+
+    /// Says why a request failed, on stderr: the first [`FAILURES_SHOWN`]; the summary counts all.
+    fn report(&self, id: &RequestId, why: &str) {
+        let shown = self.failed_loads.len() + self.recomputes_failed;
+        if shown < FAILURES_SHOWN {
+            eprintln!("kvx decode: request {id} failed: {why}");
+        } else if shown == FAILURES_SHOWN {
+            eprintln!("kvx decode: request {id} failed: {why} (further failures only counted)");
+        }
+    }
+
+    /// Losses, and the failures they do not explain.
+    fn losses(&self) -> PrefillLosses {
+        let outside = self.failed_loads.iter().filter(|id| !self.excused.contains(*id)).count();
+        PrefillLosses {
+            tolerated: self.policy != OnLoadFailure::Error,
+            losses: self.losses,
+            in_flight: self.in_flight_at_losses,
+            load_failures: self.failed_loads.len(),
+            unexpected: outside + self.recomputes_failed,
+        }
+    }
+}
+
+/// A decode run: the engine, the request API, and the bookkeeping of both.
+struct DecodeRun {
+    engine: SimEngine,
+    api: ApiClient,
+    tracker: Tracker,
+    deadline: Instant,
+    limit: Duration,
+    reconnect: Duration,
+}
+
+impl DecodeRun {
+    fn check_deadline(&self) -> Result<()> {
+        if Instant::now() > self.deadline {
+            let mut stuck: Vec<String> = (self.tracker.unfinished.keys())
+                .chain(self.tracker.recomputing.keys())
+                .map(|id| format!("{id} {:?}", self.engine.state(id)))
+                .collect();
+            stuck.sort();
+            stuck.truncate(8);
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "decode run not done after {:?}; {} requests in the engine ({})",
+                    self.limit,
+                    self.tracker.in_flight(),
+                    stuck.join(", ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One engine step, then what it ended.
+    fn step(&mut self) -> Result<()> {
+        self.engine.step()?;
+        self.tracker.sweep(&mut self.engine);
+        Ok(())
+    }
+
+    /// Steps until fewer than `max` requests are in the engine (no limit with 0).
+    fn wait_for_room(&mut self, max: usize) -> Result<()> {
+        while max > 0 && self.tracker.in_flight() >= max {
+            self.check_deadline()?;
+            self.step()?;
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Steps until the engine is idle: every request ended, recomputes included.
+    fn drain(&mut self) -> Result<()> {
+        loop {
+            self.step()?;
+            if self.engine.is_idle() {
+                return Ok(());
+            }
+            self.check_deadline()?;
+            std::thread::yield_now();
+        }
+    }
+
+    /// Asks the prefill process, again while it is unreachable (the same request: one whose round
+    /// trip was lost is resubmitted), pausing with a growing back-off during which the engine
+    /// keeps stepping: loads in flight end or fail meanwhile. Bounded by the run's deadline and
+    /// by `--reconnect-timeout` of unreachability.
+    fn ask(&mut self, request: &ApiRequest) -> Result<ApiReply> {
+        let mut backoff = RETRY_FIRST;
+        let mut unreachable_since: Option<Instant> = None;
+        loop {
+            let wait = self.deadline.saturating_duration_since(Instant::now());
+            let e = match self.api.exchange(request, wait) {
+                Ok(reply) => {
+                    match &reply {
+                        ApiReply::Params { instance, .. } | ApiReply::Finished { instance, .. } => {
+                            self.tracker.prefill_answered(instance)
+                        }
+                        ApiReply::Error(_) => {}
+                    }
+                    return Ok(reply);
+                }
+                Err(e) if e.kind() == ErrorKind::Handshake => e,
+                Err(e) => return Err(e),
+            };
+            self.tracker.prefill_lost(e.message());
+            let since = *unreachable_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= self.reconnect {
+                return Err(e.context(format!("unreachable for {:?}", self.reconnect)));
+            }
+            let until = Instant::now() + backoff;
+            loop {
+                self.check_deadline()?;
+                self.step()?;
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(left.min(Duration::from_millis(2)));
+            }
+            backoff = (backoff * 2).min(RETRY_MAX);
+        }
+    }
+}
+
+/// Runs the workload through the prefill process and this decode engine.
+pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
+    let backend = args.backend.sim_backend(true)?;
+    let key = args.auth.key()?;
+    let (api_host, api_port) = parse_endpoint(&args.prefill)?;
+    let engine = SimEngine::new(engine_config("decode", &args.host, 0, &args.model, key.clone()), &backend)?;
+    println!(
+        "kvx decode: {} backend, {}; prefill at {}",
+        args.backend.name(),
+        args.model.describe(),
+        args.prefill
+    );
+    let api = ApiClient { rt: runtime()?, host: api_host, port: api_port, net: NetConfig::with_key(key) };
+    let limit = Duration::from_secs(args.workload.timeout);
+    let mut run = DecodeRun {
+        engine,
+        api,
+        tracker: Tracker::new(args.on_load_failure, args.workload.max_new_tokens),
+        deadline: Instant::now() + limit,
+        limit,
+        reconnect: Duration::from_secs(args.reconnect_timeout),
     };
     let start = Instant::now();
-    for (id, prompt) in args.workload.prompts() {
-        let params = match ask(&ApiRequest::Prefill { id: id.to_string(), prompt: prompt.clone() })? {
-            ApiReply::Params(params) => params,
+    let total = args.workload.requests;
+    // About ten progress lines a run.
+    let every = total.div_ceil(10).max(1);
+    for (sent, (id, prompt)) in args.workload.prompts().into_iter().enumerate() {
+        run.wait_for_room(args.max_in_flight)?;
+        let params = match run.ask(&ApiRequest::Prefill { id: id.to_string(), prompt: prompt.clone() })? {
+            ApiReply::Params { params, .. } => params,
             other => return Err(api_error("unexpected reply", format!("{other:?}"))),
         };
-        engine.add_request(id, &prompt, args.workload.max_new_tokens, Some(params))?;
-        engine.step()?;
-    }
-    while !engine.is_idle() {
-        if Instant::now() > deadline {
-            return Err(Error::new(ErrorKind::Timeout, format!("decode engine not idle after {limit:?}")));
+        run.engine.add_request(id.clone(), &prompt, args.workload.max_new_tokens, Some(params))?;
+        run.tracker.added(id, prompt);
+        run.step()?;
+        if (sent + 1) % every == 0 {
+            println!("kvx decode: {} of {total} requests sent", sent + 1);
         }
-        engine.step()?;
-        std::thread::yield_now();
     }
-    let mut summary = Summary::of_engine(&engine, args.workload.requests, start.elapsed());
-    match ask(&ApiRequest::Done)? {
-        ApiReply::Finished { leaked, errors } => summary.add_remote("prefill", leaked, errors),
-        other => return Err(api_error("unexpected reply", format!("{other:?}"))),
+    run.drain()?;
+    let mut summary = Summary::of_engine(&run.engine, total, start.elapsed());
+    let t = &run.tracker;
+    summary.set_outcomes(t.completed, t.failed, t.recomputed);
+    // The prefill process answers once its holds are released: a hold whose release never
+    // reached it lasts until its lease ends. Without an answer the summary still counts the run.
+    match run.ask(&ApiRequest::Done) {
+        Ok(ApiReply::Finished { leaked, errors, .. }) => summary.add_remote("prefill", leaked, errors),
+        Ok(other) => return Err(api_error("unexpected reply", format!("{other:?}"))),
+        Err(e) => summary.add_remote("prefill", 0, vec![format!("no answer to Done (leaks unknown): {e}")]),
     }
+    // After the last reply: a restart noticed only by the last one counts too.
+    summary.set_losses(run.tracker.losses());
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn losses_count_the_requests_in_flight_after_the_last_reply_once_per_outage() {
+        let mut t = Tracker::new(OnLoadFailure::Fail, 1);
+        // Unreachable before any reply: waiting for the prefill process, not a loss.
+        t.prefill_lost("refused");
+        t.prefill_answered("one");
+        assert_eq!(t.losses, 0);
+        t.added("a".into(), vec![1]);
+        t.added("b".into(), vec![1]);
+        t.prefill_lost("reset");
+        t.prefill_lost("refused");
+        assert_eq!((t.losses, t.in_flight_at_losses), (1, 2));
+        // The new instance answers: the outage ends; it is not a second loss.
+        t.prefill_answered("two");
+        assert_eq!(t.losses, 1);
+        t.unfinished.clear();
+        t.added("c".into(), vec![1]);
+        // A restart seen only by the instance id is a loss too.
+        t.prefill_answered("three");
+        assert_eq!((t.losses, t.in_flight_at_losses), (2, 3));
+        t.added("d".into(), vec![1]);
+        t.failed_loads = vec!["a".into(), "c".into(), "d".into()];
+        let l = t.losses();
+        assert_eq!((l.tolerated, l.load_failures, l.unexpected), (true, 3, 1), "d came after the losses");
+    }
 }

@@ -20,6 +20,28 @@ pub(crate) struct Summary {
     mismatched: u64,
     errors: Vec<String>,
     leaked: usize,
+    /// Requests whose load failed and that the decode engine computed itself.
+    recomputed: u64,
+    /// `kvx decode`: prefill processes lost and the failures they explain.
+    losses: Option<PrefillLosses>,
+}
+
+/// What a `kvx decode` run saw of its prefill process going away (its request API unreachable, or
+/// a new instance answering), and which load failures that explains.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct PrefillLosses {
+    /// Failed loads of requests in flight at a loss are accepted (`--on-load-failure fail` or
+    /// `recompute`); otherwise every failed request fails the run.
+    pub(crate) tolerated: bool,
+    /// Times the prefill process was lost.
+    pub(crate) losses: usize,
+    /// Requests in the decode engine at those times (summed): at most this many can fail of it.
+    pub(crate) in_flight: usize,
+    /// Loads that failed.
+    pub(crate) load_failures: usize,
+    /// Failures no loss explains: failed loads of requests not in flight at a loss, and failed
+    /// recomputes.
+    pub(crate) unexpected: usize,
 }
 
 impl Summary {
@@ -65,18 +87,34 @@ impl Summary {
         self.errors.extend(errors.into_iter().map(|e| format!("{who}: {e}")));
     }
 
+    /// The decode side's count of the workload's requests: finished with the prefill engine's
+    /// KV, failed, and computed again by the decode engine after a failed load.
+    pub(crate) fn set_outcomes(&mut self, finished: u64, failed: u64, recomputed: u64) {
+        (self.finished, self.failed, self.recomputed) = (finished, failed, recomputed);
+    }
+
+    /// What the decode process saw of prefill losses.
+    pub(crate) fn set_losses(&mut self, losses: PrefillLosses) {
+        self.losses = Some(losses);
+    }
+
     /// Blocks not free at the end.
     pub(crate) fn leaked(&self) -> usize {
         self.leaked
     }
 
-    /// Whether every request finished, every byte matched and no block leaked.
+    /// Whether every byte matched, no block leaked, and every request finished; or, where failed
+    /// loads of requests in flight at a prefill loss are accepted, every request finished, failed
+    /// or was recomputed and no other failure happened.
     pub(crate) fn is_correct(&self) -> bool {
-        self.failed == 0
-            && self.finished == self.requests as u64
-            && self.mismatched == 0
-            && self.leaked == 0
-            && self.errors.is_empty()
+        let requests = self.requests as u64;
+        let accounted = match &self.losses {
+            Some(l) if l.tolerated => {
+                l.unexpected == 0 && self.finished + self.failed + self.recomputed == requests
+            }
+            _ => self.failed == 0 && self.recomputed == 0 && self.finished == requests,
+        };
+        accounted && self.mismatched == 0 && self.leaked == 0 && self.errors.is_empty()
     }
 
     /// The errors, for stderr.
@@ -101,8 +139,14 @@ fn mb(bytes: u64) -> String {
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let secs = self.wall.as_secs_f64().max(1e-9);
+        let tolerated = self.losses.as_ref().is_some_and(|l| l.tolerated);
+        let mut requests = format!("{} ({} finished, {} failed", self.requests, self.finished, self.failed);
+        if tolerated || self.recomputed > 0 {
+            requests += &format!(", {} recomputed", self.recomputed);
+        }
+        requests.push(')');
         let rows = [
-            ("requests", format!("{} ({} finished, {} failed)", self.requests, self.finished, self.failed)),
+            ("requests", requests),
             ("bytes moved", mb(self.bytes_moved)),
             ("wall time", format!("{:.3} s", self.wall.as_secs_f64())),
             (
@@ -119,6 +163,73 @@ impl fmt::Display for Summary {
         for (name, value) in rows {
             writeln!(f, "  {name:<22} {value}")?;
         }
+        // The decode side, when a prefill process was lost or failed loads are accepted.
+        if let Some(l) = self.losses.as_ref().filter(|l| l.tolerated || l.losses > 0) {
+            let rows = [
+                ("prefill losses", format!("{} ({} requests in flight)", l.losses, l.in_flight)),
+                ("load failures", l.load_failures.to_string()),
+                ("unexpected failures", l.unexpected.to_string()),
+            ];
+            for (name, value) in rows {
+                writeln!(f, "  {name:<22} {value}")?;
+            }
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_summary(finished: u64, failed: u64, recomputed: u64, losses: Option<PrefillLosses>) -> Summary {
+        let mut s = Summary { requests: 10, ..Summary::default() };
+        s.set_outcomes(finished, failed, recomputed);
+        if let Some(l) = losses {
+            s.set_losses(l);
+        }
+        s
+    }
+
+    fn lost(tolerated: bool, load_failures: usize, unexpected: usize) -> Option<PrefillLosses> {
+        Some(PrefillLosses { tolerated, losses: 1, in_flight: 4, load_failures, unexpected })
+    }
+
+    #[test]
+    fn failed_requests_fail_a_run_unless_a_prefill_loss_explains_them() {
+        assert!(decode_summary(10, 0, 0, None).is_correct());
+        assert!(!decode_summary(9, 1, 0, None).is_correct());
+        // `--on-load-failure error`: a loss explains nothing.
+        assert!(!decode_summary(9, 1, 0, lost(false, 1, 0)).is_correct());
+        // `fail` / `recompute`: failures of requests in flight at the loss are accepted...
+        assert!(decode_summary(8, 1, 1, lost(true, 2, 0)).is_correct());
+        // ...others are not, nor requests unaccounted for.
+        assert!(!decode_summary(8, 1, 1, lost(true, 2, 1)).is_correct());
+        assert!(!decode_summary(8, 1, 0, lost(true, 1, 0)).is_correct());
+    }
+
+    #[test]
+    fn wrong_bytes_and_leaks_fail_a_run_whatever_the_policy() {
+        let mut wrong = decode_summary(9, 0, 1, lost(true, 1, 0));
+        wrong.mismatched = 1;
+        assert!(!wrong.is_correct());
+        let mut leaky = decode_summary(9, 0, 1, lost(true, 1, 0));
+        leaky.add_remote("prefill", 3, Vec::new());
+        assert!(!leaky.is_correct());
+    }
+
+    #[test]
+    fn the_decode_rows_name_every_outcome() {
+        let text = decode_summary(8, 1, 1, lost(true, 2, 0)).to_string();
+        assert!(text.contains("requests               10 (8 finished, 1 failed, 1 recomputed)"), "{text}");
+        assert!(text.contains("prefill losses         1 (4 requests in flight)"), "{text}");
+        assert!(text.contains("load failures          2\n"), "{text}");
+        assert!(text.contains("unexpected failures    0\n"), "{text}");
+        // Without losses or a tolerant policy, the demo's rows only.
+        let plain = decode_summary(10, 0, 0, Some(PrefillLosses::default())).to_string();
+        assert!(
+            plain.contains("10 (10 finished, 0 failed)\n") && !plain.contains("prefill losses"),
+            "{plain}"
+        );
     }
 }

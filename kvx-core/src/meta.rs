@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::{MacTag, Nonce};
 use crate::ids::{BlockId, RequestId};
-use crate::params::{Offer, RemoteCoordinates};
+use crate::params::{InstanceId, Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
 
 /// One request whose KV the decode workers load from a prefill engine.
@@ -34,6 +34,9 @@ pub struct RecvRequest {
     /// The prefill engine's MAC over its offer (authenticated deployments).
     #[serde(default)]
     pub mac: Option<MacTag>,
+    /// The instance of the prefill engine that made the offer, when the params name it.
+    #[serde(default)]
+    pub remote_instance: Option<InstanceId>,
 }
 
 impl RecvRequest {
@@ -54,6 +57,7 @@ impl RecvRequest {
             request_id: self.prefill_request_id(),
             block_ids: &self.remote_block_ids,
             nonce: self.nonce.as_ref()?,
+            instance: self.remote_instance.as_ref(),
         })
     }
 }
@@ -94,6 +98,10 @@ pub struct ReplyTo {
     pub engine: RemoteCoordinates,
     /// The decode worker's instance id (from its handshake payload).
     pub instance: u64,
+    /// Random for each READ, echoed in the answer: only the release the READ itself carried can
+    /// confirm it (a release sent by anyone else who knows the nonce gets an answer the decode
+    /// worker does not take).
+    pub token: Nonce,
 }
 
 /// The prefill worker's answer to a [`HoldRelease`] with `reply_to`: whether the hold was still
@@ -108,6 +116,8 @@ pub struct HoldStatus {
     pub nonce: Nonce,
     /// Whether the hold was alive (and is now released).
     pub held: bool,
+    /// The release's [`ReplyTo::token`].
+    pub token: Nonce,
 }
 
 impl WireMessage for HoldStatus {

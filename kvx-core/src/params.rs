@@ -3,7 +3,10 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::auth::{AuthKey, MacTag, Nonce, Purpose};
+use crate::auth::{AuthKey, HexBytes, MacTag, Nonce, Purpose};
+
+/// An engine instance's id in params: 8 bytes in hex.
+pub type InstanceId = HexBytes<8>;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{BlockId, EngineId, RequestId};
 
@@ -45,6 +48,11 @@ pub struct TransferParams {
     /// kvx, authenticated deployments: the prefill engine's MAC over its [`Offer`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvx_offer_mac: Option<MacTag>,
+    /// kvx: the instance of the prefill engine that made the offer (hex, as JSON numbers past
+    /// 2^53 do not survive every client). A decode worker connected to another instance of that
+    /// engine handshakes again before reading, and fails the load if the instance is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvx_instance: Option<InstanceId>,
     /// Keys kvx does not interpret.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -99,6 +107,7 @@ impl TransferParams {
             remote_port: Some(port),
             kvx_hold_nonce: None,
             kvx_offer_mac: None,
+            kvx_instance: None,
             extra: Default::default(),
         }
     }
@@ -144,19 +153,26 @@ pub struct Offer<'a> {
     pub block_ids: &'a [BlockId],
     /// The hold's nonce.
     pub nonce: &'a Nonce,
+    /// The prefill engine's instance, when it names one.
+    pub instance: Option<&'a InstanceId>,
 }
 
 impl Offer<'_> {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
         let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
-        f(&[
+        let port = self.remote.port.to_le_bytes();
+        let mut parts: Vec<&[u8]> = vec![
             self.remote.engine_id.as_str().as_bytes(),
             self.remote.host.as_bytes(),
-            &self.remote.port.to_le_bytes(),
+            &port,
             self.request_id.as_str().as_bytes(),
             &blocks,
             self.nonce.as_bytes(),
-        ])
+        ];
+        if let Some(instance) = self.instance {
+            parts.push(instance.as_bytes());
+        }
+        f(&parts)
     }
 
     /// The offer's MAC under `key`.
@@ -376,7 +392,8 @@ mod tests {
         let key = AuthKey::new("a deployment's shared secret").unwrap();
         let remote = RemoteCoordinates { engine_id: "p".into(), host: "h".into(), port: 5600 };
         let (id, nonce) = (RequestId::new("r1"), Nonce::parse(&"ab".repeat(16)).unwrap());
-        let offer = Offer { remote: &remote, request_id: &id, block_ids: &[1, 2], nonce: &nonce };
+        let offer =
+            Offer { remote: &remote, request_id: &id, block_ids: &[1, 2], nonce: &nonce, instance: None };
         let mac = offer.tag(&key);
         offer.verify(&key, Some(&mac)).unwrap();
         let other_id = RequestId::new("r2");

@@ -12,7 +12,7 @@ use crate::ids::{BlockId, EngineId, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
 use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, RecvRequest};
-use crate::params::{Offer, RemoteCoordinates, TransferParams};
+use crate::params::{InstanceId, Offer, RemoteCoordinates, TransferParams};
 
 /// Configuration of one engine's scheduler-side connector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +32,11 @@ pub struct SchedulerConfig {
     /// The deployment's lease (vLLM's `kv_lease_duration`, 30 s by default): a decode engine
     /// renews the leases of the requests still waiting for their KV every sixth of it.
     pub lease_duration: Duration,
+    /// Prefill side: this engine's instance, the one its workers publish
+    /// ([`WorkerConfig::instance`](crate::WorkerConfig::instance)). With it, the params name it
+    /// (under the MAC), so a decode engine never reads an offer through a connection to an earlier
+    /// instance of this engine. `None`: params name no instance.
+    pub instance: Option<u64>,
 }
 
 impl SchedulerConfig {
@@ -49,6 +54,7 @@ impl SchedulerConfig {
             side_channel_port,
             auth_key: None,
             lease_duration: Duration::from_secs(30),
+            instance: None,
         }
     }
 }
@@ -97,6 +103,7 @@ struct PendingRecv {
     local_block_ids: Vec<BlockId>,
     nonce: Option<Nonce>,
     mac: Option<MacTag>,
+    instance: Option<InstanceId>,
 }
 
 impl PendingRecv {
@@ -109,6 +116,7 @@ impl PendingRecv {
             local_block_ids: Vec::new(),
             nonce: params.kvx_hold_nonce,
             mac: params.kvx_offer_mac,
+            instance: params.kvx_instance,
         }
     }
 }
@@ -197,6 +205,7 @@ impl ConnectorScheduler {
             request_id: &request_id,
             block_ids: params.remote_blocks(),
             nonce: &nonce,
+            instance: params.kvx_instance.as_ref(),
         };
         offer.check(self.config.auth_key.as_ref(), params.kvx_offer_mac.as_ref()).ok()?;
         Some((remote, HeldRequest { request_id, nonce }))
@@ -326,6 +335,7 @@ impl ConnectorScheduler {
                 remote: p.remote,
                 nonce: p.nonce,
                 mac: p.mac,
+                remote_instance: p.instance,
             })
             .collect();
         reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
@@ -426,14 +436,20 @@ impl ConnectorScheduler {
             host: self.config.side_channel_host.clone(),
             port: self.config.side_channel_port,
         };
-        let kvx_offer_mac =
-            self.config.auth_key.as_ref().map(|key| {
-                Offer { remote: &remote, request_id, block_ids: &computed, nonce: &nonce }.tag(key)
-            });
+        let instance = self.config.instance.map(|i| crate::auth::HexBytes(i.to_le_bytes()));
+        let offer = Offer {
+            remote: &remote,
+            request_id,
+            block_ids: &computed,
+            nonce: &nonce,
+            instance: instance.as_ref(),
+        };
+        let kvx_offer_mac = self.config.auth_key.as_ref().map(|key| offer.tag(key));
         let mut params = TransferParams::for_decode(computed, remote.engine_id, remote.host, remote.port);
         params.remote_request_id = Some(request_id.clone());
         params.kvx_hold_nonce = Some(nonce);
         params.kvx_offer_mac = kvx_offer_mac;
+        params.kvx_instance = instance;
         FinishOutcome { delay_free, params: Some(params) }
     }
 
@@ -482,6 +498,7 @@ mod tests {
             side_channel_port: 5600,
             auth_key: None,
             lease_duration: Duration::from_secs(30),
+            instance: None,
         })
         .unwrap()
     }

@@ -250,6 +250,9 @@ pub mod dict {
             "ConnectorMetadata",
             "FinishedReport",
             "MetadataRequest",
+            "HoldRelease",
+            "HoldStatus",
+            "RenewLeases",
             "engine_id",
             "rank",
             "world_size",
@@ -275,6 +278,15 @@ pub mod dict {
             "reason",
             "prefill",
             "decode",
+            "instance",
+            "nonce",
+            "mac",
+            "reply_to",
+            "engine",
+            "held",
+            "holds",
+            "heartbeats",
+            "remote_read_from",
         ];
         let mut dict: Vec<Vec<u8>> = words.iter().filter_map(|w| rmp_serde::to_vec(w).ok()).collect();
         dict.extend([

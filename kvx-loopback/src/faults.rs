@@ -234,16 +234,18 @@ pub(crate) fn event_key(parts: &[&[u8]]) -> u64 {
     })
 }
 
-/// The key of a notification from `from` to `to`: its bytes, except that a release's
-/// `reply_to` counts without the decode worker's instance id, which is random for each worker
-/// (the same run then meets the same faults).
+/// The key of a notification from `from` to `to`: its bytes, except that the random parts a
+/// decode worker draws for itself (its instance id and each READ's token, in a release's
+/// `reply_to` and echoed in the answer) count as zero, so that the same run meets the same
+/// faults.
 pub(crate) fn message_key(from: &str, to: &str, msg: &[u8]) -> u64 {
-    let canonical = match wire::decode::<HoldRelease>(msg) {
-        Ok(release @ HoldRelease { reply_to: Some(_), .. }) => {
-            let reply_to = release.reply_to.map(|r| ReplyTo { instance: 0, ..r });
-            wire::encode(&HoldRelease { reply_to, ..release }).ok()
-        }
-        _ => None,
+    let canonical = if let Ok(release @ HoldRelease { reply_to: Some(_), .. }) = wire::decode(msg) {
+        let reply_to = release.reply_to.map(|r| ReplyTo { instance: 0, token: HexBytes([0; 16]), ..r });
+        wire::encode(&HoldRelease { reply_to, ..release }).ok()
+    } else if let Ok(status) = wire::decode::<HoldStatus>(msg) {
+        wire::encode(&HoldStatus { token: HexBytes([0; 16]), ..status }).ok()
+    } else {
+        None
     };
     event_key(&[from.as_bytes(), to.as_bytes(), canonical.as_deref().unwrap_or(msg)])
 }
@@ -463,16 +465,23 @@ mod tests {
     }
 
     #[test]
-    fn a_release_s_key_leaves_out_the_random_worker_instance() {
-        let release = |instance, nonce| {
+    fn keys_leave_out_the_worker_s_random_instance_and_tokens() {
+        let release = |instance, token, nonce| {
             let engine = kvx_core::RemoteCoordinates { engine_id: "d".into(), host: "h".into(), port: 1 };
-            let reply_to = Some(ReplyTo { engine, instance });
+            let reply_to = Some(ReplyTo { engine, instance, token: HexBytes([token; 16]) });
             wire::encode(&HoldRelease { request_id: "r".into(), nonce: HexBytes([nonce; 16]), reply_to })
                 .unwrap()
         };
+        let status = |token, held| {
+            let nonce = HexBytes([7; 16]);
+            wire::encode(&HoldStatus { request_id: "r".into(), nonce, held, token: HexBytes([token; 16]) })
+                .unwrap()
+        };
         let key = |msg: &[u8]| message_key("a", "b", msg);
-        assert_eq!(key(&release(1, 7)), key(&release(2, 7)));
-        assert_ne!(key(&release(1, 7)), key(&release(1, 8)));
+        assert_eq!(key(&release(1, 3, 7)), key(&release(2, 4, 7)));
+        assert_ne!(key(&release(1, 3, 7)), key(&release(1, 3, 8)));
+        assert_eq!(key(&status(3, true)), key(&status(4, true)));
+        assert_ne!(key(&status(3, true)), key(&status(3, false)));
         assert_ne!(message_key("a", "b", b"x"), message_key("a", "c", b"x"));
     }
 
@@ -497,7 +506,8 @@ mod tests {
             assert_eq!(stray, stray_message(seed, &msg), "a function of the seed");
         }
         assert_eq!(kinds, [100, 100, 100]);
-        let status = HoldStatus { request_id: "req-1".into(), nonce: HexBytes([9; 16]), held: false };
+        let token = HexBytes([1; 16]);
+        let status = HoldStatus { request_id: "req-1".into(), nonce: HexBytes([9; 16]), held: false, token };
         let forged = wire::decode::<HoldStatus>(&stray_message(2, &wire::encode(&status).unwrap())).unwrap();
         assert!(forged.held && forged.nonce != status.nonce, "a forged status claims the opposite");
         let renew =

@@ -71,6 +71,7 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },
         nonce: Some(HexBytes([1; 16])),
         mac: None,
+        remote_instance: None,
     };
     driver.start_load_kv(&ConnectorMetadata {
         reqs_to_recv: vec![req],
@@ -165,6 +166,7 @@ fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
         nonce: Some(HexBytes([1; 16])),
         mac: None,
+        remote_instance: None,
     };
     driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() });
     // The fetch never answers; the step thread is never held up by it.

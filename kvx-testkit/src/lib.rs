@@ -3,6 +3,7 @@
 
 pub mod conformance;
 pub mod hostile;
+pub mod matrix;
 pub mod sim;
 pub mod soak;
 pub mod xproc;

@@ -56,6 +56,7 @@ impl Scheduler {
             side_channel_port,
             auth_key: self::auth_key(auth_key)?,
             lease_duration: std::time::Duration::from_secs(30),
+            instance: Some(crate::process_instance()),
         })
         .map_err(py_err)?;
         Ok(Scheduler { inner })

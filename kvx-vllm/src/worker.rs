@@ -158,6 +158,7 @@ impl Worker {
             host: options.side_channel_host.clone(),
             port: options.side_channel_port,
         });
+        config.instance = Some(crate::process_instance());
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

@@ -28,8 +28,9 @@ pub(super) struct Holds {
     live: HashMap<RequestId, Hold>,
     /// Releases that arrived before their hold, with whom to answer.
     early: TtlMap<Option<ReplyTo>>,
-    /// Holds released or expired: a late release is answered "not held" at once.
-    ended: TtlMap<()>,
+    /// Holds released or expired, and whether a "not held" answer went out for them: a late
+    /// release is answered "not held" at once, once.
+    ended: TtlMap<bool>,
 }
 
 impl Holds {
@@ -38,7 +39,12 @@ impl Holds {
             lease: config.lease_duration,
             live: HashMap::new(),
             early: TtlMap::new(config.max_early_releases, config.early_release_ttl),
-            ended: TtlMap::new(config.max_early_releases, config.lease_duration),
+            // Kept at least as long as an early release: a release that comes later than that is
+            // kept as early and never answered (the decode worker waits out its confirmation).
+            ended: TtlMap::new(
+                config.max_early_releases,
+                config.lease_duration.max(config.early_release_ttl),
+            ),
         }
     }
 
@@ -77,9 +83,9 @@ impl ConnectorWorker {
     fn end_hold(&mut self, now: Instant, key: Key, reply_to: Option<ReplyTo>) {
         self.stats.notifications += 1;
         self.finished.sending.push(key.0.clone());
-        let status = HoldStatus { request_id: key.0.clone(), nonce: key.1, held: true };
-        self.holds.ended.insert(now, key, ());
-        self.answer(now, reply_to, status);
+        // An ended hold is answered "not held" once more at most, whoever asks.
+        self.holds.ended.insert(now, key.clone(), false);
+        self.answer(now, &key, reply_to, true);
     }
 
     pub(super) fn on_release(&mut self, now: Instant, from: &AgentName, release: HoldRelease) {
@@ -101,10 +107,13 @@ impl ConnectorWorker {
             }
             None if self.holds.ended.contains(&key) => {
                 // Its lease ran out (or it was released) before this release came: the READ may
-                // have copied reused blocks.
+                // have copied reused blocks. Answered once: replays cost no more handshakes.
                 self.stats.stray_notifications += 1;
-                let status = HoldStatus { request_id: key.0, nonce: key.1, held: false };
-                self.answer(now, release.reply_to, status);
+                let asks = release.reply_to.is_some();
+                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| asks && !**a) {
+                    *answered = true;
+                    self.answer(now, &key, release.reply_to, false);
+                }
             }
             None => self.stats.stray_notifications += self.holds.early.insert(now, key, release.reply_to),
         }
@@ -112,8 +121,9 @@ impl ConnectorWorker {
 
     /// Sends `status` to the decode worker that asked. A decode engine that restarted (a new
     /// instance) is handshaken again first.
-    fn answer(&mut self, now: Instant, reply_to: Option<ReplyTo>, status: HoldStatus) {
-        let Some(ReplyTo { engine, instance }) = reply_to else { return };
+    fn answer(&mut self, now: Instant, key: &Key, reply_to: Option<ReplyTo>, held: bool) {
+        let Some(ReplyTo { engine, instance, token }) = reply_to else { return };
+        let status = HoldStatus { request_id: key.0.clone(), nonce: key.1, held, token };
         if engine.check().is_err() || engine.engine_id == self.config.engine_id {
             self.stats.unsent_messages += 1;
             return;
@@ -151,7 +161,7 @@ impl ConnectorWorker {
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
             self.stats.expired_holds += 1;
             self.finished.sending.push(id.clone());
-            self.holds.ended.insert(now, (id, hold.nonce), ());
+            self.holds.ended.insert(now, (id, hold.nonce), false);
         }
     }
 }

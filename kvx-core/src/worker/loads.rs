@@ -12,8 +12,9 @@ use tracing::{debug, warn};
 
 use super::ConnectorWorker;
 use super::peers::{Peer, Waiter};
+use crate::auth::Nonce;
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::{AgentName, RequestId};
+use crate::ids::{AgentName, EngineId, RequestId};
 use crate::layout::KvCacheLayout;
 use crate::meta::{FailedRecv, Heartbeat, HoldRelease, HoldStatus, RecvRequest, RenewLeases, ReplyTo};
 use crate::transfer::{XferId, XferOp, XferState};
@@ -26,6 +27,10 @@ const RENEWALS_PER_MESSAGE: usize = 128;
 pub(super) struct Load {
     req: RecvRequest,
     stage: Stage,
+    /// A READ or a post of this load failed once: the next failure fails it.
+    retried: bool,
+    /// The peer was handshaken again because its instance was not the offer's.
+    rehandshaken: bool,
 }
 
 #[derive(Debug)]
@@ -40,13 +45,21 @@ enum Stage {
         xfer: XferId,
         peer: AgentName,
         instance: u64,
+        token: Nonce,
         posted: Instant,
         deadline: Instant,
         bytes: u64,
         answer: Option<bool>,
     },
     /// READ done; waiting for the prefill engine's answer.
-    Confirming { peer: AgentName, posted: Instant, deadline: Instant, bytes: u64 },
+    Confirming {
+        peer: AgentName,
+        instance: u64,
+        token: Nonce,
+        posted: Instant,
+        deadline: Instant,
+        bytes: u64,
+    },
 }
 
 impl Load {
@@ -83,7 +96,15 @@ impl ConnectorWorker {
         if let Some(nonce) = req.nonce {
             self.offers.insert(nonce, id.clone());
         }
-        self.loads.insert(id.clone(), Load { req: req.clone(), stage: Stage::Waiting { retry: None } });
+        self.loads.insert(
+            id.clone(),
+            Load {
+                req: req.clone(),
+                stage: Stage::Waiting { retry: None },
+                retried: false,
+                rehandshaken: false,
+            },
+        );
         match self.when_ready(now, &req.remote, Waiter::Load(id.clone())) {
             Ok(Some(_)) => self.issue(now, &id),
             Ok(None) => {}
@@ -146,9 +167,15 @@ impl ConnectorWorker {
     /// Posts the READ of a load whose peer is ready.
     pub(super) fn issue(&mut self, now: Instant, id: &RequestId) {
         let Some(mut load) = self.loads.remove(id) else { return };
+        let engine_id = load.req.remote.engine_id.clone();
+        let Some(Peer::Ready(conn)) = self.peers.get(&engine_id) else {
+            self.loads.insert(id.clone(), load);
+            self.end_load(now, id, Err(Error::new(ErrorKind::State, "peer not ready")), true);
+            return;
+        };
+        let instance = conn.instance;
         if let Stage::Waiting { retry: Some((e, old)) } = &load.stage {
-            let same = matches!(self.peers.get(&load.req.remote.engine_id), Some(Peer::Ready(c)) if c.instance == *old);
-            if same {
+            if instance == *old {
                 let e = e.detached();
                 self.loads.insert(id.clone(), load);
                 self.end_load(now, id, Err(e), true);
@@ -156,21 +183,93 @@ impl ConnectorWorker {
             }
             debug!(request_id = %id, "the engine restarted: posting the READ again to its new instance");
         }
+        if let Some(want) = load.req.remote_instance.map(|i| u64::from_le_bytes(*i.as_bytes())) {
+            if want != instance {
+                if load.rehandshaken {
+                    // The instance that made the offer is gone: its hold went with it.
+                    let e = Error::new(
+                        ErrorKind::Expired,
+                        format!("engine {engine_id} restarted: the instance that held these blocks is gone"),
+                    );
+                    self.loads.insert(id.clone(), load);
+                    self.end_load(now, id, Err(e), false);
+                } else {
+                    debug!(request_id = %id, %engine_id, "the offer names another instance: handshaking again");
+                    load.rehandshaken = true;
+                    self.loads.insert(id.clone(), load);
+                    self.invalidate(&engine_id);
+                    self.requeue(now, id);
+                }
+                return;
+            }
+        }
         match self.post_read(&load.req) {
-            Ok((xfer, peer, instance, bytes)) => {
+            Ok((xfer, peer, token, bytes)) => {
                 let deadline = now + self.config.transfer_timeout;
-                load.stage =
-                    Stage::Reading { xfer, peer, instance, posted: now, deadline, bytes, answer: None };
+                load.stage = Stage::Reading {
+                    xfer,
+                    peer,
+                    instance,
+                    token,
+                    posted: now,
+                    deadline,
+                    bytes,
+                    answer: None,
+                };
                 self.loads.insert(id.clone(), load);
             }
-            Err(e) => {
+            Err(e)
+                if load.retried
+                    || matches!(e.kind(), ErrorKind::InvalidPeerData | ErrorKind::InvalidArgument) =>
+            {
                 self.loads.insert(id.clone(), load);
                 self.end_load(now, id, Err(e), true);
+            }
+            Err(e) => {
+                // The transport refused the post (a peer that went away, say): as a failed READ.
+                debug!(request_id = %id, error = %e, "post failed: handshaking with the engine again");
+                load.retried = true;
+                load.stage = Stage::Waiting { retry: Some((e, instance)) };
+                self.loads.insert(id.clone(), load);
+                self.invalidate(&engine_id);
+                self.requeue(now, id);
             }
         }
     }
 
-    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, u64, u64)> {
+    /// Queues a load on its peer's (new) handshake, or issues it if the peer is ready.
+    fn requeue(&mut self, now: Instant, id: &RequestId) {
+        let Some(remote) = self.loads.get(id).map(|l| l.req.remote.clone()) else { return };
+        match self.when_ready(now, &remote, Waiter::Load(id.clone())) {
+            Ok(Some(_)) => self.issue(now, id),
+            Ok(None) => {}
+            Err(e) => {
+                self.end_load(now, id, Err(e), false);
+            }
+        }
+    }
+
+    /// A restarted engine answers nothing for its earlier instance: the loads waiting for the
+    /// old instance's confirmation fail now.
+    pub(super) fn fail_confirmations_of(&mut self, now: Instant, engine_id: &EngineId, old: u64) {
+        let stale: Vec<RequestId> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| &l.req.remote.engine_id == engine_id)
+            .filter(|(_, l)| matches!(l.stage, Stage::Confirming { instance, .. } if instance == old))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            self.stats.lease_failures += 1;
+            let e = Error::new(
+                ErrorKind::Expired,
+                format!("engine {engine_id} restarted before it confirmed the hold"),
+            );
+            self.end_load(now, &id, Err(e), false);
+        }
+    }
+
+    fn post_read(&mut self, req: &RecvRequest) -> Result<(XferId, AgentName, Nonce, u64)> {
         let (Some(registered), Some(Peer::Ready(conn))) =
             (&self.registered, self.peers.get(&req.remote.engine_id))
         else {
@@ -179,7 +278,8 @@ impl ConnectorWorker {
         let (Some(nonce), Some(me)) = (req.nonce, &self.config.side_channel) else {
             return Err(Error::new(ErrorKind::State, "no nonce or no side channel to answer on"));
         };
-        let reply_to = Some(ReplyTo { engine: me.clone(), instance: self.instance });
+        let token = self.tokens.next_nonce();
+        let reply_to = Some(ReplyTo { engine: me.clone(), instance: self.instance, token });
         let release =
             wire::encode(&HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to })?;
         let remote = remote_read(req)?;
@@ -200,7 +300,7 @@ impl ConnectorWorker {
         self.stats.reads_posted += 1;
         self.stats.descriptors += self.descs_local.len() as u64;
         let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
-        Ok((xfer, conn.agent.clone(), conn.instance, bytes))
+        Ok((xfer, conn.agent.clone(), token, bytes))
     }
 
     /// Ends a load: reports it done or failed. With `release`, a failed load tells the prefill
@@ -267,35 +367,36 @@ impl ConnectorWorker {
         }
         for (id, outcome) in ended {
             let Some(load) = self.loads.get_mut(&id) else { continue };
-            let Stage::Reading { xfer, peer, instance, posted, bytes, answer, .. } = &load.stage else {
+            let Stage::Reading { xfer, peer, instance, token, posted, bytes, answer, .. } = &load.stage
+            else {
                 continue;
             };
             if let Err(e) = self.agent.release(*xfer) {
                 debug!(request_id = %id, error = %e, "releasing a finished transfer failed");
             }
-            let (peer, instance, posted, bytes, answer) = (peer.clone(), *instance, *posted, *bytes, *answer);
+            let (peer, instance, token, posted, bytes, answer) =
+                (peer.clone(), *instance, *token, *posted, *bytes, *answer);
             let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
                     let deadline = now + self.config.confirm_timeout;
-                    load.stage = Stage::Confirming { peer, posted, deadline, bytes };
+                    load.stage = Stage::Confirming { peer, instance, token, posted, deadline, bytes };
                     if let Some(held) = answer {
                         self.confirm(now, &id, held);
                     }
+                }
+                Err(e) if load.retried => {
+                    self.invalidate_connection(&remote.engine_id, &peer);
+                    self.end_load(now, &id, Err(e), true);
                 }
                 Err(e) => {
                     // The engine may have restarted: handshake again, and post again only if it
                     // has (see `Stage::Waiting`). The READ's notification was not sent.
                     debug!(request_id = %id, error = %e, "READ failed: handshaking with the engine again");
+                    load.retried = true;
                     load.stage = Stage::Waiting { retry: Some((e, instance)) };
                     self.invalidate_connection(&remote.engine_id, &peer);
-                    match self.when_ready(now, &remote, Waiter::Load(id.clone())) {
-                        Ok(Some(_)) => self.issue(now, &id),
-                        Ok(None) => {}
-                        Err(e) => {
-                            self.end_load(now, &id, Err(e), false);
-                        }
-                    }
+                    self.requeue(now, &id);
                 }
             }
         }
@@ -303,7 +404,7 @@ impl ConnectorWorker {
     }
 
     /// Drops the engine's peer if it is still the connection `agent`.
-    fn invalidate_connection(&mut self, engine_id: &crate::ids::EngineId, agent: &AgentName) {
+    fn invalidate_connection(&mut self, engine_id: &EngineId, agent: &AgentName) {
         if matches!(self.peers.get(engine_id), Some(Peer::Ready(c)) if &c.agent == agent) {
             self.invalidate(engine_id);
         }
@@ -316,11 +417,14 @@ impl ConnectorWorker {
             return;
         };
         let Some(load) = self.loads.get_mut(&id) else { return };
-        let from_peer = match &load.stage {
-            Stage::Reading { peer, .. } | Stage::Confirming { peer, .. } => peer == from,
+        // Only the answer to the release this READ carried (its token) confirms it.
+        let ours = match &load.stage {
+            Stage::Reading { peer, token, .. } | Stage::Confirming { peer, token, .. } => {
+                peer == from && *token == status.token
+            }
             Stage::Waiting { .. } => false,
         };
-        if !from_peer || load.req.prefill_request_id() != &status.request_id {
+        if !ours || load.req.prefill_request_id() != &status.request_id {
             self.stats.stray_notifications += 1;
             return;
         }
@@ -369,14 +473,17 @@ impl ConnectorWorker {
                     )
                 }
                 Stage::Confirming { peer, .. } => {
+                    // Released again (no answer wanted): a hold the release never reached is
+                    // freed now, not at the end of its lease.
                     self.stats.lease_failures += 1;
                     let e = "no answer from the prefill engine whether its hold lived through the READ";
-                    (Error::new(ErrorKind::Timeout, e), false, peer.clone())
+                    (Error::new(ErrorKind::Timeout, e), true, peer.clone())
                 }
                 Stage::Waiting { .. } => continue,
             };
-            self.end_load(now, &id, Err(e), release);
+            // Dropped first: the release goes out on a fresh connection.
             self.invalidate_connection(&engine_id, &peer);
+            self.end_load(now, &id, Err(e), release);
         }
     }
 

@@ -74,6 +74,10 @@ pub struct WorkerConfig {
     /// The deployment's shared key. Decode side: params whose offer MAC does not verify under it
     /// are refused before any handshake or READ. (The side channel takes the same key.)
     pub auth_key: Option<AuthKey>,
+    /// This worker's instance, published in its handshake payload; the engine's scheduler names
+    /// the same one in its params ([`SchedulerConfig::instance`](crate::SchedulerConfig::instance)).
+    /// `None`: chosen at random.
+    pub instance: Option<u64>,
 }
 
 impl WorkerConfig {
@@ -95,6 +99,7 @@ impl WorkerConfig {
             max_early_releases: 4096,
             early_release_ttl: Duration::from_secs(30),
             auth_key: None,
+            instance: None,
         }
     }
 }
@@ -185,6 +190,8 @@ pub struct ConnectorWorker {
     agent: Arc<dyn TransferAgent>,
     /// Chosen at start; published in the handshake payload.
     instance: u64,
+    /// Decode side: each READ's token (see `ReplyTo::token`).
+    tokens: crate::auth::NonceSource,
     registered: Option<Registered>,
     peers: HashMap<EngineId, Peer>,
     /// Peers dropped while READs to them were still in flight: forgotten once those end.
@@ -221,12 +228,16 @@ impl ConnectorWorker {
                 config.block_size, config.rank, config.world_size
             )));
         }
-        let instance = u64::from_le_bytes(crate::auth::random_bytes()?);
+        let instance = match config.instance {
+            Some(i) => i,
+            None => u64::from_le_bytes(crate::auth::random_bytes()?),
+        };
         let holds = Holds::new(&config);
         Ok(ConnectorWorker {
             config,
             agent,
             instance,
+            tokens: crate::auth::NonceSource::from_entropy()?,
             registered: None,
             peers: HashMap::new(),
             retired: Vec::new(),

@@ -162,9 +162,15 @@ impl ConnectorWorker {
     }
 
     fn handshake_done(&mut self, now: Instant, engine_id: &EngineId, conn: Connected) {
+        let instance = conn.instance;
         let Some(Peer::Handshaking(h)) = self.peers.insert(engine_id.clone(), Peer::Ready(conn)) else {
             return;
         };
+        if let Some(old) = self.instances.insert(engine_id.clone(), instance).filter(|old| *old != instance) {
+            info!(%engine_id, "peer engine restarted: connected to its new instance");
+            self.stats.peer_restarts += 1;
+            self.fail_confirmations_of(now, engine_id, old);
+        }
         let took = now.saturating_duration_since(h.started);
         debug!(%engine_id, ?took, "handshake done");
         self.stats.handshakes += 1;
@@ -332,10 +338,6 @@ impl ConnectorWorker {
                 return Err(e);
             }
         };
-        if self.instances.insert(engine_id.clone(), p.instance).is_some_and(|old| old != p.instance) {
-            info!(%engine_id, "peer engine restarted: connected to its new instance");
-            self.stats.peer_restarts += 1;
-        }
         Ok(Some(Connected { agent, dlist, num_blocks: p.num_blocks, instance: p.instance }))
     }
 }

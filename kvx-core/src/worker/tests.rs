@@ -140,15 +140,26 @@ fn release(id: &str) -> Vec<u8> {
     wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to: None }).unwrap()
 }
 
-/// The notification a READ of `id` by `w` carries: the release, asking for an answer.
-fn read_release(w: &ConnectorWorker, id: &str) -> Vec<u8> {
-    let reply_to = Some(ReplyTo { engine: decode_side_channel(), instance: w.instance() });
-    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap()
+/// Checks that `posted` is the release a READ of `id` by `w` carries: asking for an answer.
+fn assert_read_release(posted: &Option<Vec<u8>>, w: &ConnectorWorker, id: &str) {
+    let r: HoldRelease = wire::decode(posted.as_ref().expect("a notification")).unwrap();
+    assert_eq!((r.request_id.as_str(), r.nonce), (id, nonce_of(id)));
+    let reply_to = r.reply_to.expect("the release asks for an answer");
+    assert_eq!((reply_to.engine, reply_to.instance), (decode_side_channel(), w.instance()));
 }
 
-/// The prefill engine's answer for the hold of `id`.
-fn answer(id: &str, held: bool) -> Notification {
-    notif(&wire::encode(&HoldStatus { request_id: id.into(), nonce: nonce_of(id), held }).unwrap())
+/// The prefill engine's answer for the hold of `id`, to the last READ posted for it (its token).
+fn answer(posts: &Mutex<Vec<Posted>>, id: &str, held: bool) -> Notification {
+    let token = posts
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .filter_map(|p| wire::decode::<HoldRelease>(p.notify.as_ref()?).ok())
+        .find(|r| r.request_id.as_str() == id)
+        .and_then(|r| r.reply_to)
+        .map_or(crate::auth::HexBytes([0; 16]), |r| r.token);
+    notif(&wire::encode(&HoldStatus { request_id: id.into(), nonce: nonce_of(id), held, token }).unwrap())
 }
 
 /// A load of `local` blocks from the last `local.len()` of the `remote` blocks offered.
@@ -162,6 +173,7 @@ fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
         remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
         nonce: Some(nonce_of(id)),
         mac: None,
+        remote_instance: None,
     }
 }
 
@@ -229,7 +241,7 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 17, 18, 25, 26]);
     assert_eq!(posts[0].remote, vec![10, 11, 26, 27, 42, 43, 58, 59]);
     assert_eq!(posts[0].remote_dlist, DlistId(200));
-    assert_eq!(posts[0].notify, Some(read_release(&w, "a")), "the release asks for an answer");
+    assert_read_release(&posts[0].notify, &w, "a");
     assert_eq!(posts[1].local, vec![3, 11, 19, 27]);
     assert_eq!(w.stats().handshakes, 1);
 }
@@ -296,8 +308,10 @@ fn the_prefill_engines_request_id_names_every_notification() {
         ],
     );
     let notes: Vec<_> = posts.lock().unwrap().iter().map(|p| p.notify.clone()).collect();
-    assert_eq!(notes, vec![Some(read_release(&w, "p-ok")), Some(read_release(&w, "p-bad"))]);
-    inbox.lock().unwrap().push(answer("p-ok", true));
+    assert_eq!(notes.len(), 2);
+    assert_read_release(&notes[0], &w, "p-ok");
+    assert_read_release(&notes[1], &w, "p-bad");
+    inbox.lock().unwrap().push(answer(&posts, "p-ok", true));
     let mut f = w.get_finished(now);
     assert_eq!(f.recving, vec![RequestId::new("ok")], "reported under the decode engine's id");
     // The failed READ's engine is handshaken again; the same instance: the load fails.
@@ -328,7 +342,7 @@ fn a_read_that_fails_because_the_engine_restarted_is_posted_again_to_its_new_ins
     assert!(w.get_finished(now).is_empty(), "not failed yet: the engine may have restarted");
     answer_handshakes(&mut w, now, 2);
     assert_eq!(posts.lock().unwrap().len(), 2, "posted again to the new instance");
-    inbox.lock().unwrap().push(answer("a", true));
+    inbox.lock().unwrap().push(answer(&posts, "a", true));
     assert_eq!(w.get_finished(now).recving, vec![RequestId::new("a")]);
     let s = w.stats();
     assert_eq!((s.handshakes, s.peer_restarts, s.peers_invalidated), (2, 1, 1));
@@ -339,7 +353,7 @@ fn a_read_that_fails_because_the_engine_restarted_is_posted_again_to_its_new_ins
 fn completed_and_failed_transfers_are_reported_per_request() {
     let posts = Arc::new(Mutex::new(vec![]));
     let inbox = Inbox::default();
-    let a = agent_with_inbox(posts, inbox.clone(), |a| {
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
         // The failed load tells the prefill engine to free its blocks at once.
         a.expect_notify()
             .withf(|to, m| to.as_str() == "peer" && m == release("bad"))
@@ -356,7 +370,7 @@ fn completed_and_failed_transfers_are_reported_per_request() {
     let mut f = w.get_finished(now + Duration::from_millis(5));
     assert!(f.recving.is_empty(), "a READ done is not a load done: the prefill engine confirms");
     answer_handshakes(&mut w, now, 1);
-    inbox.lock().unwrap().push(answer("ok", true));
+    inbox.lock().unwrap().push(answer(&posts, "ok", true));
     let f2 = w.get_finished(now + Duration::from_millis(7));
     assert_eq!(f2.recving, vec![RequestId::new("ok")]);
     f.extend(f2);
@@ -757,7 +771,7 @@ fn the_same_request_twice_while_its_handshake_runs_loads_once() {
         w.handle_handshake(now, &engine_id, Ok(peer_payload(0, &[None, None], |_| {})));
     }
     assert_eq!(posts.lock().unwrap().len(), 1, "one READ");
-    inbox.lock().unwrap().push(answer("a", true));
+    inbox.lock().unwrap().push(answer(&posts, "a", true));
     assert_eq!(w.get_finished(now).recving, vec![RequestId::new("a")]);
     assert!(w.is_idle(), "nothing left in flight unpolled");
 }
@@ -777,7 +791,8 @@ fn an_id_a_report_names_twice_counts_once_for_its_rank() {
 
 /// A release from decode worker `instance` that asks for an answer.
 fn release_asking(id: &str, instance: u64) -> Notification {
-    let reply_to = Some(ReplyTo { engine: decode_side_channel(), instance });
+    let reply_to =
+        Some(ReplyTo { engine: decode_side_channel(), instance, token: crate::auth::HexBytes([9; 16]) });
     notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap())
 }
 
@@ -834,7 +849,12 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
     // "late"'s lease runs out; its READ's release comes after: answered "not held" at once.
     let lease = w.config().lease_duration;
     assert_eq!(w.get_finished(now + lease).sending, vec![RequestId::new("late")]);
-    inbox.lock().unwrap().push(release_asking("late", 7));
+    // Replays of that release (anyone who saw the params can send them) are answered once.
+    inbox.lock().unwrap().extend([
+        release_asking("late", 7),
+        release_asking("late", 7),
+        release_asking("late", 9),
+    ]);
     assert!(w.get_finished(now + lease).is_empty());
     assert_eq!(answers(&sent), [("live".to_owned(), true), ("late".to_owned(), false)]);
     // A release from a restarted decode engine (a new instance): handshaken again first.
@@ -883,7 +903,7 @@ fn a_load_without_an_answer_fails_and_its_engine_is_handshaken_again() {
     let timeout = w.config().confirm_timeout;
     assert_eq!(w.next_deadline(), Some(now + timeout));
     // An answer for another nonce, or "not held", never completes it.
-    inbox.lock().unwrap().push(answer("other", true));
+    inbox.lock().unwrap().push(answer(&posts, "other", true));
     assert!(w.get_finished(now).is_empty());
     let f = w.get_finished(now + timeout);
     assert_eq!(f.failed_recving.len(), 1);
@@ -891,7 +911,7 @@ fn a_load_without_an_answer_fails_and_its_engine_is_handshaken_again() {
     assert_eq!(w.stats().lease_failures, 1);
     // A "not held" answer fails a load with the lease's error.
     start_and_handshake(&mut w, now, vec![recv("b", vec![2], vec![2])]);
-    inbox.lock().unwrap().push(answer("b", false));
+    inbox.lock().unwrap().push(answer(&posts, "b", false));
     let f = w.get_finished(now);
     assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
     assert_eq!((w.stats().lease_failures, w.stats().bytes_read), (2, 0));
@@ -921,4 +941,95 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
         sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
     assert_eq!(renewed, [128, 128, 44]);
     assert_eq!(w.stats().renewals_sent, 300);
+}
+
+/// A load of an offer made by prefill instance `instance`.
+fn recv_from(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>, instance: u64) -> RecvRequest {
+    RecvRequest {
+        remote_instance: Some(crate::auth::HexBytes(instance.to_le_bytes())),
+        ..recv(id, local, remote)
+    }
+}
+
+#[test]
+fn an_offer_of_another_instance_is_never_read_through_the_old_connection() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    // Connected to instance 1; a load of instance 1's offer is waiting for its answer.
+    start_and_handshake(&mut w, now, vec![recv_from("old", vec![1], vec![1], 1)]);
+    assert!(w.get_finished(now).is_empty());
+    // An offer of instance 2 (the engine restarted): handshake again before reading.
+    w.start_load_kv(now, &meta(vec![recv_from("new", vec![2], vec![2], 2)]));
+    assert_eq!(posts.lock().unwrap().len(), 1, "not read through the connection to instance 1");
+    answer_handshakes(&mut w, now, 2);
+    assert_eq!(posts.lock().unwrap().len(), 2, "read from instance 2");
+    // Instance 1 will never answer: its load fails at once, not at its confirmation timeout.
+    let f = w.get_finished(now);
+    assert_eq!(f.failed_recving.len(), 1);
+    assert_eq!(f.failed_recving[0].request_id, "old".into());
+    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    // An offer of an instance that is gone: one more handshake, then it fails unread.
+    w.start_load_kv(now, &meta(vec![recv_from("gone", vec![3], vec![3], 1)]));
+    answer_handshakes(&mut w, now, 2);
+    let f = w.get_finished(now);
+    assert_eq!(f.failed_recving[0].request_id, "gone".into());
+    assert!(f.failed_recving[0].reason.contains("is gone"), "{}", f.failed_recving[0].reason);
+    assert_eq!(posts.lock().unwrap().len(), 2);
+    inbox.lock().unwrap().push(answer(&posts, "new", true));
+    assert_eq!(w.get_finished(now).recving, vec![RequestId::new("new")]);
+    assert_eq!(w.stats().peer_restarts, 1);
+}
+
+#[test]
+fn a_post_the_transport_refuses_is_retried_on_a_new_connection() {
+    let mut a = MockTransferAgent::new();
+    let mut refused = true;
+    a.expect_post().times(1).returning(move |_, _, _, _, _, _| {
+        assert!(std::mem::take(&mut refused));
+        Err(Error::new(ErrorKind::Backend, "remote agent was disconnected"))
+    });
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), move |m| {
+        *m = std::mem::replace(&mut a, MockTransferAgent::new())
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    assert!(w.get_finished(now).is_empty(), "not failed: handshaking again");
+    answer_handshakes(&mut w, now, 2);
+    assert_eq!(posts.lock().unwrap().len(), 1, "posted to the new instance");
+}
+
+#[test]
+fn only_the_answer_to_the_reads_own_release_confirms_it() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Done));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
+    // Someone who knows the offer sent their own release (with a reply_to naming this engine)
+    // while the READ ran: the prefill engine freed the hold and answered "held" to it. That answer
+    // carries another token: it confirms nothing.
+    let forged = HoldStatus {
+        request_id: "a".into(),
+        nonce: nonce_of("a"),
+        held: true,
+        token: crate::auth::HexBytes([7; 16]),
+    };
+    inbox.lock().unwrap().push(notif(&wire::encode(&forged).unwrap()));
+    assert!(w.get_finished(now).is_empty());
+    assert_eq!(w.stats().stray_notifications, 1);
+    // The READ's own release finds the hold gone: "not held", and the load fails.
+    inbox.lock().unwrap().push(answer(&posts, "a", false));
+    let f = w.get_finished(now);
+    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{:?}", f);
 }

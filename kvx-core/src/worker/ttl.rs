@@ -55,6 +55,11 @@ impl<V> TtlMap<V> {
         self.entries.remove(key).map(|(_, v)| v)
     }
 
+    /// The value of `key`'s entry, if it is there.
+    pub(super) fn get_mut(&mut self, key: &Key) -> Option<&mut V> {
+        self.entries.get_mut(key).map(|(_, v)| v)
+    }
+
     /// Whether `key` has an entry.
     pub(super) fn contains(&self, key: &Key) -> bool {
         self.entries.contains_key(key)

@@ -3,12 +3,14 @@
 
 mod backends;
 mod fixture;
+mod lease;
 mod net;
 mod params;
 mod wire;
 mod worker;
 
 pub use backends::{loopback_metadata, nixl_metadata, ucx_metadata};
+pub use lease::worker_lease_notifications;
 pub use net::net_frames;
 pub use params::{nonce, transfer_params};
 pub use wire::wire_envelope;
@@ -20,7 +22,7 @@ pub use worker::{
 use kvx_core::net::MetadataRequest;
 use kvx_core::net::session::{SessionReply, SessionRequest};
 use kvx_core::wire::HandshakePayload;
-use kvx_core::{ConnectorMetadata, HoldRelease, RankReport};
+use kvx_core::{ConnectorMetadata, HoldRelease, HoldStatus, RankReport, RenewLeases};
 
 use crate::seeds::{self, Seed};
 use crate::{Native, Target, dict};
@@ -33,6 +35,8 @@ pub fn all() -> Vec<Target> {
         Target::wire::<ConnectorMetadata>("wire_connector_metadata", wire::connector_metadata_samples),
         Target::wire::<RankReport>("wire_rank_report", worker::rank_report_samples),
         Target::wire::<HoldRelease>("wire_hold_release", wire::hold_release_samples),
+        Target::wire::<HoldStatus>("wire_hold_status", wire::hold_status_samples),
+        Target::wire::<RenewLeases>("wire_renew_leases", wire::renew_leases_samples),
         Target::wire::<MetadataRequest>("wire_metadata_request", wire::metadata_request_samples),
         Target::wire::<SessionRequest>("wire_session_request", wire::session_request_samples),
         Target::wire::<SessionReply>("wire_session_reply", wire::session_reply_samples),
@@ -83,6 +87,12 @@ pub fn all() -> Vec<Target> {
             "notification bytes to a prefill ConnectorWorker holding requests",
             worker_notification,
             worker::worker_notification_seeds,
+        ),
+        Target::new(
+            "worker_lease_notifications",
+            "hostile notifications of every kind to a prefill and a decode ConnectorWorker mid-session",
+            worker_lease_notifications,
+            lease::worker_lease_notifications_seeds,
         ),
         Target::new(
             "rank_report_aggregate",

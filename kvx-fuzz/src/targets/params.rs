@@ -9,7 +9,9 @@ use kvx_core::{
 use crate::input::ByteSource;
 
 /// `TransferParams::from_json`, then a request through a decode engine's and a prefill engine's
-/// `ConnectorScheduler` with the parsed params.
+/// `ConnectorScheduler` with the parsed params (`on_new_request`, `get_num_new_matched_tokens`,
+/// `update_state_after_alloc`, `build_connector_meta` now and a sixth of a lease later,
+/// `request_finished`, `update_finished`).
 ///
 /// The input is the JSON, optionally followed by a NUL byte (never valid in JSON) and bytes that
 /// pick the scheduler's inputs: block size, prompt length, computed tokens, external tokens,
@@ -18,8 +20,9 @@ use crate::input::ByteSource;
 ///
 /// Checks: parse errors are `Wire`; what parses renders to JSON that parses to the same params;
 /// the matched tokens are whole blocks the remote offers within the prompt; the metadata loads
-/// only blocks that were offered and allocated, and survives the wire; once the workers report,
-/// both schedulers are idle.
+/// only blocks that were offered and allocated (an allocation that does not fit only notifies),
+/// and survives the wire; heartbeats renew only the params' own hold at the engine they name;
+/// once the workers report, both schedulers are idle.
 pub fn transfer_params(data: &[u8]) {
     let (json, picks) = match data.iter().position(|&b| b == 0) {
         Some(nul) => (&data[..nul], &data[nul + 1..]),
@@ -49,6 +52,7 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
         side_channel_port: 5700,
         auth_key,
         lease_duration: std::time::Duration::from_secs(30),
+        instance: None,
     })
     .ok()
 }
@@ -77,6 +81,8 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         _ => src.u32() as usize,
     };
     let id = RequestId::new("cmpl-fuzz-0");
+    // The request arrives: its lease is renewed from now on if its offer checks.
+    decode.on_new_request(&id, Some(params));
     let matched = decode.get_num_new_matched_tokens(&id, prompt_len, Some(params), computed);
     if let Ok(m) = matched {
         assert!(m.count % bs == 0, "{} matched tokens are not whole blocks of {bs}", m.count);
@@ -111,13 +117,15 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     let again =
         decode.update_state_after_alloc(&id, prompt_len, Some(&mut alloc_params), &new_blocks, computed, 0);
     assert!(again.is_ok(), "the second allocation failed: {again:?}");
-    let meta = decode.build_connector_meta(std::time::Instant::now());
+    let now = std::time::Instant::now();
+    let meta = decode.build_connector_meta(now);
     assert!(meta.reqs_to_recv.len() <= 1 && meta.reqs_to_send.is_empty(), "{meta:?}");
     if let Some(r) = meta.reqs_to_recv.first() {
-        // A failed allocation loads nothing, but still tells the prefill engine to free.
+        // An allocation that does not fit loads nothing, but the prefill engine is still told to
+        // free (notify only).
         assert!(
             alloc.is_ok() || r.is_notify_only(),
-            "a load recorded although the allocation failed: {alloc:?}"
+            "a load recorded although the allocation failed: {alloc:?}, {r:?}"
         );
         assert!(r.local_block_ids.len() <= r.remote_block_ids.len(), "{r:?}");
         assert!(
@@ -132,6 +140,16 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     match wire::encode(&meta).and_then(|b| wire::decode::<ConnectorMetadata>(&b)) {
         Ok(back) => assert_eq!(back, meta),
         Err(e) => panic!("the scheduler's metadata does not cross the wire: {e}"),
+    }
+    // A sixth of a lease later, a request still waiting has its lease renewed: only its own
+    // offer's hold, at the engine the params name.
+    let beat = decode.build_connector_meta(now + std::time::Duration::from_secs(5));
+    for h in &beat.heartbeats {
+        assert_eq!(Some(&h.remote), params.coordinates().as_ref(), "a heartbeat to another engine: {h:?}");
+        let offer = (params.remote_request_id.as_ref(), params.kvx_hold_nonce.as_ref());
+        for held in &h.holds {
+            assert_eq!((Some(&held.request_id), Some(&held.nonce)), offer, "renews another hold: {h:?}");
+        }
     }
     let reason =
         [FinishReason::LengthCapped, FinishReason::Aborted, FinishReason::Stopped, FinishReason::Error]
@@ -161,7 +179,9 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         let nonce = offered.kvx_hold_nonce;
         assert!(remote.is_some() && nonce.is_some(), "an offer without coordinates or nonce: {offered:?}");
         if let (Some(key), Some(remote), Some(nonce)) = (&key, &remote, &nonce) {
-            let offer = Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce };
+            let instance = offered.kvx_instance.as_ref();
+            let offer =
+                Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce, instance };
             let verified = offer.verify(key, offered.kvx_offer_mac.as_ref());
             assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
         }

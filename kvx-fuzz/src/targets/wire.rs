@@ -6,8 +6,8 @@ use kvx_core::net::MetadataRequest;
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
-    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, RecvRequest,
-    RemoteCoordinates, SchedulerConfig, TransferParams,
+    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, HoldStatus,
+    RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
 };
 
 use super::fixture::{NONCE, auth_key, must, prefill};
@@ -104,6 +104,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             side_channel_port: 5600,
             auth_key: Some(auth_key()),
             lease_duration: std::time::Duration::from_secs(30),
+            instance: None,
         }),
         "scheduler",
     )
@@ -158,6 +159,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     remote: RemoteCoordinates { port: u16::MAX, ..remote.clone() },
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),
+                    remote_instance: Some(kvx_core::HexBytes([0xff; 8])),
                 }],
                 reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
                 heartbeats: vec![kvx_core::Heartbeat {
@@ -177,14 +179,74 @@ pub(crate) fn rank_report_seeds() -> Vec<Seed> {
     wire_seeds(&super::worker::rank_report_samples())
 }
 
-/// Hold releases: a typical one, an empty id.
+/// Hold releases: a typical one, an empty id, one after a READ (answer wanted), one whose
+/// `reply_to` is at the edges.
 pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
+    let decode = super::fixture::decode_side_channel();
     vec![
         ("typical", HoldRelease { request_id: "cmpl-7f3a-0".into(), nonce: NONCE, reply_to: None }),
         (
             "empty-id",
             HoldRelease { request_id: "".into(), nonce: kvx_core::HexBytes([0; 16]), reply_to: None },
         ),
+        (
+            "after-a-read",
+            HoldRelease {
+                request_id: "cmpl-7f3a-0".into(),
+                nonce: NONCE,
+                reply_to: Some(ReplyTo {
+                    engine: decode.clone(),
+                    instance: 0x0123_4567_89ab_cdef,
+                    token: NONCE,
+                }),
+            },
+        ),
+        (
+            "reply-to-edges",
+            HoldRelease {
+                request_id: "r".into(),
+                nonce: NONCE,
+                reply_to: Some(ReplyTo {
+                    engine: RemoteCoordinates { engine_id: "".into(), host: "h".repeat(300), port: u16::MAX },
+                    instance: u64::MAX,
+                    token: kvx_core::HexBytes([0xff; 16]),
+                }),
+            },
+        ),
+    ]
+}
+
+/// A prefill rank's answers to a release: held, not held, empty fields.
+pub(crate) fn hold_status_samples() -> Vec<(&'static str, HoldStatus)> {
+    vec![
+        ("held", HoldStatus { request_id: "cmpl-7f3a-0".into(), nonce: NONCE, held: true, token: NONCE }),
+        (
+            "not-held",
+            HoldStatus { request_id: "cmpl-7f3a-0".into(), nonce: NONCE, held: false, token: NONCE },
+        ),
+        (
+            "empty-id",
+            HoldStatus {
+                request_id: "".into(),
+                nonce: kvx_core::HexBytes([0; 16]),
+                held: true,
+                token: NONCE,
+            },
+        ),
+    ]
+}
+
+/// A decode rank's heartbeats: a few holds, none, a full message (the worker sends at most 128
+/// holds per message).
+pub(crate) fn renew_leases_samples() -> Vec<(&'static str, RenewLeases)> {
+    let held = |k: usize| HeldRequest {
+        request_id: format!("cmpl-{k:04x}-0").into(),
+        nonce: super::fixture::nonce_of(&k.to_string()),
+    };
+    vec![
+        ("typical", RenewLeases { holds: (0..3).map(held).collect() }),
+        ("empty", RenewLeases { holds: vec![] }),
+        ("a-full-message", RenewLeases { holds: (0..128).map(held).collect() }),
     ]
 }
 

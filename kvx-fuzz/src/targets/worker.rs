@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use kvx_core::wire::{self, HandshakePayload};
 use kvx_core::{
     ConnectorMetadata, ConnectorScheduler, ConnectorWorker, FailedRecv, Finished, FinishedAggregator,
-    HeldRequest, HoldRelease, Nonce, Offer, RankReport, RecvRequest, RequestId, SchedulerConfig,
+    Heartbeat, HeldRequest, HoldRelease, Nonce, Offer, RankReport, RecvRequest, RequestId, SchedulerConfig,
     TransferAgent,
 };
 use kvx_loopback::Fabric;
 
 use super::fixture::{
-    DECODE, DECODE_BLOCKS, NONCE, PREFILL, PREFILL_BLOCKS, auth_key, caches, config, decode_session, must,
-    prefill, recv, unreachable_peer,
+    DECODE, DECODE_BLOCKS, Lease, NONCE, PREFILL, PREFILL_BLOCKS, auth_key, caches, config, decode_session,
+    must, nonce_of, prefill, prefill_coordinates, recv, unreachable_peer,
 };
 use crate::input::ByteSource;
 use crate::seeds::Seed;
@@ -36,7 +36,7 @@ fn handshake_session(data: &[u8]) -> Finished {
     let prefill = prefill();
     let meta =
         ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![], heartbeats: vec![] };
-    decode_session(&prefill, None, &[meta], |_| Some(Ok(data.to_vec())))
+    decode_session(&prefill, None, &[meta], &[], |_| Some(Ok(data.to_vec())))
 }
 
 /// Seeds: the live prefill rank's payload (which passes every check), then the wire seeds.
@@ -61,7 +61,7 @@ fn handshake_fields_session(data: &[u8]) -> Finished {
     let bytes = must(wire::encode(&payload), "encoding a payload");
     let reqs = fuzzed_requests(&mut src);
     let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![], heartbeats: vec![] };
-    decode_session(&prefill, None, &[meta], |_| Some(Ok(bytes.clone())))
+    decode_session(&prefill, None, &[meta], &[], |_| Some(Ok(bytes.clone())))
 }
 
 fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u8]) -> HandshakePayload {
@@ -142,6 +142,10 @@ fn fuzzed_payload(src: &mut ByteSource<'_>, valid: &HandshakePayload, stale: &[u
         0 => p.compat_hash,
         _ => src.u64(),
     };
+    p.instance = match src.below(2) {
+        0 => p.instance,
+        _ => src.edgy_u64(),
+    };
     p
 }
 
@@ -184,7 +188,7 @@ fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
 /// Seeds: no choice (every field valid), then each single field changed.
 pub(crate) fn worker_handshake_fields_seeds() -> Vec<Seed> {
     let mut seeds = vec![Seed::new("all-valid", Vec::new())];
-    for field in 0..9 {
+    for field in 0..10 {
         let mut choice = vec![0u8; field];
         choice.push(1);
         seeds.push(Seed::new(format!("field-{field}-changed"), choice));
@@ -202,7 +206,7 @@ pub fn worker_connector_metadata(data: &[u8]) {
     let Ok(meta) = wire::decode::<ConnectorMetadata>(data) else { return };
     let prefill = prefill();
     let payload = prefill.payload.clone();
-    decode_session(&prefill, None, &[meta], |engine| {
+    decode_session(&prefill, None, &[meta], &[], |engine| {
         Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
     });
 }
@@ -237,7 +241,27 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
             .into_iter()
             .map(|id| HeldRequest { request_id: id.into(), nonce: NONCE })
             .collect(),
-        heartbeats: vec![],
+        heartbeats: vec![
+            Heartbeat {
+                remote: prefill_coordinates(),
+                holds: vec![
+                    HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") },
+                    HeldRequest { request_id: "ok".into(), nonce: NONCE },
+                    HeldRequest { request_id: "never-held".into(), nonce: NONCE },
+                ],
+            },
+            Heartbeat {
+                remote: kvx_core::RemoteCoordinates {
+                    engine_id: "elsewhere".into(),
+                    ..prefill_coordinates()
+                },
+                holds: vec![HeldRequest { request_id: "unreachable".into(), nonce: nonce_of("unreachable") }],
+            },
+            Heartbeat {
+                remote: kvx_core::RemoteCoordinates { host: "h".repeat(300), ..prefill_coordinates() },
+                holds: vec![HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") }],
+            },
+        ],
     };
     seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
     seeds
@@ -258,12 +282,14 @@ fn metadata_fields_session(data: &[u8]) -> Finished {
     let mut src = ByteSource::new(data);
     let answer = src.below(5);
     let keyed = src.below(2) == 1;
-    let steps = [fuzzed_metadata(&mut src, 0, keyed), fuzzed_metadata(&mut src, 1, keyed)];
+    let mut leases = Vec::new();
+    let steps =
+        [fuzzed_metadata(&mut src, 0, keyed, &mut leases), fuzzed_metadata(&mut src, 1, keyed, &mut leases)];
     let key = keyed.then(auth_key);
     let payload = prefill.payload.clone();
     let other_engine = HandshakePayload { engine_id: "elsewhere".into(), ..prefill.decoded_payload() };
     let other = must(wire::encode(&other_engine), "encoding a payload");
-    decode_session(&prefill, key, &steps, |engine| match answer {
+    decode_session(&prefill, key, &steps, &leases, |engine| match answer {
         0 => {
             Some(if engine.as_str() == PREFILL { Ok(payload.clone()) } else { Err(unreachable_peer(engine)) })
         }
@@ -276,8 +302,14 @@ fn metadata_fields_session(data: &[u8]) -> Finished {
 
 /// One step's metadata: by default one load of two fresh blocks from the prefill engine in the
 /// first step, nothing in the second. In a keyed deployment the offers carry a MAC (by default
-/// a valid one).
-fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> ConnectorMetadata {
+/// a valid one). Last, how the prefill engine holds each load's offer (pushed to `leases`; by
+/// default held throughout).
+fn fuzzed_metadata(
+    src: &mut ByteSource<'_>,
+    step: usize,
+    keyed: bool,
+    leases: &mut Vec<Lease>,
+) -> ConnectorMetadata {
     let loads = if step == 0 { 1 + src.below(4) } else { src.below(4) };
     let reqs_to_recv = (0..loads)
         .map(|i| {
@@ -326,9 +358,13 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
                 3 => src.edgy_u32(),
                 _ => (remote_len - local_len) as u32,
             };
-            let nonce = match src.below(3) {
-                0 => Some(NONCE),
+            let prefill_id: RequestId =
+                remote_request_id.clone().unwrap_or_else(|| request_id.as_str().into());
+            let nonce = match src.below(4) {
+                0 => Some(nonce_of(prefill_id.as_str())),
                 1 => None,
+                // The offer of another load (a replayed or shared nonce).
+                2 => Some(NONCE),
                 _ => Some(kvx_core::HexBytes([src.u8(); 16])),
             };
             let mut r = RecvRequest {
@@ -340,6 +376,7 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
                 remote: kvx_core::RemoteCoordinates { engine_id, host: "10.0.0.1".into(), port },
                 nonce,
                 mac: None,
+                remote_instance: None,
             };
             if keyed {
                 r.mac = match src.below(4) {
@@ -350,6 +387,7 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
                     _ => r.offer().map(|offer| Offer { block_ids: &[1, 2, 3], ..offer }.tag(&auth_key())),
                 };
             }
+            leases.push([Lease::Held, Lease::Expired, Lease::OtherNonce, Lease::Missing][src.below(4)]);
             r
         })
         .collect();
@@ -368,25 +406,31 @@ fn fuzzed_metadata(src: &mut ByteSource<'_>, step: usize, keyed: bool) -> Connec
 
 /// Seeds: no choice (one valid load), each answer, and a few loads with one field changed.
 pub(crate) fn worker_metadata_fields_seeds() -> Vec<Seed> {
-    // Bytes: the answer, keyed or not, then per step the loads (each 12 choices, 13 keyed) and
-    // the holds.
+    // Bytes: the answer, keyed or not, then per step the loads (each 13 choices, 14 keyed: the
+    // MAC before the last, the lease) and the holds.
     let mut seeds = vec![Seed::new("one-valid-load", Vec::new())];
     for answer in 1..5u8 {
         seeds.push(Seed::new(format!("answer-{answer}"), [answer]));
     }
-    for field in 0..12 {
+    for field in 0..13 {
         // Answer 0, no key, 4 loads, then `field` zero choices and a 1.
         let mut choice = vec![0u8, 0, 3];
         choice.extend(std::iter::repeat_n(0, field));
         choice.push(1);
         seeds.push(Seed::new(format!("four-loads-field-{field}-changed"), choice));
     }
-    let one_load = [0u8; 12];
+    let one_load = [0u8; 13];
     seeds.push(Seed::new("loads-in-both-steps", [&[0, 0, 0][..], &one_load, &[0, 2]].concat()));
     seeds.push(Seed::new("keyed-valid-mac", [0, 1]));
     for (mac, name) in [(1u8, "keyed-no-mac"), (2, "keyed-garbage-mac"), (3, "keyed-mac-of-another-offer")] {
-        seeds.push(Seed::new(name, [&[0, 1, 0][..], &one_load, &[mac]].concat()));
+        seeds.push(Seed::new(name, [&[0, 1, 0][..], &one_load[..12], &[mac]].concat()));
     }
+    for (lease, name) in [(1u8, "lease-expired"), (2, "lease-other-nonce"), (3, "lease-missing")] {
+        seeds.push(Seed::new(name, [&[0, 0, 0][..], &one_load[..12], &[lease]].concat()));
+    }
+    // Two loads of one offer (the same nonce), the second's blocks elsewhere.
+    let shared = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0];
+    seeds.push(Seed::new("two-loads-of-one-offer", [&[0, 0, 1][..], &shared, &shared].concat()));
     seeds
 }
 
@@ -400,7 +444,7 @@ pub fn worker_notification(data: &[u8]) {
     let fabric = Fabric::new();
     let agent = Arc::new(must(fabric.agent("prefill-agent"), "prefill agent"));
     let mut worker = must(ConnectorWorker::new(config(PREFILL), agent.clone()), "prefill worker");
-    must(worker.register_kv_caches(&caches(PREFILL_BLOCKS)), "registering");
+    must(worker.register_kv_caches(&caches(PREFILL_BLOCKS).0), "registering");
     let reader = must(fabric.agent("decode-agent"), "decode agent");
     let prefill_name = must(reader.load_remote(&must(agent.local_metadata(), "metadata")), "loading");
 
@@ -470,6 +514,35 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
         ("empty-id", release("", NONCE)),
         ("over-long-id", release(&"x".repeat(70 << 10), NONCE)),
     ];
+    let reply_to = |engine: kvx_core::RemoteCoordinates, instance| HoldRelease {
+        reply_to: Some(kvx_core::ReplyTo { engine, instance, token: NONCE }),
+        ..release("req-0", NONCE)
+    };
+    let samples = [
+        samples,
+        vec![
+            ("answer-the-decode-engine", reply_to(super::fixture::decode_side_channel(), 7)),
+            ("answer-this-engine", reply_to(prefill_coordinates(), 7)),
+            (
+                "answer-a-huge-host",
+                reply_to(
+                    kvx_core::RemoteCoordinates {
+                        host: "h".repeat(70 << 10),
+                        ..super::fixture::decode_side_channel()
+                    },
+                    7,
+                ),
+            ),
+            (
+                "answer-the-last-port",
+                reply_to(
+                    kvx_core::RemoteCoordinates { port: u16::MAX, ..super::fixture::decode_side_channel() },
+                    u64::MAX,
+                ),
+            ),
+        ],
+    ]
+    .concat();
     let mut seeds = crate::seeds::wire_seeds(&samples);
     seeds.extend(
         [("bare-id", &b"req-0"[..]), ("not-utf8", b"\xff\xfereq-0"), ("empty", b"")]
@@ -503,6 +576,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             side_channel_port: 5600,
             auth_key: None,
             lease_duration: Duration::from_secs(30),
+            instance: None,
         }),
         "scheduler",
     );
@@ -562,5 +636,13 @@ mod tests {
         assert!(!loaded(&no_mac, "s0-r0"), "no MAC in a keyed deployment: {no_mac:?}");
         let other_offer = metadata_fields_session(&[[0u8, 1, 0].as_slice(), &[0; 12], &[3]].concat());
         assert!(!loaded(&other_offer, "s0-r0"), "another offer's MAC: {other_offer:?}");
+        for lease in 1..4u8 {
+            let unheld = metadata_fields_session(&[[0u8, 0, 0].as_slice(), &[0; 12], &[lease]].concat());
+            assert!(!loaded(&unheld, "s0-r0"), "lease choice {lease}: {unheld:?}");
+            assert_eq!(unheld.failed_recving.len(), 1, "{unheld:?}");
+        }
+        let shared = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0];
+        let two = metadata_fields_session(&[[0u8, 0, 1].as_slice(), &shared, &shared].concat());
+        assert_eq!((two.recving.len(), two.failed_recving.len()), (1, 1), "one load per offer: {two:?}");
     }
 }

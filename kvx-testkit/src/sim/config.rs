@@ -72,6 +72,8 @@ pub enum SideChannel {
     Tcp {
         /// The host to bind and to hand to decode engines.
         host: String,
+        /// The port of rank 0 (rank r binds `port + r`); 0: free ports from the OS.
+        port: u16,
     },
 }
 
@@ -102,13 +104,13 @@ pub struct EngineConfig {
     /// Where the workers' handshake fetches run: [`Handshakes::OnStepThread`] with an
     /// in-process side channel and a manual clock makes a run replay exactly.
     pub handshakes: Handshakes,
-    /// The seed of the hold nonces (the same seed, the same nonces); `None`: the operating
-    /// system's random source.
-    pub nonce_seed: Option<u64>,
+    /// The seed of the engine's random choices, its hold nonces and its instance id (the same
+    /// seed, the same choices); `None`: the operating system's random source.
+    pub seed: Option<u64>,
     /// What a request whose KV load failed does.
     pub load_failure: LoadFailurePolicy,
-    /// In-process side channels only: the base port to bind (a restarted engine takes its
-    /// predecessor's); `None`: the next free one.
+    /// In-process side channels only (TCP ones take theirs in [`SideChannel::Tcp`]): the base port
+    /// to bind (a restarted engine takes its predecessor's); `None`: the next free one.
     pub side_channel_port: Option<u16>,
 }
 
@@ -143,7 +145,7 @@ impl EngineConfig {
             lease_duration: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             handshakes: Handshakes::Background,
-            nonce_seed: None,
+            seed: None,
             load_failure: LoadFailurePolicy::Fail,
             side_channel_port: None,
         }

@@ -126,24 +126,31 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Tcp { host } => host.clone(),
+            SideChannel::Tcp { host, .. } => host.clone(),
         };
         let BoundSideChannels { base_port, ranks: exchanges } =
             match (&config.side_channel, config.side_channel_port) {
                 (SideChannel::InProcess(net), None) => net.bind(&host, config.tp)?,
                 (SideChannel::InProcess(net), Some(base)) => net.bind_at(&host, base, config.tp)?,
-                (SideChannel::Tcp { host }, None) => bind_tcp(
+                (SideChannel::Tcp { host, port }, None) => bind_tcp(
                     runtime.handle(),
                     host,
+                    *port,
                     config.tp,
                     &NetConfig::with_key(config.auth_key.clone()),
                 )?,
                 (SideChannel::Tcp { .. }, Some(_)) => {
                     return Err(Error::invalid_argument(
-                        "a side-channel port is chosen for in-process channels only",
+                        "TCP side channels take their port in SideChannel::Tcp, not side_channel_port",
                     ));
                 }
             };
+        // One instance for the scheduler and the workers: the params name the one the workers
+        // publish, so a decode engine never reads them through a connection to an earlier start.
+        let instance = match config.seed {
+            Some(seed) => model::mix(seed, 0x696e_7374_616e_6365),
+            None => u64::from_le_bytes(kvx_core::auth::random_bytes()?),
+        };
         let scheduler_config = SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
@@ -151,8 +158,9 @@ impl SimEngine {
             side_channel_port: base_port,
             auth_key: config.auth_key.clone(),
             lease_duration: config.lease_duration,
+            instance: Some(instance),
         };
-        let scheduler = match config.nonce_seed {
+        let scheduler = match config.seed {
             Some(seed) => {
                 ConnectorScheduler::with_nonces(scheduler_config, NonceSource::from_seed(seed_bytes(seed)))
             }
@@ -173,6 +181,7 @@ impl SimEngine {
                     handshake_timeout: config.handshake_timeout,
                     lease_duration: config.lease_duration,
                     side_channel: Some(own_side_channel.clone()),
+                    instance: Some(instance),
                     auth_key: config.auth_key.clone(),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },

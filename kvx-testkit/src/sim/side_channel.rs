@@ -292,16 +292,23 @@ impl Drop for Until<'_> {
     }
 }
 
-/// Binds real TCP side channels for `ranks` ranks on consecutive ports of `host`, with `config`'s
-/// limits and key, served by `runtime` (multi-threaded). Rank 0 takes a free port from the OS;
-/// when a port after it is taken, all are dropped and another base is tried (a bounded number of
-/// times).
-pub fn bind_tcp(runtime: &Handle, host: &str, ranks: u32, config: &NetConfig) -> Result<BoundSideChannels> {
-    const ATTEMPTS: usize = 32;
+/// Binds real TCP side channels for `ranks` ranks on consecutive ports of `host` from `base_port`,
+/// with `config`'s limits and key, served by `runtime` (multi-threaded). With `base_port` 0, rank 0
+/// takes a free port from the OS; when a port after it is taken, all are dropped and another base
+/// is tried (a bounded number of times). A given `base_port` is tried once (a restarted engine
+/// binds the ports it had).
+pub fn bind_tcp(
+    runtime: &Handle,
+    host: &str,
+    base_port: u16,
+    ranks: u32,
+    config: &NetConfig,
+) -> Result<BoundSideChannels> {
+    let attempts = if base_port == 0 { 32 } else { 1 };
     let mut last = None;
-    for _ in 0..ATTEMPTS {
+    for _ in 0..attempts {
         let attempt = runtime.block_on(async {
-            let first = SideChannel::bind_with(host, 0, config.clone()).await?;
+            let first = SideChannel::bind_with(host, base_port, config.clone()).await?;
             let base = first.port();
             let mut bound = vec![Arc::new(first) as Arc<dyn MetadataExchange>];
             for r in 1..ranks {
@@ -405,12 +412,27 @@ mod tests {
     #[test]
     fn tcp_channels_bind_consecutive_ports() {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let bound = bind_tcp(rt.handle(), "127.0.0.1", 3, &NetConfig::default()).unwrap();
+        let bound = bind_tcp(rt.handle(), "127.0.0.1", 0, 3, &NetConfig::default()).unwrap();
         assert_eq!(bound.ranks.len(), 3);
         rt.block_on(async {
             bound.ranks[2].publish(b"r2".to_vec()).await.unwrap();
             let got = bound.ranks[0].fetch("127.0.0.1", bound.base_port + 2, Duration::from_secs(5)).await;
             assert_eq!(got.unwrap(), b"r2");
         });
+    }
+
+    #[test]
+    fn tcp_channels_rebind_a_given_base_port() {
+        let rt =
+            || tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let first = rt();
+        let base = bind_tcp(first.handle(), "127.0.0.1", 0, 2, &NetConfig::default()).unwrap().base_port;
+        // The runtime's shutdown drops the servers and their listeners.
+        drop(first);
+        let again = rt();
+        let bound = bind_tcp(again.handle(), "127.0.0.1", base, 2, &NetConfig::default()).unwrap();
+        assert_eq!(bound.base_port, base);
+        let taken = bind_tcp(again.handle(), "127.0.0.1", base, 2, &NetConfig::default()).unwrap_err();
+        assert_eq!(taken.kind(), ErrorKind::Io, "{taken}");
     }
 }

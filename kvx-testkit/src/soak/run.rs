@@ -208,7 +208,7 @@ impl<'c> Soak<'c> {
     fn start(&mut self, s: usize) -> Result<()> {
         let cfg = self.cfg;
         let recompute = self.starts.chance(cfg.recompute);
-        let nonce_seed = self.starts.next_u64();
+        let seed = self.starts.next_u64();
         let slot = &mut self.slots[s];
         let load_failure = match slot.role {
             Role::Decode if recompute => LoadFailurePolicy::Recompute,
@@ -225,7 +225,7 @@ impl<'c> Soak<'c> {
             lease_duration: cfg.lease,
             clock: Arc::new(self.clock.clone()),
             handshakes: Handshakes::OnStepThread,
-            nonce_seed: Some(nonce_seed),
+            seed: Some(seed),
             load_failure,
             side_channel_port: slot.port,
         };
