@@ -178,6 +178,13 @@ impl ConnectorScheduler {
         &self.config
     }
 
+    /// Sets the instance the params name (see [`SchedulerConfig::instance`]): for engines whose
+    /// scheduler learns its workers' instance after it starts (vLLM hands the workers' handshake
+    /// metadata to the scheduler once they registered their caches).
+    pub fn set_instance(&mut self, instance: Option<u64>) {
+        self.config.instance = instance;
+    }
+
     fn block_size(&self) -> usize {
         self.config.block_size as usize
     }

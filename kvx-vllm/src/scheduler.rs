@@ -56,7 +56,7 @@ impl Scheduler {
             side_channel_port,
             auth_key: self::auth_key(auth_key)?,
             lease_duration: std::time::Duration::from_secs(30),
-            instance: Some(crate::process_instance()),
+            instance: None,
         })
         .map_err(py_err)?;
         Ok(Scheduler { inner })
@@ -142,6 +142,13 @@ impl Scheduler {
     }
 
     /// This step's metadata for the workers, encoded.
+    /// The instance of this engine's rank-0 worker, from vLLM's handshake metadata: from now on
+    /// the params name it, so a decode engine never reads them through a connection to an
+    /// earlier start of this engine.
+    fn set_instance(&mut self, instance: u64) {
+        self.inner.set_instance(Some(instance));
+    }
+
     fn build_connector_meta<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let meta = self.inner.build_connector_meta(std::time::Instant::now());
         let bytes = wire::encode(&meta).map_err(py_err)?;

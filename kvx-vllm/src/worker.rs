@@ -158,7 +158,6 @@ impl Worker {
             host: options.side_channel_host.clone(),
             port: options.side_channel_port,
         });
-        config.instance = Some(crate::process_instance());
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());
@@ -188,6 +187,13 @@ impl Worker {
     #[getter]
     fn backend(&self) -> String {
         self.agent.capabilities().backend.to_string()
+    }
+
+    /// This worker's instance (random at start, published in its payload). vLLM hands it to the
+    /// engine's scheduler (`get_handshake_metadata`), which names it in its params.
+    #[getter]
+    fn instance(&self) -> PyResult<u64> {
+        self.with_state(|s| Ok(s.driver.worker().instance()))
     }
 
     /// Registers every layer's cache, given as `(data_ptr, nbytes, shape, element_size)` in

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -65,6 +66,13 @@ logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuratio
 
 _BACKENDS = {"ucx": "kvx_vllm_ucx", "nixl": "kvx_vllm_nixl"}
 _STATS_LOG_INTERVAL_S = 5.0
+
+
+class KvxHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker hands its engine's scheduler: its instance (random at start)."""
+
+    def __init__(self, instance: int):
+        self.instance = instance
 
 
 class KvxConnectorMetadata(KVConnectorMetadata):
@@ -250,8 +258,12 @@ class KvxConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         """Nothing to serve from EngineCore: each worker serves its own handshake payload on its
-        side channel (rank r at ``side_channel_port + r``), see ``get_handshake_metadata``."""
-        return None
+        side channel (rank r at ``side_channel_port + r``). What the workers hand over is their
+        instance: the params name it, so a decode engine never reads them through a connection
+        to an earlier start of this engine (see ``get_handshake_metadata``)."""
+        rank0 = metadata.get(0) if metadata else None
+        if isinstance(rank0, KvxHandshakeMetadata):
+            self._sched.set_instance(rank0.instance)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         failed = set(connector_output.failed_recving or ())
@@ -290,11 +302,11 @@ class KvxConnector(KVConnectorBase_V1):
         )
 
     def get_handshake_metadata(self):
-        """None: kvx does not route its handshake through vLLM's out-of-band metadata (which
-        NixlConnector serves from EngineCore). Each worker publishes its payload on its own
-        TCP side channel when it registers its KV caches, so a peer's handshake needs no
-        EngineCore round trip and works for any number of ranks."""
-        return None
+        """This worker's instance, for the scheduler in EngineCore (another process). kvx does
+        not route its handshake through vLLM's out-of-band metadata (which NixlConnector serves
+        from EngineCore): each worker publishes its payload on its own TCP side channel when it
+        registers its KV caches, so a peer's handshake needs no EngineCore round trip."""
+        return KvxHandshakeMetadata(self._worker.instance) if self._worker is not None else None
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
