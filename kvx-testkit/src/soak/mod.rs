@@ -41,14 +41,18 @@
 
 mod report;
 mod run;
+mod slot;
 mod tally;
+mod workload;
 
 use std::ops::RangeInclusive;
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::Result;
+use kvx_core::{Clock, Result};
+use kvx_loopback::Faults;
 
-use crate::sim::ModelSpec;
+use crate::sim::{HandshakeFaults, ModelSpec};
 
 pub use report::{Aborts, InjectedFaults, Lost, ProtocolCounts, SoakReport};
 
@@ -171,6 +175,30 @@ pub struct FaultRates {
 }
 
 impl FaultRates {
+    /// The loopback fabric's faults at these rates, seeded with `seed`.
+    fn fabric(&self, seed: u64) -> Faults {
+        Faults::none()
+            .seed(seed)
+            .transfer_failures(self.transfer_failure)
+            .transfer_delays(self.transfer_delay, self.max_transfer_delay)
+            .notification_drops(self.notification_drop)
+            .notification_duplicates(self.notification_duplicate)
+            .notification_delays(self.notification_delay, self.max_notification_delay)
+            .stray_notifications(self.stray_notification)
+    }
+
+    /// The in-process side channels' faults at these rates, in `clock`'s time, seeded with `seed`.
+    fn side_channel(&self, clock: Arc<dyn Clock>, seed: u64) -> HandshakeFaults {
+        HandshakeFaults {
+            clock,
+            seed,
+            refuse: self.handshake_refusal,
+            delay: self.handshake_delay,
+            max_delay: self.max_handshake_delay,
+            silent: self.handshake_silence,
+        }
+    }
+
     /// No faults at all.
     pub fn none() -> Self {
         FaultRates {

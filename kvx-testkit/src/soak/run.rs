@@ -1,7 +1,6 @@
 //! The soak's run: engines in slots that restart, each request from its arrival to its end, and
 //! the clock.
 
-use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -10,14 +9,16 @@ use std::time::{Duration, Instant};
 use kvx_core::{
     Clock, EngineId, FinishReason, Handshakes, ManualClock, RequestId, Result, TransferAgent, TransferParams,
 };
-use kvx_loopback::{Fabric, Faults};
+use kvx_loopback::Fabric;
 
 use super::SoakConfig;
 use super::report::{InjectedFaults, SoakReport};
+use super::slot::{Slot, panic_message};
 use super::tally::{AbortStage, Outcome, Role, Tally};
+use super::workload::{plan, request_id};
 use crate::sim::{
-    EndedRequest, EngineConfig, HandshakeFaults, InProcessSideChannels, LoadFailurePolicy, RequestState,
-    SideChannel, SimBackend, SimEngine, SimRng, VOCAB,
+    EndedRequest, EngineConfig, InProcessSideChannels, LoadFailurePolicy, RequestState, SideChannel,
+    SimBackend, SimEngine, SimRng,
 };
 
 /// Streams of the seed besides the requests' own (request `n` draws from stream `n`).
@@ -25,32 +26,6 @@ const ARRIVALS: u64 = u64::MAX;
 const CHAOS: u64 = u64::MAX - 1;
 const STARTS: u64 = u64::MAX - 2;
 const FAULTS: u64 = u64::MAX - 3;
-/// Shared prompt prefixes (system prompts) draw from streams `PREFIXES + i`.
-const PREFIXES: u64 = u64::MAX - 100;
-const NUM_PREFIXES: u64 = 8;
-
-/// One engine's place in the deployment: the engine while it is up, its side-channel ports
-/// (kept across restarts), and what holds it back.
-struct Slot {
-    role: Role,
-    index: usize,
-    engine: Option<SimEngine>,
-    port: Option<u16>,
-    down_until: Option<Instant>,
-    stalled_until: Option<Instant>,
-}
-
-impl Slot {
-    fn name(&self) -> String {
-        format!("{}-{}", self.role, self.index)
-    }
-
-    /// The engine, when it is up and its steps are not stalled at `now`.
-    fn running(&mut self, now: Instant) -> Option<&mut SimEngine> {
-        if self.stalled_until.is_some_and(|t| t > now) { None } else { self.engine.as_mut() }
-    }
-}
-
 /// Where a live request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
@@ -66,22 +41,6 @@ struct Live {
     arrived: Instant,
     place: Place,
     aborting: Option<AbortStage>,
-}
-
-/// One request, drawn from its own stream of the seed (so it can be drawn again).
-struct Plan {
-    id: RequestId,
-    prompt: Vec<u32>,
-    max_new_tokens: usize,
-    prefill: usize,
-    decode: usize,
-    client_delay: Duration,
-    abort_after: Option<Duration>,
-    lost_handoff: bool,
-}
-
-fn request_id(n: u64) -> RequestId {
-    RequestId::new(format!("req-{n}"))
 }
 
 /// A soak in progress.
@@ -108,27 +67,11 @@ pub(super) struct Soak<'c> {
 impl<'c> Soak<'c> {
     pub(super) fn new(cfg: &'c SoakConfig) -> Result<Self> {
         let clock = ManualClock::new();
-        let f = &cfg.faults;
         let mut seeds = SimRng::stream(cfg.seed, FAULTS);
         let fabric = Fabric::with_clock(Arc::new(clock.clone()));
-        fabric.set_faults(
-            Faults::none()
-                .seed(seeds.next_u64())
-                .transfer_failures(f.transfer_failure)
-                .transfer_delays(f.transfer_delay, f.max_transfer_delay)
-                .notification_drops(f.notification_drop)
-                .notification_duplicates(f.notification_duplicate)
-                .notification_delays(f.notification_delay, f.max_notification_delay)
-                .stray_notifications(f.stray_notification),
-        )?;
-        let net = InProcessSideChannels::with_faults(HandshakeFaults {
-            clock: Arc::new(clock.clone()),
-            seed: seeds.next_u64(),
-            refuse: f.handshake_refusal,
-            delay: f.handshake_delay,
-            max_delay: f.max_handshake_delay,
-            silent: f.handshake_silence,
-        });
+        fabric.set_faults(cfg.faults.fabric(seeds.next_u64()))?;
+        let side_channel_faults = cfg.faults.side_channel(Arc::new(clock.clone()), seeds.next_u64());
+        let net = InProcessSideChannels::with_faults(side_channel_faults);
         let agents = fabric.clone();
         let backend = SimBackend::new(move |engine: &EngineId, rank| {
             Ok(Arc::new(agents.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
@@ -293,43 +236,11 @@ impl<'c> Soak<'c> {
         (0..n).map(|k| self.slot_index(role, (from + k) % n)).find(|&s| self.slots[s].engine.is_some())
     }
 
-    fn plan(&self, n: u64) -> Plan {
-        let c = self.cfg;
-        let mut rng = SimRng::stream(c.seed, n);
-        let mut prompt = Vec::new();
-        if rng.chance(0.03) && n > 0 {
-            // The same prompt as a recent request: a full prefix hit on a decode engine that
-            // still caches it (only a notification goes to the prefill engine).
-            prompt = self.plan(n - 1 - rng.below(n.min(50))).prompt;
-        } else if rng.chance(0.3) {
-            let mut shared = SimRng::stream(c.seed, PREFIXES + rng.below(NUM_PREFIXES));
-            let len = shared.range(16, 128);
-            prompt.extend((0..len).map(|_| shared.below(u64::from(VOCAB)) as u32));
-        }
-        let (lo, hi) = (*c.prompt_len.start() as u64, *c.prompt_len.end() as u64);
-        let tail = rng.range(lo, hi).saturating_sub(prompt.len() as u64).max(1);
-        if prompt.len() < hi as usize {
-            prompt.extend((0..tail).map(|_| rng.below(u64::from(VOCAB)) as u32));
-        }
-        let f = &c.faults;
-        Plan {
-            id: request_id(n),
-            prompt,
-            max_new_tokens: rng.range(*c.max_new_tokens.start() as u64, *c.max_new_tokens.end() as u64)
-                as usize,
-            prefill: rng.below(c.prefills as u64) as usize,
-            decode: rng.below(c.decodes as u64) as usize,
-            client_delay: rng.duration(Duration::ZERO, c.max_client_delay),
-            abort_after: rng.chance(f.abort).then(|| rng.duration(Duration::ZERO, f.max_abort_delay)),
-            lost_handoff: rng.chance(f.lost_handoff),
-        }
-    }
-
     fn arrive(&mut self) {
         let now = self.clock.now();
         while self.arrived < self.cfg.requests && self.next_arrival <= now {
             let n = self.arrived;
-            let plan = self.plan(n);
+            let plan = plan(self.cfg, n);
             let Some(s) = self.up(Role::Prefill, plan.prefill) else { return };
             let params = TransferParams { do_remote_decode: true, ..Default::default() };
             let place = Place::Prefill(self.slots[s].index);
@@ -497,7 +408,7 @@ impl<'c> Soak<'c> {
 
     fn handed_out(&mut self, id: &RequestId, params: TransferParams) {
         let Some(n) = self.live.get(id).map(|l| l.n) else { return };
-        let plan = self.plan(n);
+        let plan = plan(self.cfg, n);
         if plan.lost_handoff {
             self.resolve(id, Outcome::Aborted(AbortStage::Handoff));
             return;
@@ -518,7 +429,7 @@ impl<'c> Soak<'c> {
                 break;
             }
             let params = entry.remove();
-            let plan = self.plan(n);
+            let plan = plan(self.cfg, n);
             let Some(s) = self.up(Role::Decode, plan.decode) else {
                 let later = now + self.cfg.step_time;
                 self.handoffs.insert((later, n), params);
@@ -626,13 +537,5 @@ impl<'c> Soak<'c> {
             ..self.tally.faults
         };
         Ok(self.tally.report(self.cfg, faults, self.clock.elapsed()))
-    }
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> String {
-    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
-        (Some(s), _) => (*s).to_owned(),
-        (_, Some(s)) => s.clone(),
-        _ => "a panic without a message".to_owned(),
     }
 }
