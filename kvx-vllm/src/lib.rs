@@ -26,21 +26,6 @@ pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// A kvx error as a Python exception: `ValueError` for bad arguments and bad peer data,
 /// `RuntimeError` otherwise. The message names the kind.
-/// This engine process's instance: its scheduler names it in the params and its worker publishes
-/// it (kvx-vllm runs tensor-parallel size 1, so both live in the engine-core process). A restarted
-/// engine draws a new one. A failed draw from the OS falls back to the time and the process id.
-pub(crate) fn process_instance() -> u64 {
-    static INSTANCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *INSTANCE.get_or_init(|| {
-        kvx_core::auth::random_bytes().map(u64::from_le_bytes).unwrap_or_else(|_| {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64);
-            nanos ^ u64::from(std::process::id()).rotate_left(32)
-        })
-    })
-}
-
 pub fn py_err(e: kvx_core::Error) -> PyErr {
     use kvx_core::ErrorKind;
     match e.kind() {
