@@ -12,6 +12,21 @@
 # a failed install fails this script). Servers run in their own process groups and are stopped by
 # a trap; every wait is bounded. Exits non-zero on any mismatch or failed check of kvx's configs;
 # vLLM's NixlConnector rows are the baseline of the table and do not decide the exit status.
+#
+# Restart check (kvx's configs, KVX_VLLM_RESTART=1 by default): after the proof, one P/D request
+# (`pd_check.py --probe`), then the prefill server is killed (SIGKILL to its process group: a
+# crash, the decode engine is not told) and started again on the same HTTP and side-channel
+# ports, then one more P/D request through the same decode server. Both must match the single
+# instance, load their full blocks remotely and leave the prefill engine's KV usage at 0; the
+# decode worker must have handshaken once more (with the new prefill instance). The configs in
+# KVX_VLLM_FIXED_ENGINE_IDS (default: kvx-nixl) give their servers fixed engine ids (vLLM's
+# default is a new uuid per start), so the restarted prefill engine keeps its id and only its
+# instance changes: there the decode worker must also count a peer restart.
+#
+# kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
+# small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
+# and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
+# worker, both servers) must log that lease.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-vllm}"
@@ -22,6 +37,9 @@ CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,64,512,1024}"
 TRIALS="${KVX_VLLM_TRIALS:-3}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
+RESTART="${KVX_VLLM_RESTART:-1}"
+FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
+LEASE_S="${KVX_VLLM_LEASE_S:-120}"
 PY="$VENV/bin/python"
 
 "$ROOT/scripts/install-vllm.sh"
@@ -39,6 +57,7 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 
 PGIDS=()
+declare -A PG_OF=()
 CHECK_PID=""
 stop_all() {
     [ -z "$CHECK_PID" ] || kill -TERM "$CHECK_PID" 2>/dev/null || true
@@ -52,16 +71,20 @@ stop_all() {
         kill -KILL -- "-$pg" 2>/dev/null || true
     done
     PGIDS=()
+    PG_OF=()
 }
 trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+fixed_ids() { case " $FIXED_IDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
 kvcfg() { # config role policy side_port
-    local cfg=$1 role=$2 policy=$3 side=$4
+    local cfg=$1 role=$2 policy=$3 side=$4 id=""
+    fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
     case $cfg in
         kvx-ucx | kvx-nixl)
-            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side}}" ;;
+            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S}}" ;;
         nixl-*)
             echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
     esac
@@ -79,6 +102,94 @@ start() { # config name http_port side_port role policy
         --no-enable-prefix-caching --kv-transfer-config "$(kvcfg "$cfg" "$role" "$policy" "$side")" \
         >"$OUT/$cfg-$name.log" 2>&1 </dev/null &
     PGIDS+=($!)
+    PG_OF[$name]=$!
+}
+
+kill_server() { # name: SIGKILL to its process group (a crash), then wait (bounded) until it is gone
+    local pg=${PG_OF[$1]:-} keep=() p
+    [ -n "$pg" ] || return 0
+    kill -KILL -- "-$pg" 2>/dev/null || true
+    wait "$pg" 2>/dev/null || true # reaps the group's leader; bash then reports no "Killed" line
+    for _ in $(seq 1 40); do kill -0 -- "-$pg" 2>/dev/null || break; sleep 0.25; done
+    for p in "${PGIDS[@]:-}"; do [ "$p" = "$pg" ] || keep+=("$p"); done
+    PGIDS=("${keep[@]:-}")
+    unset "PG_OF[$1]"
+}
+
+port_free() { # port: nothing accepts connections there
+    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+waited() { # command...: runs it in the background and waits (so that the traps run at once)
+    "$@" &
+    CHECK_PID=$!
+    local rc=0
+    wait "$CHECK_PID" || rc=$?
+    CHECK_PID=""
+    return $rc
+}
+
+worker_stat() { # log field: the field of the log's last "kvx worker stats" line (0 if none)
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+v = 0
+for line in open(sys.argv[1], errors="replace"):
+    i = line.find("kvx worker stats: ")
+    if i >= 0:
+        try:
+            v = json.loads(line[i + len("kvx worker stats: "):]).get(sys.argv[2], 0)
+        except ValueError:
+            pass
+print(v)
+PY
+}
+
+now_s() { date +%s.%N; }
+since() { python3 -c "print(round($(now_s)-$1,1))"; }
+
+restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if a check failed
+    # Runs in this shell (not in a command substitution): the restarted server's process group
+    # must reach PGIDS, which the EXIT trap stops.
+    local cfg=$1 ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
+    local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg")
+    waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
+    hs0=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
+    t0=$(now_s)
+    kill_server prefill
+    down=$(since "$t0")
+    for _ in $(seq 1 40); do port_free 8100 && port_free 5600 && break; sleep 0.25; done
+    if ! port_free 8100 || ! port_free 5600; then
+        echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
+    fi
+    start "$cfg" prefill-restarted 8100 5600 kv_producer fail
+    if ready=$(wait_ready "$cfg" prefill-restarted 8100 "$t0"); then
+        waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
+    else
+        ready="null"; ok=false
+    fi
+    hs1=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
+    [ "$hs1" -gt "$hs0" ] || { echo "test-vllm: $cfg: the decode worker did not handshake again" >&2; ok=false; }
+    if fixed_ids "$cfg" && [ "$(worker_stat "$OUT/$cfg-decode.log" peer_restarts)" -lt 1 ]; then
+        echo "test-vllm: $cfg: the decode worker did not see the prefill engine's new instance" >&2; ok=false
+    fi
+    python3 - "$log" "$ok" "$down" "$ready" "$hs0" "$hs1" \
+        "$(worker_stat "$OUT/$cfg-decode.log" peer_restarts)" \
+        "$(worker_stat "$OUT/$cfg-prefill-restarted.log" hold_answers)" "$(fixed_ids "$cfg" && echo 1 || echo 0)" \
+        >"$OUT/$cfg-restart.json" <<'PY'
+import json, sys
+log, ok, down, ready, hs0, hs1, restarts, answers, fixed = sys.argv[1:]
+probes = {}
+for line in open(log, errors="replace"):
+    if line.startswith("PROBE "):
+        p = json.loads(line[6:])
+        probes[p["probe"]] = p
+ok = ok == "true" and all(probes.get(k, {}).get("ok") for k in ("before", "after"))
+print(json.dumps({"ok": ok, "fixed_engine_ids": fixed == "1", "killed_in_s": float(down), "down_to_ready_s": json.loads(ready),
+                  "before": probes.get("before"), "after": probes.get("after"),
+                  "decode_handshakes": [int(hs0), int(hs1)], "decode_peer_restarts": int(restarts),
+                  "new_prefill_hold_answers": int(answers)}))
+PY
+    python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT/$cfg-restart.json"
 }
 
 wait_ready() { # config name port t0 -> prints seconds since t0, fails after READY_TIMEOUT_S
@@ -132,6 +243,15 @@ for cfg in $CONFIGS; do
     echo "$summary" | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(prefill_ready_s=$p_ready, decode_ready_s=$d_ready); print(json.dumps(d))" >>"$OUT/summary.jsonl"
     tail -1 "$OUT/summary.jsonl"
     grep -h "kvx worker stats" "$OUT/$cfg-decode.log" | tail -1 || true
+    grep -h "kvx worker stats" "$OUT/$cfg-prefill.log" | tail -1 || true
+    if is_kvx "$cfg"; then
+        for name in prefill decode; do
+            n=$(grep -c "kvx connector (.*lease ${LEASE_S}s" "$OUT/$cfg-$name.log" || true)
+            if [ "$n" -lt 2 ]; then
+                echo "test-vllm: $cfg $name: kv_lease_duration did not reach its scheduler and worker" >&2; status=1
+            fi
+        done
+    fi
     if [ "$cfg" = kvx-nixl ]; then
         for name in prefill decode; do
             if ! grep -q "authenticated (shared key)" "$OUT/$cfg-$name.log"; then
@@ -139,20 +259,36 @@ for cfg in $CONFIGS; do
             fi
         done
     fi
+    if is_kvx "$cfg" && [ "$RESTART" = 1 ]; then
+        t_restart=$(now_s)
+        restart_check "$cfg" || status=1
+        restart=$(cat "$OUT/$cfg-restart.json" 2>/dev/null || echo '{"ok":false}')
+        echo "test-vllm: $cfg prefill restart check ($(since "$t_restart")s in all): $restart"
+        python3 - "$OUT/summary.jsonl" "$restart" <<'PY'
+import json, sys
+path, restart = sys.argv[1], json.loads(sys.argv[2])
+rows = [json.loads(l) for l in open(path)]
+rows[-1]["restart"] = restart
+open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
+PY
+    fi
     stop_all
 done
 
 python3 - "$OUT/summary.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("\n| connector | all match | TTFT p50 (ms) | TTFT p99 (ms) | single p50 (ms) | server ready P / D (s) | loaded remotely | prefill freed | failure check |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("\n| connector | all match | TTFT p50 (ms) | TTFT p99 (ms) | single p50 (ms) | server ready P / D (s) | loaded remotely | prefill freed | failure check | prefill restart |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     f = r.get("failure_check")
     fc = f"{f['policy']}: {f['outcome']} in {f['seconds']} s" if f else "-"
+    rs = r.get("restart")
+    rc = (f"{'ok' if rs.get('ok') else 'FAILED'}: ready again in {rs.get('down_to_ready_s')} s, "
+          f"then P/D in {(rs.get('after') or {}).get('seconds')} s") if rs else "-"
     print(f"| {r['label']} | {r.get('all_match')} ({r.get('near_ties', 0)} near ties) | {r.get('pd_ttft_p50_ms')} | {r.get('pd_ttft_p99_ms')} | "
           f"{r.get('single_ttft_p50_ms')} | {r.get('prefill_ready_s')} / {r.get('decode_ready_s')} | "
-          f"{r.get('loaded_remotely')} ({r.get('decode_external_hits')} tok) | {r.get('prefill_freed')} | {fc} |")
+          f"{r.get('loaded_remotely')} ({r.get('decode_external_hits')} tok) | {r.get('prefill_freed')} | {fc} | {rc} |")
 PY
 echo "test-vllm: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status

@@ -18,6 +18,7 @@ use crate::py_err;
 #[pyclass(module = "kvx_vllm")]
 #[derive(Debug)]
 pub struct Scheduler {
+    config: SchedulerConfig,
     inner: ConnectorScheduler,
 }
 
@@ -30,6 +31,15 @@ fn params(request_id: &str, json: Option<&str>) -> Result<Option<TransferParams>
     })
 }
 
+/// A lease (`kv_lease_duration`) in seconds: positive and finite.
+pub(crate) fn lease_duration(secs: f64) -> PyResult<std::time::Duration> {
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(PyValueError::new_err(format!("kv_lease_duration must be positive, not {secs}")));
+    }
+    std::time::Duration::try_from_secs_f64(secs)
+        .map_err(|e| PyValueError::new_err(format!("kv_lease_duration {secs}: {e}")))
+}
+
 /// The deployment's shared key, from `kv_connector_extra_config["auth_key"]` or `KVX_AUTH_KEY`.
 pub(crate) fn auth_key(key: Option<&str>) -> PyResult<Option<AuthKey>> {
     key.filter(|k| !k.is_empty()).map(AuthKey::new).transpose().map_err(py_err)
@@ -40,26 +50,54 @@ impl Scheduler {
     /// A scheduler for engine `engine_id` whose workers serve their side channels at
     /// `side_channel_host:side_channel_port + rank`.
     /// With `auth_key`, the params it hands out carry a MAC that the decode engines check.
+    /// `lease_duration_s` is the deployment's `kv_lease_duration`: as a decode engine, it renews
+    /// the leases of requests waiting for their KV every sixth of it.
     #[new]
-    #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None))]
+    #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None,
+        lease_duration_s = 30.0))]
     fn new(
         engine_id: String,
         block_size: u32,
         side_channel_host: String,
         side_channel_port: u16,
         auth_key: Option<&str>,
+        lease_duration_s: f64,
     ) -> PyResult<Self> {
-        let inner = ConnectorScheduler::new(SchedulerConfig {
+        let config = SchedulerConfig {
             engine_id: engine_id.into(),
             block_size,
             side_channel_host,
             side_channel_port,
             auth_key: self::auth_key(auth_key)?,
-            lease_duration: std::time::Duration::from_secs(30),
+            lease_duration: lease_duration(lease_duration_s)?,
             instance: None,
-        })
-        .map_err(py_err)?;
-        Ok(Scheduler { inner })
+        };
+        let inner = ConnectorScheduler::new(config.clone()).map_err(py_err)?;
+        Ok(Scheduler { config, inner })
+    }
+
+    /// Prefill side: the instance this engine's workers publish (each worker start draws one;
+    /// vLLM hands it over from the worker processes through its handshake-metadata hooks). The
+    /// params then name it, so a decode worker still connected to an earlier instance of this
+    /// engine handshakes again before it reads. Only before the first request.
+    fn set_instance(&mut self, instance: u64) -> PyResult<()> {
+        if !self.inner.is_idle() {
+            return Err(PyValueError::new_err("the instance is set before the first request"));
+        }
+        let config = SchedulerConfig { instance: Some(instance), ..self.config.clone() };
+        self.inner = ConnectorScheduler::new(config.clone()).map_err(py_err)?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// vLLM added a request (its `on_new_request` hook). Decode side: a request whose params
+    /// load KV from a prefill engine has its lease renewed (heartbeats in the metadata) until its
+    /// load is reported or it finishes. Params kvx cannot read are skipped here; the later hooks
+    /// warn about them.
+    #[pyo3(signature = (request_id, params_json))]
+    fn on_new_request(&mut self, request_id: &str, params_json: Option<&str>) {
+        let params = params_json.and_then(|json| TransferParams::from_json(json).ok());
+        self.inner.on_new_request(&RequestId::new(request_id), params.as_ref());
     }
 
     /// `(tokens to load, load asynchronously)`. Free of side effects.
@@ -141,14 +179,8 @@ impl Scheduler {
         Ok((out.delay_free, out.params.map(|p| p.to_json())))
     }
 
-    /// This step's metadata for the workers, encoded.
-    /// The instance of this engine's rank-0 worker, from vLLM's handshake metadata: from now on
-    /// the params name it, so a decode engine never reads them through a connection to an
-    /// earlier start of this engine.
-    fn set_instance(&mut self, instance: u64) {
-        self.inner.set_instance(Some(instance));
-    }
-
+    /// This step's metadata for the workers, encoded: loads to start, holds to keep, and (every
+    /// sixth of a lease, decode side) the leases to renew.
     fn build_connector_meta<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let meta = self.inner.build_connector_meta(std::time::Instant::now());
         let bytes = wire::encode(&meta).map_err(py_err)?;

@@ -2,13 +2,15 @@
 //! transfer agent the backend module creates, on a tokio runtime of its own.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RemoteCoordinates, RequestId,
-    SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
+    Samples, SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
 };
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -33,14 +35,15 @@ pub struct WorkerOptions {
     pub block_size: u32,
     /// Model and dtype: peers must agree on it.
     pub compat_tag: String,
-    /// Host the side channel binds.
+    /// Host the side channel binds, and the host peers reach it at.
     pub side_channel_host: String,
     /// Base port of the side channel; this worker binds `side_channel_port + rank`.
     pub side_channel_port: u16,
     /// Seconds a handshake may take.
     pub handshake_timeout_s: f64,
-    /// Seconds the prefill side holds blocks for a reader that never comes.
-    pub hold_timeout_s: f64,
+    /// The deployment's lease (`kv_lease_duration`), seconds: a prefill hold that no reader
+    /// released and no heartbeat renewed for this long is freed.
+    pub lease_duration_s: f64,
     /// Threads of the worker's tokio runtime (side channel and handshakes).
     pub runtime_threads: usize,
     /// The deployment's shared key (authenticated mode), or none.
@@ -51,7 +54,7 @@ pub struct WorkerOptions {
 impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
-        world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, hold_timeout_s = 120.0,
+        world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, lease_duration_s = 30.0,
         runtime_threads = 1, auth_key = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -63,7 +66,7 @@ impl WorkerOptions {
         world_size: u32,
         compat_tag: String,
         handshake_timeout_s: f64,
-        hold_timeout_s: f64,
+        lease_duration_s: f64,
         runtime_threads: usize,
         auth_key: Option<String>,
     ) -> Self {
@@ -76,7 +79,7 @@ impl WorkerOptions {
             side_channel_host,
             side_channel_port,
             handshake_timeout_s,
-            hold_timeout_s,
+            lease_duration_s,
             runtime_threads,
             auth_key,
         }
@@ -96,16 +99,78 @@ struct State {
     /// Local blocks of each load handed to the workers, until it is reported (for vLLM's
     /// `get_block_ids_with_load_errors`).
     loading: HashMap<RequestId, Vec<BlockId>>,
+    /// What finished while the pump stepped the worker, for the engine's next `get_finished`.
+    pending: FinishedLists,
+    /// When the engine last called in.
+    last_call: Instant,
 }
 
+impl State {
+    /// Steps the worker (notifications, transfers, timeouts) and adds what finished to
+    /// `pending`, with the local blocks of the failed loads.
+    fn collect(&mut self) -> kvx_core::Result<()> {
+        let finished = self.driver.get_finished()?;
+        let (sending, recving, failed) = &mut self.pending;
+        for f in finished.failed_recving {
+            let blocks = self.loading.remove(&f.request_id).unwrap_or_default();
+            failed.push((f.request_id.as_str().to_owned(), blocks, f.reason));
+        }
+        for id in finished.recving {
+            self.loading.remove(&id);
+            recving.push(id.as_str().to_owned());
+        }
+        sending.extend(finished.sending.into_iter().map(|id| id.as_str().to_owned()));
+        Ok(())
+    }
+}
+
+type SharedState = Arc<Mutex<Option<State>>>;
+
+/// How often the pump thread runs (see [`Worker`]).
+const PUMP_PERIOD: Duration = Duration::from_millis(10);
+
+/// After this long without a call from the engine, the pump steps the worker itself.
+const ENGINE_QUIET: Duration = Duration::from_millis(50);
+
 /// kvx's worker-side connector for one vLLM worker process.
+///
+/// The engine calls it in every step, but the network must not wait for the engine: vLLM stops
+/// stepping when it has no request (a prefill engine that has just reported a hold released may
+/// never step again while its answer to the decode worker, whether the hold lived through the
+/// READ, still waits for a handshake with that decode engine), and an engine's step loop can
+/// stall (on a loaded 2-vCPU machine, vLLM's worker and scheduler processes were measured
+/// waiting on each other for tens of seconds). So a pump thread, every [`PUMP_PERIOD`], hands
+/// finished handshakes to the worker (the messages and READs that waited for them go out), and
+/// when the engine has not called for [`ENGINE_QUIET`], steps the worker as `get_finished`
+/// would: releases are answered, leases renewed, READs completed and confirmed, timeouts
+/// applied. What finished then waits for the engine's next `get_finished`.
 #[pyclass(module = "kvx_vllm")]
 #[derive(Debug)]
 pub struct Worker {
     /// `None` once closed. Declared before the runtime: dropped first.
-    state: Mutex<Option<State>>,
+    state: SharedState,
+    /// Stops the pump thread when dropped.
+    pump_stop: Option<mpsc::Sender<()>>,
+    pump: Option<JoinHandle<()>>,
     agent: Arc<dyn TransferAgent>,
     runtime: Option<Runtime>,
+}
+
+/// The pump thread: every [`PUMP_PERIOD`] until stopped (or the state is gone), feeds finished
+/// handshakes to the worker and starts the network work that waited for them (an empty step's
+/// metadata does exactly that); when the engine is quiet, steps the worker for it.
+fn run_pump(state: &Weak<Mutex<Option<State>>>, stop: &mpsc::Receiver<()>) {
+    let idle = ConnectorMetadata::default();
+    while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(PUMP_PERIOD) {
+        let Some(state) = state.upgrade() else { return };
+        let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(s) = guard.as_mut() else { return };
+        if s.last_call.elapsed() < ENGINE_QUIET {
+            s.driver.start_load_kv(&idle);
+        } else if let Err(e) = s.collect() {
+            tracing::warn!(error = %e, "kvx's pump could not step the worker");
+        }
+    }
 }
 
 fn duration(secs: f64, what: &str) -> PyResult<Duration> {
@@ -150,9 +215,11 @@ impl Worker {
         );
         config.compat_tag = options.compat_tag.clone();
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
-        config.lease_duration = duration(options.hold_timeout_s, "hold_timeout_s")?;
+        config.lease_duration = crate::scheduler::lease_duration(options.lease_duration_s)?;
         config.auth_key = auth_key;
-        // Where this engine serves its payloads: a prefill engine answers its leases there.
+        // This engine's own side channel, where this worker's payload is published: a decode
+        // worker names it in each READ's release, and the prefill worker answers there whether
+        // its hold lived through the READ (set on both roles; only a decode worker uses it).
         config.side_channel = Some(RemoteCoordinates {
             engine_id: options.engine_id.clone().into(),
             host: options.side_channel_host.clone(),
@@ -161,11 +228,20 @@ impl Worker {
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());
-        Ok(Worker {
-            state: Mutex::new(Some(State { driver, loading: HashMap::new() })),
-            agent,
-            runtime: Some(runtime),
-        })
+        let state: SharedState = Arc::new(Mutex::new(Some(State {
+            driver,
+            loading: HashMap::new(),
+            pending: FinishedLists::default(),
+            last_call: Instant::now(),
+        })));
+        let (pump_stop, stopped) = mpsc::channel();
+        let weak = Arc::downgrade(&state);
+        // Started off the engine thread's CPU pinning, as kvx's other threads.
+        let pump = unpinned(move || {
+            std::thread::Builder::new().name("kvx-vllm-pump".into()).spawn(move || run_pump(&weak, &stopped))
+        })?
+        .map_err(|e| PyRuntimeError::new_err(format!("starting kvx's pump thread: {e}")))?;
+        Ok(Worker { state, pump_stop: Some(pump_stop), pump: Some(pump), agent, runtime: Some(runtime) })
     }
 
     fn with_state<T>(&self, f: impl FnOnce(&mut State) -> PyResult<T>) -> PyResult<T> {
@@ -189,8 +265,8 @@ impl Worker {
         self.agent.capabilities().backend.to_string()
     }
 
-    /// This worker's instance (random at start, published in its payload). vLLM hands it to the
-    /// engine's scheduler (`get_handshake_metadata`), which names it in its params.
+    /// This worker's instance (drawn at start, published in its handshake payload): the engine's
+    /// scheduler names it in the params it hands out.
     #[getter]
     fn instance(&self) -> PyResult<u64> {
         self.with_state(|s| Ok(s.driver.worker().instance()))
@@ -224,6 +300,7 @@ impl Worker {
     fn start_load_kv(&self, metadata: &[u8]) -> PyResult<()> {
         let meta: ConnectorMetadata = wire::decode(metadata).map_err(py_err)?;
         self.with_state(|s| {
+            s.last_call = Instant::now();
             for r in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
                 s.loading.insert(r.request_id.clone(), r.local_block_ids.clone());
             }
@@ -232,25 +309,13 @@ impl Worker {
         })
     }
 
-    /// What finished since the last call (also progresses the agent).
+    /// What finished since the last call, including what the pump thread collected while the
+    /// engine did not call (also progresses the agent).
     fn get_finished(&self) -> PyResult<FinishedLists> {
         self.with_state(|s| {
-            let finished = s.driver.get_finished().map_err(py_err)?;
-            let mut failed = Vec::with_capacity(finished.failed_recving.len());
-            for f in finished.failed_recving {
-                let blocks = s.loading.remove(&f.request_id).unwrap_or_default();
-                failed.push((f.request_id.as_str().to_owned(), blocks, f.reason));
-            }
-            let recving = finished
-                .recving
-                .into_iter()
-                .map(|id| {
-                    s.loading.remove(&id);
-                    id.as_str().to_owned()
-                })
-                .collect();
-            let sending = finished.sending.into_iter().map(|id| id.as_str().to_owned()).collect();
-            Ok((sending, recving, failed))
+            s.last_call = Instant::now();
+            s.collect().map_err(py_err)?;
+            Ok(std::mem::take(&mut s.pending))
         })
     }
 
@@ -264,34 +329,57 @@ impl Worker {
         self.with_state(|s| Ok(s.driver.is_idle()))
     }
 
-    /// The worker's counters, and the sums of its latency samples since the last call.
+    /// The worker's counters (since it started), and its latency samples since the last call:
+    /// `transfer_*` (from posting a READ to the prefill engine's confirmation, per completed
+    /// load) and `handshake_*`, each as `_count`, `_seconds` (their sum) and `_max_seconds`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         self.with_state(|s| {
             let w = s.driver.worker_mut();
-            let (xfer, hs) = w.take_latencies();
             let st = w.stats();
-            d.set_item("handshakes", st.handshakes)?;
-            d.set_item("handshake_failures", st.handshake_failures)?;
-            d.set_item("reads_posted", st.reads_posted)?;
-            d.set_item("descriptors", st.descriptors)?;
-            d.set_item("bytes_read", st.bytes_read)?;
-            d.set_item("failed_loads", st.failed_loads)?;
-            d.set_item("notify_only", st.notify_only)?;
-            d.set_item("notifications", st.notifications)?;
-            d.set_item("stray_notifications", st.stray_notifications)?;
-            d.set_item("expired_holds", st.expired_holds)?;
-            d.set_item("transfer_count", xfer.len())?;
-            d.set_item("transfer_seconds", xfer.iter().map(Duration::as_secs_f64).sum::<f64>())?;
-            d.set_item("handshake_seconds", hs.iter().map(Duration::as_secs_f64).sum::<f64>())?;
+            let counters = [
+                ("handshakes", st.handshakes),
+                ("handshake_failures", st.handshake_failures),
+                ("peer_restarts", st.peer_restarts),
+                ("peers_invalidated", st.peers_invalidated),
+                ("reads_posted", st.reads_posted),
+                ("descriptors", st.descriptors),
+                ("bytes_read", st.bytes_read),
+                ("failed_loads", st.failed_loads),
+                ("lease_failures", st.lease_failures),
+                ("notify_only", st.notify_only),
+                ("renewals_sent", st.renewals_sent),
+                ("notifications", st.notifications),
+                ("stray_notifications", st.stray_notifications),
+                ("rejected_notifications", st.rejected_notifications),
+                ("leases_renewed", st.leases_renewed),
+                ("expired_holds", st.expired_holds),
+                ("hold_answers", st.hold_answers),
+                ("unsent_messages", st.unsent_messages),
+            ];
+            for (name, value) in counters {
+                d.set_item(name, value)?;
+            }
+            let sampled = [("transfer", &st.transfer_latencies), ("handshake", &st.handshake_times)]
+                .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
+            for (name, count, max, sum) in sampled {
+                d.set_item(format!("{name}_count"), count)?;
+                d.set_item(format!("{name}_seconds"), sum)?;
+                d.set_item(format!("{name}_max_seconds"), max.as_secs_f64())?;
+            }
+            w.take_latencies();
             Ok(())
         })?;
         Ok(d)
     }
 
-    /// Deregisters everything and stops the side channel. Afterwards the caller may free the
-    /// tensors. Idempotent.
+    /// Stops the pump thread, deregisters everything and stops the side channel. Afterwards the
+    /// caller may free the tensors. Idempotent.
     fn close(&mut self) {
+        drop(self.pump_stop.take());
+        if let Some(pump) = self.pump.take() {
+            let _ = pump.join();
+        }
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner).take();
         drop(state);
         if let Some(rt) = self.runtime.take() {
@@ -303,5 +391,17 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// The sum of all the samples that came: exact while the reservoir kept every one, otherwise
+/// the kept samples' mean times their count.
+fn sum_estimate(samples: &Samples) -> f64 {
+    let kept = samples.kept();
+    let sum: f64 = kept.iter().map(Duration::as_secs_f64).sum();
+    if kept.is_empty() || kept.len() as u64 == samples.count() {
+        sum
+    } else {
+        sum / kept.len() as f64 * samples.count() as f64
     }
 }

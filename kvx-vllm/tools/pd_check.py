@@ -12,6 +12,12 @@ that is not there): it must fail (policy "fail") or be recomputed to the same ou
 (policy "recompute"), within a bound.
 
 Writes one JSON line per request and a summary line; exits 1 on any mismatch or failed check.
+
+With --probe LABEL it sends one prompt of --probe-len tokens only (no warm-up, no failure
+check): single, then P/D, equal token for token (or a reported near tie), the decode engine's
+external hits grown by exactly the prompt's full blocks (loaded remotely, not recomputed), and
+the prefill engine's KV usage back to idle. scripts/test-vllm.sh probes before and after it
+restarts the prefill server. One "PROBE {json}" line; exits 1 if a check fails.
 """
 import argparse
 import json
@@ -129,6 +135,47 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else None
 
 
+def external_hits(base):
+    return metrics(base).get("vllm:external_prefix_cache_hits_total", 0)
+
+
+def prefill_freed(base, timeout_s=30):
+    """The prefill engine's KV-cache usage once it is 0, or the last value after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = metrics(base).get("vllm:kv_cache_usage_perc", -1)
+        if usage == 0 or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.5)
+
+
+def probe(c, a, rng):
+    """One prompt through the proxy steps, with the evidence that it loaded remotely."""
+    n = a.probe_len
+    ids = [rng.randrange(3, 2048) for _ in range(n)]
+    out = {"probe": a.probe, "label": a.label, "prompt_len": n}
+    ok = False
+    try:
+        _, s_ids, _, s_gaps = c.single(ids)
+        h0 = external_hits(a.decode)
+        t0 = time.perf_counter()
+        _, p_ttft, p_ids, ktp = c.pd(ids)
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+        out["pd_ttft_ms"] = round(p_ttft * 1e3, 1)
+        out["match"], out["near_tie_at"] = compare(s_ids, s_gaps, p_ids, a.max_tokens)
+        out["remote_engine_id"] = (ktp or {}).get("remote_engine_id")
+        out["external_hits"] = external_hits(a.decode) - h0
+        out["expected_external"] = (n // a.block_size) * a.block_size
+        out["loaded_remotely"] = out["external_hits"] == out["expected_external"] > 0
+        out["prefill_kv_usage_after"] = prefill_freed(a.prefill)
+        ok = out["match"] and out["loaded_remotely"] and out["prefill_kv_usage_after"] == 0
+    except Exception as e:  # noqa: BLE001
+        out["err"] = repr(e)[:300]
+    out["ok"] = ok
+    print("PROBE " + json.dumps(out), flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
@@ -145,9 +192,13 @@ def main():
     ap.add_argument("--failure-policy", choices=["fail", "recompute", "none"], default="none")
     ap.add_argument("--expected", help="JSON file of outputs from an earlier config: must be equal too")
     ap.add_argument("--save", help="write prompts and outputs here")
+    ap.add_argument("--probe", help="send one prompt only, with this label (see the module's doc)")
+    ap.add_argument("--probe-len", type=int, default=2 * 128 + 5)
     a = ap.parse_args()
     c = Client(a)
     rng = random.Random(a.seed)
+    if a.probe:
+        sys.exit(0 if probe(c, a, rng) else 1)
     ok = True
     # Warm-up (first handshake); retried: NixlConnector's first handshake can time out here.
     for attempt in range(3):

@@ -21,8 +21,13 @@ never meet in one process.
 - ``num_threads``: threads of NIXL's UCX thread-pool engine for ``nixl`` (default 4, as vLLM's
   NixlConnector; 0 for NIXL's single-worker engine).
 - ``handshake_timeout``: seconds (default 30: a first connection inside a busy engine can take
-  seconds); ``kv_lease_duration``: seconds the prefill side holds blocks for a reader that never
-  comes (default 120).
+  seconds).
+- ``kv_lease_duration``: seconds (default 30, as vLLM's NixlConnector), the same on every engine
+  of the deployment. A prefill engine frees the blocks it holds for a decode engine when no
+  reader released them and no heartbeat renewed them for this long; a decode engine renews the
+  leases of its requests still waiting for their KV every sixth of it (``on_new_request``
+  registers them), and reports a load done only once the prefill engine answered that its hold
+  lived through the READ.
 - ``auth_key``: the deployment's shared key (at least 16 bytes; fallback: the environment
   variable ``KVX_AUTH_KEY``, which keeps it out of vLLM's logged config). With it, side-channel
   handshakes are authenticated both ways, the prefill engine signs the ``kv_transfer_params`` it
@@ -66,13 +71,7 @@ logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuratio
 
 _BACKENDS = {"ucx": "kvx_vllm_ucx", "nixl": "kvx_vllm_nixl"}
 _STATS_LOG_INTERVAL_S = 5.0
-
-
-class KvxHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """What a worker hands its engine's scheduler: its instance (random at start)."""
-
-    def __init__(self, instance: int):
-        self.instance = instance
+_DEFAULT_LEASE_S = 30.0
 
 
 class KvxConnectorMetadata(KVConnectorMetadata):
@@ -80,6 +79,14 @@ class KvxConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, data: bytes):
         self.data = data
+
+
+class KvxHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its engine's scheduler at start-up (vLLM carries it from the worker
+    processes to EngineCore): the instance the worker publishes in its handshake payload."""
+
+    def __init__(self, instance: int):
+        self.instance = instance
 
 
 def _native(backend: str):
@@ -162,6 +169,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
         self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
+        self._lease_s = float(extra.get("kv_lease_duration", _DEFAULT_LEASE_S))
         self._sched = None
         self._worker = None
         self._tensors: list[Any] = []
@@ -171,13 +179,18 @@ class KvxConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             native = _native(self._backend)
             self._sched = native.Scheduler(
-                self._engine_id, self._block_size, self._host, self._port, auth_key=self._auth_key
+                self._engine_id,
+                self._block_size,
+                self._host,
+                self._port,
+                auth_key=self._auth_key,
+                lease_duration_s=self._lease_s,
             )
         else:
             self._create_worker(extra, cfg, vllm_config)
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d, %s",
-            role.name, self._backend, self._engine_id, self._host, self._port,
+            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d, lease %gs, %s",
+            role.name, self._backend, self._engine_id, self._host, self._port, self._lease_s,
             "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
         )
 
@@ -196,7 +209,7 @@ class KvxConnector(KVConnectorBase_V1):
             world_size=int(vllm_config.parallel_config.tensor_parallel_size),
             compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
-            hold_timeout_s=float(extra.get("kv_lease_duration", 120.0)),
+            lease_duration_s=self._lease_s,
             auth_key=self._auth_key,
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
@@ -222,25 +235,34 @@ class KvxConnector(KVConnectorBase_V1):
         )
         return count, load_async
 
+    def on_new_request(self, request: "Request") -> None:
+        """Decode side: a request that loads its KV from a prefill engine has that engine's lease
+        on its blocks renewed (heartbeats) until its load is reported or it finishes."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._sched.on_new_request(request.request_id, json.dumps(params))
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        # request.num_computed_tokens is set only after this call: the local prefix-cache hit is
-        # the request's hashed (cached) blocks, the rest are new.
-        num_local_computed = 0
-        if block_ids:
-            num_local_computed = (len(blocks.get_block_ids()[0]) - len(block_ids)) * self._block_size
         if self._sched.update_state_after_alloc(
             request.request_id,
             request.num_prompt_tokens,
             json.dumps(params),
             block_ids,
-            num_local_computed,
+            self._local_computed_tokens(blocks),
             num_external_tokens,
         ):
             params["do_remote_prefill"] = False
+
+    def _local_computed_tokens(self, blocks: "KVCacheBlocks") -> int:
+        """Tokens of the request's local prefix-cache hit: its hashed blocks (as vLLM's
+        NixlConnector counts them). ``request.num_computed_tokens`` is still 0 here: vLLM sets it
+        only after this hook, for an asynchronous load."""
+        group = blocks.blocks[0] if blocks.blocks else ()
+        return sum(b.block_hash is not None and not b.is_null for b in group) * self._block_size
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return KvxConnectorMetadata(self._sched.build_connector_meta())
@@ -257,13 +279,15 @@ class KvxConnector(KVConnectorBase_V1):
         return delay_free, (json.loads(out) if out is not None else None)
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
-        """Nothing to serve from EngineCore: each worker serves its own handshake payload on its
-        side channel (rank r at ``side_channel_port + r``). What the workers hand over is their
-        instance: the params name it, so a decode engine never reads them through a connection
-        to an earlier start of this engine (see ``get_handshake_metadata``)."""
-        rank0 = metadata.get(0) if metadata else None
-        if isinstance(rank0, KvxHandshakeMetadata):
-            self._sched.set_instance(rank0.instance)
+        """The workers' ``KvxHandshakeMetadata`` by tensor-parallel rank: the scheduler names rank
+        0's instance in the params it hands out, so that a decode worker still connected to an
+        earlier instance of this engine handshakes again before it reads. Nothing is served from
+        EngineCore: each worker serves its own handshake payload on its side channel (rank r at
+        ``side_channel_port + r``)."""
+        meta = (metadata or {}).get(0)
+        if isinstance(meta, KvxHandshakeMetadata) and self._sched is not None:
+            self._sched.set_instance(int(meta.instance))
+            logger.info("kvx: engine %s offers name its instance %016x", self._engine_id, meta.instance)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         failed = set(connector_output.failed_recving or ())
@@ -301,12 +325,15 @@ class KvxConnector(KVConnectorBase_V1):
             next(iter(kv_caches.values())).dtype if kv_caches else None, self._worker.backend,
         )
 
-    def get_handshake_metadata(self):
-        """This worker's instance, for the scheduler in EngineCore (another process). kvx does
-        not route its handshake through vLLM's out-of-band metadata (which NixlConnector serves
-        from EngineCore): each worker publishes its payload on its own TCP side channel when it
-        registers its KV caches, so a peer's handshake needs no EngineCore round trip."""
-        return KvxHandshakeMetadata(self._worker.instance) if self._worker is not None else None
+    def get_handshake_metadata(self) -> Optional[KvxHandshakeMetadata]:
+        """This worker's instance, for its engine's scheduler (``set_xfer_handshake_metadata``).
+        The handshake itself does not go through vLLM's out-of-band metadata (which
+        NixlConnector serves from EngineCore): each worker publishes its payload on its own TCP
+        side channel when it registers its KV caches, so a peer's handshake needs no EngineCore
+        round trip and works for any number of ranks."""
+        if self._worker is None:
+            return None
+        return KvxHandshakeMetadata(int(self._worker.instance))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -352,10 +379,14 @@ class KvxConnector(KVConnectorBase_V1):
             self._last_stats_log = now
             return
         self._last_stats_log = now
+        # Counters are totals since start; the latency samples come since the last call.
         s = self._worker.stats()
-        for k in ("transfer_count", "transfer_seconds", "handshake_seconds"):
-            self._totals[k] = self._totals.get(k, 0) + s.pop(k)
-        s.update(self._totals)
+        for kind in ("transfer", "handshake"):
+            for k in (f"{kind}_count", f"{kind}_seconds"):
+                self._totals[k] = self._totals.get(k, 0) + s.pop(k)
+            k = f"{kind}_max_seconds"
+            self._totals[k] = max(self._totals.get(k, 0.0), s.pop(k))
+        s.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self._totals.items()})
         logger.info("kvx worker stats: %s", json.dumps(s, sort_keys=True))
 
     def shutdown(self):
