@@ -549,11 +549,13 @@ impl Session {
         for _ in 0..4 {
             self.both_step();
         }
-        self.now += Duration::from_secs(24 * 3600);
-        self.both_step();
-        self.both_step();
-        self.now += Duration::from_secs(24 * 3600);
-        self.both_step();
+        // A decode rank whose load got no answer releases the hold again, after a new
+        // handshake: the last jump lets what that release left in the prefill's buffers expire.
+        for _ in 0..3 {
+            self.now += Duration::from_secs(24 * 3600);
+            self.both_step();
+            self.both_step();
+        }
 
         let done = std::mem::take(&mut self.decode_done);
         let meta = ConnectorMetadata { reqs_to_recv: self.loads.clone(), ..Default::default() };
