@@ -18,7 +18,6 @@ use crate::py_err;
 #[pyclass(module = "kvx_vllm")]
 #[derive(Debug)]
 pub struct Scheduler {
-    config: SchedulerConfig,
     inner: ConnectorScheduler,
 }
 
@@ -72,8 +71,8 @@ impl Scheduler {
             lease_duration: lease_duration(lease_duration_s)?,
             instance: None,
         };
-        let inner = ConnectorScheduler::new(config.clone()).map_err(py_err)?;
-        Ok(Scheduler { config, inner })
+        let inner = ConnectorScheduler::new(config).map_err(py_err)?;
+        Ok(Scheduler { inner })
     }
 
     /// Prefill side: the instance this engine's workers publish (each worker start draws one;
@@ -84,9 +83,7 @@ impl Scheduler {
         if !self.inner.is_idle() {
             return Err(PyValueError::new_err("the instance is set before the first request"));
         }
-        let config = SchedulerConfig { instance: Some(instance), ..self.config.clone() };
-        self.inner = ConnectorScheduler::new(config.clone()).map_err(py_err)?;
-        self.config = config;
+        self.inner.set_instance(Some(instance));
         Ok(())
     }
 

@@ -39,40 +39,35 @@ enum Stage {
     /// instance it was posted to: the READ is posted again only if the handshake finds a new
     /// instance (the engine restarted and the offer may be the new one's); otherwise it fails.
     Waiting { retry: Option<(Error, u64)> },
-    /// READ posted to `instance`; `answer` holds a [`HoldStatus`] that came before the READ was
-    /// seen done.
-    Reading {
-        xfer: XferId,
-        peer: AgentName,
-        instance: u64,
-        token: Nonce,
-        posted: Instant,
-        deadline: Instant,
-        bytes: u64,
-        answer: Option<bool>,
-    },
-    /// READ done; waiting for the prefill engine's answer.
-    Confirming {
-        peer: AgentName,
-        instance: u64,
-        token: Nonce,
-        posted: Instant,
-        deadline: Instant,
-        bytes: u64,
-    },
+    /// READ posted; `answer` holds a [`HoldStatus`] that came before the READ was seen done.
+    Reading { xfer: XferId, read: Read, answer: Option<bool> },
+    /// READ done; waiting for the prefill engine's answer (by the new deadline).
+    Confirming(Read),
+}
+
+/// A posted READ, through its confirmation: the connection (`peer` at `instance`), the token its
+/// release carries, and its deadline.
+#[derive(Debug, Clone)]
+struct Read {
+    peer: AgentName,
+    instance: u64,
+    token: Nonce,
+    posted: Instant,
+    deadline: Instant,
+    bytes: u64,
 }
 
 impl Load {
     pub(super) fn deadline(&self) -> Option<Instant> {
         match &self.stage {
             Stage::Waiting { .. } => None,
-            Stage::Reading { deadline, .. } | Stage::Confirming { deadline, .. } => Some(*deadline),
+            Stage::Reading { read, .. } | Stage::Confirming(read) => Some(read.deadline),
         }
     }
 
     /// Whether a READ from `agent` is in flight for this load.
     pub(super) fn reads_from(&self, agent: &AgentName) -> bool {
-        matches!(&self.stage, Stage::Reading { peer, .. } if peer == agent)
+        matches!(&self.stage, Stage::Reading { read, .. } if read.peer == *agent)
     }
 }
 
@@ -206,16 +201,8 @@ impl ConnectorWorker {
         match self.post_read(&load.req) {
             Ok((xfer, peer, token, bytes)) => {
                 let deadline = now + self.config.transfer_timeout;
-                load.stage = Stage::Reading {
-                    xfer,
-                    peer,
-                    instance,
-                    token,
-                    posted: now,
-                    deadline,
-                    bytes,
-                    answer: None,
-                };
+                let read = Read { peer, instance, token, posted: now, deadline, bytes };
+                load.stage = Stage::Reading { xfer, read, answer: None };
                 self.loads.insert(id.clone(), load);
             }
             Err(e)
@@ -256,7 +243,7 @@ impl ConnectorWorker {
             .loads
             .iter()
             .filter(|(_, l)| &l.req.remote.engine_id == engine_id)
-            .filter(|(_, l)| matches!(l.stage, Stage::Confirming { instance, .. } if instance == old))
+            .filter(|(_, l)| matches!(&l.stage, Stage::Confirming(read) if read.instance == old))
             .map(|(id, _)| id.clone())
             .collect();
         for id in stale {
@@ -318,7 +305,7 @@ impl ConnectorWorker {
         }
         match outcome {
             Ok(()) => {
-                if let Stage::Confirming { posted, bytes, .. } = load.stage {
+                if let Stage::Confirming(Read { posted, bytes, .. }) = load.stage {
                     let took = now.saturating_duration_since(posted);
                     debug!(request_id = %id, ?took, bytes, "READ done and confirmed");
                     self.stats.bytes_read += bytes;
@@ -367,20 +354,17 @@ impl ConnectorWorker {
         }
         for (id, outcome) in ended {
             let Some(load) = self.loads.get_mut(&id) else { continue };
-            let Stage::Reading { xfer, peer, instance, token, posted, bytes, answer, .. } = &load.stage
-            else {
-                continue;
-            };
+            let Stage::Reading { xfer, read, answer } = &load.stage else { continue };
             if let Err(e) = self.agent.release(*xfer) {
                 debug!(request_id = %id, error = %e, "releasing a finished transfer failed");
             }
-            let (peer, instance, token, posted, bytes, answer) =
-                (peer.clone(), *instance, *token, *posted, *bytes, *answer);
+            let (mut read, answer) = (read.clone(), *answer);
+            let peer = read.peer.clone();
             let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
-                    let deadline = now + self.config.confirm_timeout;
-                    load.stage = Stage::Confirming { peer, instance, token, posted, deadline, bytes };
+                    read.deadline = now + self.config.confirm_timeout;
+                    load.stage = Stage::Confirming(read);
                     if let Some(held) = answer {
                         self.confirm(now, &id, held);
                     }
@@ -394,7 +378,7 @@ impl ConnectorWorker {
                     // has (see `Stage::Waiting`). The READ's notification was not sent.
                     debug!(request_id = %id, error = %e, "READ failed: handshaking with the engine again");
                     load.retried = true;
-                    load.stage = Stage::Waiting { retry: Some((e, instance)) };
+                    load.stage = Stage::Waiting { retry: Some((e, read.instance)) };
                     self.invalidate_connection(&remote.engine_id, &peer);
                     self.requeue(now, &id);
                 }
@@ -419,8 +403,8 @@ impl ConnectorWorker {
         let Some(load) = self.loads.get_mut(&id) else { return };
         // Only the answer to the release this READ carried (its token) confirms it.
         let ours = match &load.stage {
-            Stage::Reading { peer, token, .. } | Stage::Confirming { peer, token, .. } => {
-                peer == from && *token == status.token
+            Stage::Reading { read, .. } | Stage::Confirming(read) => {
+                read.peer == *from && read.token == status.token
             }
             Stage::Waiting { .. } => false,
         };
@@ -460,7 +444,7 @@ impl ConnectorWorker {
             let Some(load) = self.loads.get(&id) else { continue };
             let engine_id = load.req.remote.engine_id.clone();
             let (e, release, peer) = match &load.stage {
-                Stage::Reading { xfer, peer, .. } => {
+                Stage::Reading { xfer, read, .. } => {
                     if let Err(e) = self.agent.release(*xfer) {
                         debug!(request_id = %id, error = %e, "an overdue READ cannot be cancelled yet");
                         continue;
@@ -469,15 +453,15 @@ impl ConnectorWorker {
                     (
                         Error::new(ErrorKind::Timeout, format!("the READ took over {timeout:?}")),
                         true,
-                        peer.clone(),
+                        read.peer.clone(),
                     )
                 }
-                Stage::Confirming { peer, .. } => {
+                Stage::Confirming(read) => {
                     // Released again (no answer wanted): a hold the release never reached is
                     // freed now, not at the end of its lease.
                     self.stats.lease_failures += 1;
                     let e = "no answer from the prefill engine whether its hold lived through the READ";
-                    (Error::new(ErrorKind::Timeout, e), true, peer.clone())
+                    (Error::new(ErrorKind::Timeout, e), true, read.peer.clone())
                 }
                 Stage::Waiting { .. } => continue,
             };
