@@ -75,7 +75,7 @@ impl UcxAgent {
             ));
         }
         let context = Arc::new(Context::new(config, name.as_str())?);
-        let inner = Inner::new(name.clone(), context)?;
+        let inner = Inner::new(name.clone(), context, config.peer_failure_detection())?;
         let shared = Arc::new(Shared { name, inner: Mutex::new(inner) });
         let progress_thread = match config.progress_thread() {
             Some(cfg) => Some(ProgressThread::start(Arc::clone(&shared), *cfg)?),
@@ -98,6 +98,16 @@ impl UcxAgent {
     /// Whether a progress thread runs for this agent.
     pub fn has_progress_thread(&self) -> bool {
         self.progress_thread.is_some()
+    }
+
+    /// Endpoints that UCX reported failed (a dead or restarted peer, a reset connection, a
+    /// keepalive timeout); counted only with
+    /// [`UcxConfig::with_peer_failure_detection`](crate::UcxConfig::with_peer_failure_detection).
+    pub fn failed_endpoints(&self) -> u64 {
+        match self.shared.lock() {
+            Ok(inner) => inner.inbox.failures.load(Ordering::Relaxed),
+            Err(_) => 0,
+        }
     }
 
     /// Notifications dropped because they were malformed (not a UTF-8 sender name, too large, or
@@ -189,9 +199,23 @@ fn progress_loop(shared: &Shared, stop: &AtomicBool, config: ProgressThreadConfi
 struct Inbox {
     queue: Mutex<Vec<Notification>>,
     rejected: AtomicU64,
+    /// Endpoints UCX reported failed (peer gone, connection reset, keepalive timeout), with the
+    /// status: filled by [`on_endpoint_error`] during progress, settled by `Inner::progress_all`.
+    failed_eps: Mutex<Vec<(usize, sys::ucs_status_t)>>,
+    /// Endpoints UCX reported failed, ever.
+    failures: AtomicU64,
 }
 
 impl Inbox {
+    fn new() -> Box<Self> {
+        Box::new(Inbox {
+            queue: Mutex::new(Vec::new()),
+            rejected: AtomicU64::new(0),
+            failed_eps: Mutex::default(),
+            failures: AtomicU64::new(0),
+        })
+    }
+
     fn reject(&self, why: &str) -> sys::ucs_status_t {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("dropping a malformed UCX notification: {why}");
@@ -251,6 +275,19 @@ unsafe extern "C" fn on_notification(
         inbox.accept(header, data)
     }));
     result.unwrap_or(sys::UCS_OK)
+}
+
+/// The endpoints' error handler (`UCP_ERR_HANDLING_MODE_PEER`): UCX calls it from
+/// `ucp_worker_progress` when a peer fails; the endpoint is unusable from then on and its
+/// outstanding requests complete with the error.
+unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `arg` is the Box<Inbox> of the endpoint's worker; it is freed only after the
+        // worker (whose progress is the only caller) is destroyed.
+        let inbox = unsafe { &*arg.cast::<Inbox>() };
+        inbox.failures.fetch_add(1, Ordering::Relaxed);
+        inbox.failed_eps.lock().unwrap_or_else(PoisonError::into_inner).push((ep as usize, status));
+    }));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -349,6 +386,8 @@ struct Inner {
     worker: NonNull<sys::ucp_worker>,
     address: Vec<u8>,
     inbox: Box<Inbox>,
+    /// Endpoints are created with `UCP_ERR_HANDLING_MODE_PEER` (see `UcxConfig`).
+    peer_failure: bool,
     regs: HashMap<u64, LocalReg>,
     peers: HashMap<u64, Peer>,
     peer_ids: HashMap<AgentName, u64>,
@@ -400,6 +439,9 @@ struct Peer {
     regions: Vec<RemoteRegion>,
     inflight: usize,
     forgotten: bool,
+    /// Why UCX reported the endpoint failed: nothing more is posted on it, and it is closed
+    /// without a flush.
+    failed: Option<String>,
 }
 
 struct RemoteRegion {
@@ -452,7 +494,7 @@ struct Xfer {
 }
 
 impl Inner {
-    fn new(name: AgentName, context: Arc<Context>) -> Result<Self> {
+    fn new(name: AgentName, context: Arc<Context>, peer_failure: bool) -> Result<Self> {
         // SAFETY: all-zero is "no fields set" for this plain C struct.
         let mut params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE);
@@ -468,7 +510,8 @@ impl Inner {
             context,
             worker,
             address: Vec::new(),
-            inbox: Box::new(Inbox { queue: Mutex::new(Vec::new()), rejected: AtomicU64::new(0) }),
+            inbox: Inbox::new(),
+            peer_failure,
             regs: HashMap::new(),
             peers: HashMap::new(),
             peer_ids: HashMap::new(),
@@ -534,6 +577,7 @@ impl Inner {
     /// notifications, endpoint closes). Returns the number of worker events.
     fn progress_all(&mut self) -> u32 {
         let events = self.progress_worker();
+        self.settle_failed_endpoints();
         // Posted transfers move on too (their flushes and notifications go out) even when the
         // owner only calls progress().
         if self.xfers.values().any(|x| !x.is_terminal()) {
@@ -563,6 +607,20 @@ impl Inner {
             let _ = reap(&mut self.closing);
         }
         events
+    }
+
+    /// Marks the peers whose endpoints UCX reported failed: later posts and notifications to them
+    /// fail at once (their running requests complete with the error on their own).
+    fn settle_failed_endpoints(&mut self) {
+        let failed =
+            std::mem::take(&mut *self.inbox.failed_eps.lock().unwrap_or_else(PoisonError::into_inner));
+        for (ep, status) in failed {
+            if let Some(peer) = self.peers.values_mut().find(|p| p.ep.as_ptr() as usize == ep) {
+                let why = format!("{} (status {status})", status_string(status));
+                tracing::warn!("UCX endpoint to {} failed: {why}", peer.name);
+                peer.failed.get_or_insert(why);
+            }
+        }
     }
 
     /// Moves a transfer through its stages as far as UCX allows.
@@ -660,14 +718,20 @@ impl Inner {
         if self.peer_ids.get(&peer.name) == Some(&key) {
             self.peer_ids.remove(&peer.name);
         }
-        let Peer { ep, regions, .. } = peer;
+        let Peer { ep, regions, failed, .. } = peer;
         drop(regions); // rkeys before their endpoint
-        self.close_ep(ep);
+        self.close_ep(ep, failed.is_some());
     }
 
-    fn close_ep(&mut self, ep: NonNull<sys::ucp_ep>) {
+    /// Closes an endpoint: flushed when healthy, forced when UCX reported it failed (a flush would
+    /// only wait for the error).
+    fn close_ep(&mut self, ep: NonNull<sys::ucp_ep>, force: bool) {
         // SAFETY: all-zero is "no fields set": close in flush mode.
-        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        if force {
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        }
         // SAFETY: the endpoint is live and closed once; its rkeys are destroyed.
         let status_ptr = unsafe { sys::ucp_ep_close_nbx(ep.as_ptr(), &param) };
         match Request::from_status_ptr(status_ptr, ErrorKind::Backend, "ucp_ep_close_nbx") {
@@ -729,7 +793,7 @@ impl Inner {
         std::mem::forget(std::mem::take(&mut self.sends));
         std::mem::forget(std::mem::take(&mut self.peers));
         std::mem::forget(std::mem::take(&mut self.regs));
-        let empty = Box::new(Inbox { queue: Mutex::new(Vec::new()), rejected: AtomicU64::new(0) });
+        let empty = Inbox::new();
         std::mem::forget(std::mem::replace(&mut self.inbox, empty));
         std::mem::forget(Arc::clone(&self.context));
     }
@@ -885,8 +949,16 @@ impl TransferAgent for UcxAgent {
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
         params.address = meta.worker_address.as_ptr().cast();
+        if inner.peer_failure {
+            params.field_mask |=
+                u64::from(sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER);
+            params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+            params.err_handler.cb = Some(on_endpoint_error);
+            params.err_handler.arg = ptr::from_ref::<Inbox>(&inner.inbox).cast_mut().cast();
+        }
         let mut ep: sys::ucp_ep_h = ptr::null_mut();
-        // SAFETY: live worker; the address buffer outlives the call (UCX copies what it needs).
+        // SAFETY: live worker; the address buffer outlives the call (UCX copies what it needs); the
+        // error handler's argument (the boxed inbox) lives until after the worker is destroyed.
         let status = unsafe { sys::ucp_ep_create(inner.worker.as_ptr(), &params, &mut ep) };
         let kind = if status == sys::UCS_ERR_UNREACHABLE {
             ErrorKind::Handshake
@@ -908,13 +980,16 @@ impl TransferAgent for UcxAgent {
                 Ok(rkey) => regions.push(RemoteRegion { region: MemRegion::dram(r.addr, r.len), rkey }),
                 Err(e) => {
                     drop(regions);
-                    inner.close_ep(ep);
+                    inner.close_ep(ep, false);
                     return Err(e);
                 }
             }
         }
         let key = inner.next_id();
-        inner.peers.insert(key, Peer { name: name.clone(), ep, regions, inflight: 0, forgotten: false });
+        inner.peers.insert(
+            key,
+            Peer { name: name.clone(), ep, regions, inflight: 0, forgotten: false, failed: None },
+        );
         inner.peer_ids.insert(name.clone(), key);
         Ok(name)
     }
@@ -1021,6 +1096,9 @@ impl TransferAgent for UcxAgent {
         let ops = plan(inner, local, local_descs, remote, remote_descs)?;
 
         let peer = inner.peers.get(&ops.peer).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
+        if let Some(why) = &peer.failed {
+            return Err(error(ErrorKind::Transfer, format!("agent {} is gone: {why}", peer.name)));
+        }
         let mut requests = Vec::new();
         let mut failure = None;
         for (laddr, memh, raddr, region) in &ops.descs {
@@ -1147,8 +1225,11 @@ impl TransferAgent for UcxAgent {
             .peer_ids
             .get(agent)
             .ok_or_else(|| error(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?;
-        let ep = inner.peers.get(&key).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?.ep;
-        let send = PendingSend::post(ep, &inner.name, msg)?;
+        let peer = inner.peers.get(&key).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
+        if let Some(why) = &peer.failed {
+            return Err(error(ErrorKind::Transfer, format!("agent {agent} is gone: {why}")));
+        }
+        let send = PendingSend::post(peer.ep, &inner.name, msg)?;
         if send.request.is_some() {
             inner.sends.push(send);
         }

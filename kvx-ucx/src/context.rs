@@ -18,6 +18,7 @@ use crate::status::{check, check_as, error};
 pub struct UcxConfig {
     options: Vec<(String, String)>,
     progress_thread: Option<ProgressThreadConfig>,
+    peer_failure: bool,
 }
 
 impl UcxConfig {
@@ -37,6 +38,27 @@ impl UcxConfig {
     pub fn with_progress_thread(mut self, config: ProgressThreadConfig) -> Self {
         self.progress_thread = Some(config);
         self
+    }
+
+    /// Creates endpoints that detect a failed peer (`UCP_ERR_HANDLING_MODE_PEER`): when a peer
+    /// dies, its connection resets or its keepalive times out, its outstanding transfers fail,
+    /// later posts and notifications to it fail at once, and the connector's worker handshakes
+    /// again. Endpoints need the peer to answer their connection setup, so a reader waits until
+    /// the target progresses once (a progress thread or a step); UCX-allocated memory is then still
+    /// read one-sidedly.
+    ///
+    /// Turn it on for TCP: without it, UCX 1.13's TCP transport can crash the process in
+    /// `uct_tcp_iface_progress` after a peer goes away. Off by default, so that a reader of
+    /// [`UcxAgent::alloc_memory`](crate::UcxAgent::alloc_memory) pools never needs its target to
+    /// progress.
+    pub fn with_peer_failure_detection(mut self) -> Self {
+        self.peer_failure = true;
+        self
+    }
+
+    /// Whether endpoints detect a failed peer (see [`UcxConfig::with_peer_failure_detection`]).
+    pub fn peer_failure_detection(&self) -> bool {
+        self.peer_failure
     }
 
     /// The UCP options set on top of the environment, in order.

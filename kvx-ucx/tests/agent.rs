@@ -116,6 +116,58 @@ fn progress_thread_serves_heap_memory_over_tcp() {
     assert_eq!(notes[0].msg, b"done");
 }
 
+/// With peer failure detection, a peer that goes away fails what is sent to it instead of
+/// leaving it pending (or crashing UCX's TCP transport): the next READ and notification fail with
+/// `Transfer` naming the dead peer, the endpoint is closed without a flush, and the reader's memory
+/// is released.
+#[test]
+fn a_dead_peer_fails_transfers_with_peer_failure_detection() {
+    let config = UcxConfig::default()
+        .with_transports("tcp")
+        .with_peer_failure_detection()
+        .with_progress_thread(ProgressThreadConfig::default());
+    assert!(config.peer_failure_detection());
+    let target = UcxAgent::with_config("doomed-target", &config).unwrap();
+    let blocks = 8u32;
+    let heap = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    fill_blocks(|off, d| heap.write(off, d).unwrap(), blocks as usize);
+    target.register(heap.clone()).unwrap();
+    let r = reader("survivor", &config, &target, heap.region().addr, blocks);
+    let local: Vec<u32> = (0..blocks).collect();
+    let remote: Vec<u32> = (0..blocks).rev().collect();
+    let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, None).unwrap();
+    assert_eq!(wait_initiator_only(&r.agent, x), XferState::Done);
+    verify_reversed(&r.local, blocks as usize);
+    r.agent.release(x).unwrap();
+
+    drop(target);
+    let deadline = Instant::now() + DEADLINE;
+    while r.agent.failed_endpoints() == 0 {
+        r.agent.progress().unwrap();
+        assert!(Instant::now() < deadline, "UCX never reported the dead peer");
+    }
+    let failure = loop {
+        match r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, None) {
+            Err(e) => break e,
+            Ok(x) => match wait_initiator_only(&r.agent, x) {
+                XferState::Failed(why) => {
+                    r.agent.release(x).unwrap();
+                    assert!(Instant::now() < deadline, "still posting to a dead peer: {why}");
+                }
+                state => panic!("a READ of a dropped agent ended {state:?}"),
+            },
+        }
+    };
+    assert_eq!(failure.kind(), ErrorKind::Transfer, "{failure}");
+    assert!(failure.to_string().contains("is gone"), "{failure}");
+    let e = r.agent.notify(&"doomed-target".into(), b"late").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Transfer, "{e}");
+    r.agent.forget_remote(&"doomed-target".into()).unwrap();
+    drop(r.agent);
+    assert_eq!(Arc::strong_count(&r.local), 1, "the reader's memory was released, not leaked");
+    assert_eq!(Arc::strong_count(&heap), 1);
+}
+
 /// Released, deregistered and forgotten while running: the transfer keeps its memory, rkeys and
 /// endpoint until UCX is done, sends no notification, and dropping everything leaks nothing.
 #[test]

@@ -1,5 +1,5 @@
 //! The whole kvx conformance suite for UcxAgent: two agents in one process, over UCX's default
-//! transports, over TCP only, with UCX-allocated target memory, with progress threads, and through
+//! transports, over TCP only (also with peer failure detection), with UCX-allocated target memory, with progress threads, and through
 //! `Arc<dyn TransferAgent>`.
 #![allow(clippy::unwrap_used)] // Test helpers outside #[test] fns panic on failure, like asserts.
 
@@ -32,6 +32,16 @@ fn conformance_with_progress_threads() {
     let config = UcxConfig::default().with_progress_thread(ProgressThreadConfig::default());
     let (i, t) = pair("threads", &config);
     assert!(i.has_progress_thread());
+    check_all(&Pair::new(i, t));
+}
+
+#[test]
+fn conformance_tcp_with_peer_failure_detection() {
+    let config = UcxConfig::default()
+        .with_transports("tcp")
+        .with_peer_failure_detection()
+        .with_progress_thread(ProgressThreadConfig::default());
+    let (i, t) = pair("detect", &config);
     check_all(&Pair::new(i, t));
 }
 

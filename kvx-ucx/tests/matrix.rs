@@ -56,6 +56,7 @@ mod tcp {
         SimBackend::new(move |engine, rank| {
             let config = UcxConfig::default()
                 .with_transports("tcp")
+                .with_peer_failure_detection()
                 .with_progress_thread(ProgressThreadConfig::default());
             Ok(Arc::new(UcxAgent::with_config(format!("{engine}-{rank}"), &config)?)
                 as Arc<dyn TransferAgent>)

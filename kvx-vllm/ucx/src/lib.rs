@@ -17,7 +17,9 @@ fn create_worker(
     progress_thread: bool,
     transports: Option<String>,
 ) -> PyResult<Worker> {
-    let mut config = UcxConfig::default();
+    // vLLM's engines always progress (a progress thread, or the connector's pump thread), so
+    // endpoints can detect a failed peer: a dead engine's READs and notifications fail at once.
+    let mut config = UcxConfig::default().with_peer_failure_detection();
     if let Some(t) = transports {
         config = config.with_transports(t);
     }
