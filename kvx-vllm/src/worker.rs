@@ -360,8 +360,12 @@ impl Worker {
             for (name, value) in counters {
                 d.set_item(name, value)?;
             }
-            let sampled = [("transfer", &st.transfer_latencies), ("handshake", &st.handshake_times)]
-                .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
+            let sampled = [
+                ("read", &st.read_latencies),
+                ("transfer", &st.transfer_latencies),
+                ("handshake", &st.handshake_times),
+            ]
+            .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
             for (name, count, max, sum) in sampled {
                 d.set_item(format!("{name}_count"), count)?;
                 d.set_item(format!("{name}_seconds"), sum)?;

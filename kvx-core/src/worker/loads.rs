@@ -363,6 +363,7 @@ impl ConnectorWorker {
             let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
+                    self.stats.read_latencies.push(now.saturating_duration_since(read.posted));
                     read.deadline = now + self.config.confirm_timeout;
                     load.stage = Stage::Confirming(read);
                     if let Some(held) = answer {

@@ -146,7 +146,12 @@ pub struct WorkerStats {
     pub lease_failures: u64,
     /// Notify-only requests (full local prefix hit).
     pub notify_only: u64,
-    /// From posting a READ to the prefill engine's confirmation, for each completed load.
+    /// From posting a READ to the poll that found it done, for each READ that completed: the
+    /// transfer itself, plus at most the interval between the caller's steps (the worker polls
+    /// its transfers once per step).
+    pub read_latencies: Samples,
+    /// From posting a READ to the prefill engine's confirmation, for each completed load: the
+    /// READ, the release's round trip to the prefill engine, and the steps between.
     pub transfer_latencies: Samples,
     /// Heartbeats (lease renewals) sent, one per hold.
     pub renewals_sent: u64,
@@ -279,10 +284,14 @@ impl ConnectorWorker {
         &self.stats
     }
 
-    /// Takes the latency samples collected so far (the counters stay): transfer latencies and
-    /// handshake times.
-    pub fn take_latencies(&mut self) -> (Vec<Duration>, Vec<Duration>) {
-        (self.stats.transfer_latencies.take(), self.stats.handshake_times.take())
+    /// Takes the latency samples collected so far (the counters stay): READ, transfer (READ
+    /// confirmed) and handshake times, in that order.
+    pub fn take_latencies(&mut self) -> [Vec<Duration>; 3] {
+        [
+            self.stats.read_latencies.take(),
+            self.stats.transfer_latencies.take(),
+            self.stats.handshake_times.take(),
+        ]
     }
 
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill

@@ -378,7 +378,12 @@ fn completed_and_failed_transfers_are_reported_per_request() {
     assert_eq!(f.failed_recving[0].request_id, "bad".into());
     assert!(f.failed_recving[0].reason.contains("link down"));
     assert_eq!(w.num_in_flight(), 1, "the worker goes on with the others");
-    assert_eq!(w.stats().transfer_latencies.kept(), [Duration::from_millis(7)]);
+    assert_eq!(
+        w.stats().read_latencies.kept(),
+        [Duration::from_millis(5)],
+        "READ seen done at the 5 ms step"
+    );
+    assert_eq!(w.stats().transfer_latencies.kept(), [Duration::from_millis(7)], "confirmed at the 7 ms step");
     assert_eq!(w.stats().bytes_read, 4 * u64::from(BS) * 2);
 }
 
