@@ -79,4 +79,25 @@ mod tests {
         let empty = AgentMetadata { nixl: vec![], ..sample() };
         assert_eq!(kind(&empty.seal(&name()).unwrap()), ErrorKind::InvalidPeerData);
     }
+
+    #[test]
+    fn a_key_a_region_does_not_have_is_refused() {
+        #[derive(Serialize)]
+        struct Region {
+            addr: u64,
+            len: u64,
+            kind: kvx_core::MemKind,
+            device: u32,
+            extra: u8,
+        }
+        #[derive(Serialize)]
+        struct Body {
+            regions: Vec<Region>,
+            #[serde(with = "serde_bytes")]
+            nixl: Vec<u8>,
+        }
+        let region = Region { addr: 4096, len: 100, kind: kvx_core::MemKind::Dram, device: 0, extra: 1 };
+        let body = Body { regions: vec![region], nixl: vec![1] };
+        assert_eq!(kind(&agent_metadata::seal(BACKEND, &name(), &body).unwrap()), ErrorKind::InvalidPeerData);
+    }
 }
