@@ -56,10 +56,15 @@ struct OwnedEnvelope {
     body: serde_bytes::ByteBuf,
 }
 
-fn read_envelope(bytes: &[u8]) -> Option<OwnedEnvelope> {
+/// `bytes` as a `T`, nesting bounded as kvx bounds it; `None` if they are not one.
+fn read_bounded<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(wire::MAX_NESTING);
-    OwnedEnvelope::deserialize(&mut de).ok()
+    T::deserialize(&mut de).ok()
+}
+
+fn read_envelope(bytes: &[u8]) -> Option<OwnedEnvelope> {
+    read_bounded(bytes)
 }
 
 /// A format nested inside a target's input, which the engine mutates in place and wraps again:
@@ -97,9 +102,7 @@ struct RawAgentEnvelope {
 }
 
 fn read_agent_envelope(bytes: &[u8]) -> Option<RawAgentEnvelope> {
-    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
-    de.set_max_depth(wire::MAX_NESTING);
-    RawAgentEnvelope::deserialize(&mut de).ok()
+    read_bounded(bytes)
 }
 
 fn write_agent_envelope(envelope: &RawAgentEnvelope) -> Vec<u8> {

@@ -13,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory, MemKind, MemRegion,
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
@@ -396,8 +397,8 @@ impl TransferAgent for LoopbackAgent {
             .map(|(&id, r)| RemoteRegion { id, addr: r.region.addr, len: r.region.len })
             .collect();
         regions.sort_by_key(|r| r.id);
-        AgentMetadata { fabric: self.shared.fabric.id, instance: self.shared.instance, regions }
-            .seal(&self.shared.name)
+        let md = AgentMetadata { fabric: self.shared.fabric.id, instance: self.shared.instance, regions };
+        agent_metadata::seal(BACKEND, &self.shared.name, &md)
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {

@@ -34,11 +34,6 @@ impl RemoteRegion {
 }
 
 impl AgentMetadata {
-    /// The metadata of agent `name`, in its envelope.
-    pub(crate) fn seal(&self, name: &AgentName) -> Result<Vec<u8>> {
-        agent_metadata::seal(BACKEND, name, self)
-    }
-
     /// Opens and validates a peer's metadata: the peer's name and what it says. Another
     /// backend's metadata or another version is `Incompatible`; anything else malformed is
     /// `InvalidPeerData`, never a panic.
@@ -72,18 +67,21 @@ mod tests {
     }
 
     fn kind(md: &AgentMetadata) -> ErrorKind {
-        AgentMetadata::open(&md.seal(&name()).unwrap()).unwrap_err().kind()
+        AgentMetadata::open(&agent_metadata::seal(BACKEND, &name(), &md).unwrap()).unwrap_err().kind()
     }
 
     #[test]
     fn round_trips() {
         let md = sample();
-        assert_eq!(AgentMetadata::open(&md.seal(&name()).unwrap()).unwrap(), (name(), md));
+        assert_eq!(
+            AgentMetadata::open(&agent_metadata::seal(BACKEND, &name(), &md).unwrap()).unwrap(),
+            (name(), md)
+        );
     }
 
     #[test]
     fn rejects_malformed_input_with_typed_errors() {
-        let bytes = sample().seal(&name()).unwrap();
+        let bytes = agent_metadata::seal(BACKEND, &name(), &sample()).unwrap();
         for cut in 0..bytes.len() {
             let e = AgentMetadata::open(&bytes[..cut]).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "cut at {cut}");

@@ -251,7 +251,7 @@ impl TransferAgent for NixlAgent {
         let state = self.lock();
         let nixl_md = state.nixl.agent.get_local_md().nixl(ErrorKind::Backend, "getting local metadata")?;
         let regions = state.registrations.values().map(|r| r.region).collect();
-        AgentMetadata { regions, nixl: nixl_md }.seal(&self.name)
+        agent_metadata::seal(BACKEND, &self.name, &AgentMetadata { regions, nixl: nixl_md })
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {

@@ -20,11 +20,6 @@ pub(crate) struct AgentMetadata {
 }
 
 impl AgentMetadata {
-    /// The metadata of agent `name`, in its envelope.
-    pub(crate) fn seal(&self, name: &AgentName) -> Result<Vec<u8>> {
-        agent_metadata::seal(BACKEND, name, self)
-    }
-
     /// Opens and validates a peer's metadata: the peer's name and what it says. Another
     /// backend's metadata or another version is `Incompatible`; anything else malformed is
     /// `InvalidPeerData`.
@@ -63,7 +58,7 @@ mod tests {
 
     #[test]
     fn round_trips_with_nixls_blob_as_bytes_and_refuses_garbage() {
-        let sealed = sample().seal(&name()).unwrap();
+        let sealed = agent_metadata::seal(BACKEND, &name(), &sample()).unwrap();
         assert_eq!(AgentMetadata::open(&sealed).unwrap(), (name(), sample()));
         // NIXL's blob is a MessagePack bin (0xc4, its length, the bytes), not an array of ints.
         assert!(sealed.windows(5).any(|w| w == [0xc4, 3, 1, 2, 3]), "{sealed:x?}");
@@ -75,9 +70,15 @@ mod tests {
         let other = agent_metadata::seal("ucx", &name(), &sample()).unwrap();
         assert_eq!(kind(&other), ErrorKind::Incompatible);
         let wrapping = AgentMetadata { regions: vec![MemRegion::dram(u64::MAX, 2)], nixl: vec![1] };
-        assert_eq!(kind(&wrapping.seal(&name()).unwrap()), ErrorKind::InvalidPeerData);
+        assert_eq!(
+            kind(&agent_metadata::seal(BACKEND, &name(), &wrapping).unwrap()),
+            ErrorKind::InvalidPeerData
+        );
         let empty = AgentMetadata { nixl: vec![], ..sample() };
-        assert_eq!(kind(&empty.seal(&name()).unwrap()), ErrorKind::InvalidPeerData);
+        assert_eq!(
+            kind(&agent_metadata::seal(BACKEND, &name(), &empty).unwrap()),
+            ErrorKind::InvalidPeerData
+        );
     }
 
     #[test]

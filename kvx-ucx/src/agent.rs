@@ -926,7 +926,11 @@ impl TransferAgent for UcxAgent {
             .into_iter()
             .map(|(_, r)| RegionMetadata { addr: r.region.addr, len: r.region.len, rkey: r.rkey.clone() })
             .collect();
-        AgentMetadata { worker_address: inner.address.clone(), regions }.seal(&inner.name)
+        agent_metadata::seal(
+            BACKEND,
+            &inner.name,
+            &AgentMetadata { worker_address: inner.address.clone(), regions },
+        )
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {

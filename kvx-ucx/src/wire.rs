@@ -36,11 +36,6 @@ pub(crate) struct RegionMetadata {
 }
 
 impl AgentMetadata {
-    /// The metadata of agent `name`, in its envelope.
-    pub(crate) fn seal(&self, name: &AgentName) -> Result<Vec<u8>> {
-        agent_metadata::seal(BACKEND, name, self)
-    }
-
     /// Opens and validates a peer's metadata: the peer's name and what it says. Another
     /// backend's metadata or another version is `Incompatible`; anything else malformed is
     /// `InvalidPeerData`.
@@ -85,12 +80,15 @@ mod tests {
     #[test]
     fn round_trips() {
         let m = sample();
-        assert_eq!(AgentMetadata::open(&m.seal(&name()).unwrap()).unwrap(), (name(), m));
+        assert_eq!(
+            AgentMetadata::open(&agent_metadata::seal(BACKEND, &name(), &m).unwrap()).unwrap(),
+            (name(), m)
+        );
     }
 
     #[test]
     fn rejects_garbage_truncation_and_trailing_bytes() {
-        let blob = sample().seal(&name()).unwrap();
+        let blob = agent_metadata::seal(BACKEND, &name(), &sample()).unwrap();
         for cut in 0..blob.len() {
             let e = AgentMetadata::open(&blob[..cut]).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "cut at {cut}: {e}");
@@ -114,7 +112,7 @@ mod tests {
     #[test]
     fn rejects_bad_fields_and_other_backends() {
         let check = |m: AgentMetadata, kind: ErrorKind| {
-            let e = AgentMetadata::open(&m.seal(&name()).unwrap()).unwrap_err();
+            let e = AgentMetadata::open(&agent_metadata::seal(BACKEND, &name(), &m).unwrap()).unwrap_err();
             assert_eq!(e.kind(), kind, "{e}");
         };
         let nixl = agent_metadata::seal("nixl", &name(), &sample()).unwrap();
