@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, TransferAgent, XferId, XferOp,
     XferState,
@@ -238,6 +239,30 @@ fn ucx_errors_carry_backend_and_status() {
     agent.load_remote(&other.local_metadata().unwrap()).unwrap();
     let big = vec![0u8; kvx_ucx::MAX_NOTIFICATION_LEN + 1];
     assert_eq!(agent.notify(other.name(), &big).unwrap_err().kind(), ErrorKind::InvalidArgument);
+}
+
+/// Agent metadata is kvx-core's envelope: a loopback agent's metadata is `Incompatible` here and
+/// a UCX agent's is there; a byte after it is `InvalidPeerData`; neither loads anything.
+#[test]
+fn metadata_of_another_backend_is_incompatible_and_bytes_after_it_are_invalid() {
+    let agent = UcxAgent::new("ucx-loader").unwrap();
+    let peer = UcxAgent::new("ucx-peer").unwrap();
+    let fabric = kvx_loopback::Fabric::new();
+    let loopback = fabric.agent("loopback-peer").unwrap();
+    let e = agent.load_remote(&loopback.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("ucx")), "{e}");
+    let e = loopback.load_remote(&peer.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("loopback")), "{e}");
+    let nixl = agent_metadata::seal("nixl", peer.name(), &()).unwrap();
+    assert_eq!(agent.load_remote(&nixl).unwrap_err().kind(), ErrorKind::Incompatible);
+
+    let md = peer.local_metadata().unwrap();
+    let e = agent.load_remote(&[&md[..], &[0]].concat()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidPeerData, Some("ucx")), "{e}");
+    assert_eq!(agent.load_remote(&md).unwrap(), *peer.name(), "nothing was half-loaded");
+    for bad in ["n".repeat(agent_metadata::MAX_AGENT_NAME + 1), "a\0".to_owned()] {
+        assert_eq!(UcxAgent::new(bad).err().map(|e| e.kind()), Some(ErrorKind::InvalidArgument));
+    }
 }
 
 #[test]
