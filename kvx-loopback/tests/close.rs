@@ -71,17 +71,34 @@ fn hold() -> ConnectorMetadata {
     ConnectorMetadata { reqs_to_send: vec![held], ..Default::default() }
 }
 
-#[test]
-fn closed_workers_keep_no_memory_after_a_transfer() {
-    let fabric = Fabric::new();
+/// A prefill worker holding request "r" and a decode worker whose READ of it is posted (never
+/// progressed yet), on loopback agents of one fabric.
+struct Posted {
+    prefill: ConnectorWorker,
+    decode: ConnectorWorker,
+    prefill_memory: Arc<HostMemory>,
+    decode_memory: Arc<HostMemory>,
+    decode_payload: Vec<u8>,
+}
+
+fn posted(fabric: &Fabric, now: Instant) -> Posted {
     let (prefill_memory, decode_memory) = (memory(), memory());
-    prefill_memory.fill(0, 2 * BLOCKS * BLOCK, 0x5a).unwrap();
-    let (mut prefill, prefill_payload) = worker(&fabric, "prefill", &prefill_memory);
-    let (mut decode, decode_payload) = worker(&fabric, "decode", &decode_memory);
-    let now = Instant::now();
+    let (mut prefill, prefill_payload) = worker(fabric, "prefill", &prefill_memory);
+    let (mut decode, decode_payload) = worker(fabric, "decode", &decode_memory);
     prefill.start_load_kv(now, &hold());
     decode.start_load_kv(now, &load());
     handshake(&mut decode, now, &prefill_payload);
+    assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (1, 1), "posted");
+    Posted { prefill, decode, prefill_memory, decode_memory, decode_payload }
+}
+
+#[test]
+fn closed_workers_keep_no_memory_after_a_transfer() {
+    let fabric = Fabric::new();
+    let now = Instant::now();
+    let Posted { mut prefill, mut decode, prefill_memory, decode_memory, decode_payload } =
+        posted(&fabric, now);
+    prefill_memory.fill(0, 2 * BLOCKS * BLOCK, 0x5a).unwrap();
     // The READ completes, the prefill worker frees its hold and (after its own handshake with
     // the decode engine) answers "held", which completes the load.
     let mut done = (Vec::new(), Vec::new());
@@ -132,15 +149,8 @@ fn closed_workers_keep_no_memory_after_a_transfer() {
 #[test]
 fn a_read_in_flight_at_close_is_cancelled_and_its_memory_let_go() {
     let fabric = Fabric::new();
-    let (prefill_memory, decode_memory) = (memory(), memory());
-    let (mut prefill, prefill_payload) = worker(&fabric, "prefill", &prefill_memory);
-    let (mut decode, _) = worker(&fabric, "decode", &decode_memory);
     let now = Instant::now();
-    prefill.start_load_kv(now, &hold());
-    decode.start_load_kv(now, &load());
-    handshake(&mut decode, now, &prefill_payload);
-    assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (1, 1), "posted, never progressed");
-
+    let Posted { mut prefill, mut decode, decode_memory, .. } = posted(&fabric, now);
     decode.close().unwrap();
     // A backend that cannot cancel lets the memory go once the READ settles: one pass settles it.
     decode.agent().progress().unwrap();
