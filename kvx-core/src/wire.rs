@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId};
 
 /// The wire-format version. Bump it on any incompatible change of a message.
-pub const WIRE_VERSION: u16 = 2;
+pub const WIRE_VERSION: u16 = 3;
 
 const MAGIC: [u8; 4] = *b"KVX1";
 
