@@ -516,7 +516,7 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
         ("wrong-nonce", release("req-1", OTHER_NONCE)),
         ("releases-an-unknown-hold", release("cmpl-unknown-9", NONCE)),
         ("empty-id", release("", NONCE)),
-        ("over-long-id", release(&"x".repeat(70 << 10), NONCE)),
+        ("over-long-id", release(&"x".repeat(32 << 10), NONCE)),
     ];
     let reply_to = |engine: kvx_core::RemoteCoordinates, instance| HoldRelease {
         reply_to: Some(kvx_core::ReplyTo { engine, instance, token: NONCE }),
@@ -531,7 +531,7 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
                 "answer-a-huge-host",
                 reply_to(
                     kvx_core::RemoteCoordinates {
-                        host: "h".repeat(70 << 10),
+                        host: "h".repeat(32 << 10),
                         ..super::fixture::decode_side_channel()
                     },
                     7,
