@@ -140,7 +140,7 @@ fn wait(reader: &dyn TransferAgent, target: &dyn TransferAgent, xfer: kvx_core::
     loop {
         match reader.poll(xfer)? {
             XferState::Done => return Ok(()),
-            XferState::Failed(reason) => return Err(Error::new(ErrorKind::Transfer, reason)),
+            XferState::Failed(e) => return Err(e),
             XferState::Pending if Instant::now() > deadline => {
                 return Err(Error::new(ErrorKind::Timeout, "transfer not done within 60 s"));
             }

@@ -3,13 +3,20 @@
 //! Backends keep their own status codes inside ([`Error::code`]) and say which backend they are
 //! ([`Error::backend`]); callers branch on [`ErrorKind`] and [`Error::is_retryable`].
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 /// Result with kvx's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What kind of failure an [`Error`] is. New kinds may be added.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// On the wire (an [`Error`] inside a rank's report) a kind travels by its name: a new kind is a
+/// change of the wire format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum ErrorKind {
     /// An argument from the local caller is invalid (a bug in the caller).
@@ -79,27 +86,84 @@ impl fmt::Display for ErrorKind {
 }
 
 /// kvx's error: a kind, a message, optionally the backend and its raw status code, and a source.
-#[derive(Debug, thiserror::Error)]
-#[error("{kind}{}: {message}{}", backend_tag(.backend), code_tag(.code))]
+///
+/// Errors compare equal when kind, message, backend and code are equal (the source is not
+/// compared). Cloning shares the source. Serialized (in a rank's report of failed loads), an error
+/// keeps kind, message, backend and code, not the source; deserialized, its message and backend
+/// name are cut to [`MAX_MESSAGE_LEN`] and [`MAX_BACKEND_LEN`] bytes, whatever the peer sent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(from = "WireError", into = "WireError")]
 pub struct Error {
     kind: ErrorKind,
     message: String,
-    backend: Option<&'static str>,
+    backend: Option<Cow<'static, str>>,
     code: Option<i64>,
-    #[source]
-    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
-fn backend_tag(backend: &Option<&'static str>) -> String {
-    backend.map(|b| format!(" [{b}]")).unwrap_or_default()
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind)?;
+        if let Some(backend) = &self.backend {
+            write!(f, " [{backend}]")?;
+        }
+        write!(f, ": {}", self.message)?;
+        if let Some(code) = self.code {
+            write!(f, " (status {code})")?;
+        }
+        Ok(())
+    }
 }
 
-fn code_tag(code: &Option<i64>) -> String {
-    code.map(|c| format!(" (status {c})")).unwrap_or_default()
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|s| s as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl PartialEq for Error {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind
+            && self.message == other.message
+            && self.backend == other.backend
+            && self.code == other.code
+    }
+}
+
+impl Eq for Error {}
+
+/// An [`Error`] as it crosses the wire.
+#[derive(Serialize, Deserialize)]
+struct WireError {
+    kind: ErrorKind,
+    message: String,
+    backend: Option<String>,
+    code: Option<i64>,
+}
+
+impl From<Error> for WireError {
+    fn from(e: Error) -> Self {
+        WireError { kind: e.kind, message: e.message, backend: e.backend.map(Cow::into_owned), code: e.code }
+    }
+}
+
+impl From<WireError> for Error {
+    fn from(w: WireError) -> Self {
+        Error {
+            kind: w.kind,
+            message: truncate(w.message, MAX_MESSAGE_LEN),
+            backend: w.backend.map(|b| Cow::Owned(truncate(b, MAX_BACKEND_LEN))),
+            code: w.code,
+            source: None,
+        }
+    }
 }
 
 /// The longest message an [`Error`] keeps, in bytes: whatever a peer sent, an error stays small.
 pub const MAX_MESSAGE_LEN: usize = 1024;
+
+/// The longest backend name an [`Error`] read from the wire keeps, in bytes.
+pub const MAX_BACKEND_LEN: usize = 32;
 
 /// The most characters of peer or client data that [`quote`] keeps.
 pub const MAX_QUOTE_CHARS: usize = 64;
@@ -112,9 +176,10 @@ pub fn quote(data: &str) -> String {
     if chars.next().is_none() { format!("{head:?}") } else { format!("{head:?}... ({} bytes)", data.len()) }
 }
 
-fn truncate(mut message: String) -> String {
-    if message.len() > MAX_MESSAGE_LEN {
-        let mut end = MAX_MESSAGE_LEN;
+/// `message` cut to at most `max` bytes (on a character boundary), with `...` added when cut.
+fn truncate(mut message: String, max: usize) -> String {
+    if message.len() > max {
+        let mut end = max;
         while !message.is_char_boundary(end) {
             end -= 1;
         }
@@ -127,13 +192,19 @@ fn truncate(mut message: String) -> String {
 impl Error {
     /// A new error of `kind` with a message (cut at [`MAX_MESSAGE_LEN`] bytes).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: truncate(message.into()), backend: None, code: None, source: None }
+        Error {
+            kind,
+            message: truncate(message.into(), MAX_MESSAGE_LEN),
+            backend: None,
+            code: None,
+            source: None,
+        }
     }
 
     /// The same error with `what` before its message: the kind, backend, code and source stay,
     /// so the kind is not repeated in the text (`handshake failed: with engine e: ...`).
     pub fn context(self, what: impl fmt::Display) -> Self {
-        Error { message: truncate(format!("{what}: {}", self.message)), ..self }
+        Error { message: truncate(format!("{what}: {}", self.message), MAX_MESSAGE_LEN), ..self }
     }
 
     /// Shorthand for [`ErrorKind::InvalidArgument`].
@@ -153,7 +224,7 @@ impl Error {
 
     /// Names the backend that raised the error.
     pub fn with_backend(mut self, backend: &'static str) -> Self {
-        self.backend = Some(backend);
+        self.backend = Some(Cow::Borrowed(backend));
         self
     }
 
@@ -165,20 +236,8 @@ impl Error {
 
     /// Attaches the underlying cause.
     pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
+        self.source = Some(Arc::new(source));
         self
-    }
-
-    /// The same kind, message, backend and code without the source: one failure reported for
-    /// several requests.
-    pub fn detached(&self) -> Self {
-        Error {
-            kind: self.kind,
-            message: self.message.clone(),
-            backend: self.backend,
-            code: self.code,
-            source: None,
-        }
     }
 
     /// The kind of failure.
@@ -192,8 +251,8 @@ impl Error {
     }
 
     /// The backend that raised the error, if any.
-    pub fn backend(&self) -> Option<&'static str> {
-        self.backend
+    pub fn backend(&self) -> Option<&str> {
+        self.backend.as_deref()
     }
 
     /// The backend's raw status code, if any.
@@ -240,5 +299,39 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Handshake);
         let cut = Error::new(ErrorKind::Io, "é".repeat(MAX_MESSAGE_LEN));
         assert!(cut.message().ends_with("..."), "cut on a char boundary");
+    }
+
+    #[test]
+    fn errors_compare_by_kind_message_backend_and_code_and_clone_with_their_source() {
+        let io = std::io::Error::other("disk");
+        let e = Error::new(ErrorKind::Transfer, "lost").with_backend("ucx").with_code(-25).with_source(io);
+        let copy = e.clone();
+        assert_eq!(copy, e);
+        assert!(std::error::Error::source(&copy).is_some(), "a clone shares the source");
+        assert_eq!(Error::new(ErrorKind::Transfer, "lost").with_backend("ucx").with_code(-25), e);
+        assert_ne!(Error::new(ErrorKind::Transfer, "lost").with_backend("ucx"), e, "the code differs");
+        assert_ne!(Error::new(ErrorKind::Backend, "lost").with_backend("ucx").with_code(-25), e);
+    }
+
+    #[test]
+    fn the_wire_form_keeps_kind_message_backend_and_code_and_is_bounded() {
+        let e = Error::new(ErrorKind::Transfer, "peer gone").with_backend("nixl").with_code(-3);
+        let bytes = rmp_serde::to_vec_named(&e).unwrap();
+        let back: Error = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back, e);
+        assert_eq!((back.kind(), back.backend(), back.code()), (ErrorKind::Transfer, Some("nixl"), Some(-3)));
+        assert_eq!(back.to_string(), "transfer failed [nixl]: peer gone (status -3)");
+
+        let hostile = WireError {
+            kind: ErrorKind::Io,
+            message: "m".repeat(1 << 20),
+            backend: Some("b".repeat(1 << 16)),
+            code: None,
+        };
+        let back: Error = rmp_serde::from_slice(&rmp_serde::to_vec_named(&hostile).unwrap()).unwrap();
+        assert!(back.message().len() <= MAX_MESSAGE_LEN + 3);
+        assert!(back.backend().is_some_and(|b| b.len() <= MAX_BACKEND_LEN + 3));
+        let unknown = br#"{"kind":"NoSuchKind","message":"x","backend":null,"code":null}"#;
+        assert!(serde_json::from_slice::<Error>(unknown).is_err(), "an unknown kind is refused");
     }
 }

@@ -15,6 +15,7 @@ pub mod meta;
 #[cfg(feature = "net")]
 pub mod net;
 pub mod params;
+pub mod post;
 pub mod scheduler;
 pub mod transfer;
 pub mod wire;
@@ -35,10 +36,11 @@ pub use meta::{
     RecvRequest, RenewLeases, ReplyTo,
 };
 pub use params::{Offer, RemoteCoordinates, TransferParams};
+pub use post::{PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
-    BlockList, Capabilities, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId,
-    XferOp, XferState,
+    BlockList, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, Notification, RegistrationId,
+    TransferAgent, XferId, XferOp, XferState,
 };
 pub use worker::{ConnectorWorker, FinishedAggregator, Samples, WorkerCommand, WorkerConfig, WorkerStats};
 

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{MacTag, Nonce};
+use crate::error::Error;
 use crate::ids::{BlockId, RequestId};
 use crate::params::{InstanceId, Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
@@ -175,8 +176,9 @@ impl WireMessage for ConnectorMetadata {
 pub struct FailedRecv {
     /// The request.
     pub request_id: RequestId,
-    /// What went wrong (the error's display).
-    pub reason: String,
+    /// What went wrong: its kind, backend and status code stay across ranks (the error's
+    /// `Display` is the human-readable reason).
+    pub error: Error,
 }
 
 /// Requests that finished moving KV since the last report.
@@ -216,4 +218,31 @@ pub struct RankReport {
 
 impl WireMessage for RankReport {
     const KIND: MessageKind = MessageKind::FinishedReport;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+    use crate::wire;
+
+    #[test]
+    fn a_failed_load_crosses_ranks_with_its_kind_backend_and_code() {
+        let error = Error::new(ErrorKind::Transfer, "peer gone").with_backend("ucx").with_code(-25);
+        let report = RankReport {
+            rank: 1,
+            finished: Finished {
+                failed_recving: vec![FailedRecv { request_id: "r".into(), error: error.clone() }],
+                ..Finished::default()
+            },
+        };
+        let back: RankReport = wire::decode(&wire::encode(&report).unwrap()).unwrap();
+        assert_eq!(back, report);
+        let failed = &back.finished.failed_recving[0].error;
+        assert_eq!(
+            (failed.kind(), failed.backend(), failed.code()),
+            (ErrorKind::Transfer, Some("ucx"), Some(-25))
+        );
+        assert_eq!(failed.to_string(), error.to_string());
+    }
 }

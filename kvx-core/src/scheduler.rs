@@ -715,7 +715,10 @@ mod tests {
         let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5]);
         assert!(out.delay_free);
         s.update_finished(&Finished {
-            failed_recving: vec![FailedRecv { request_id: id("r"), reason: "x".into() }],
+            failed_recving: vec![FailedRecv {
+                request_id: id("r"),
+                error: crate::Error::new(crate::ErrorKind::Transfer, "x"),
+            }],
             ..Default::default()
         });
         assert!(s.is_idle());

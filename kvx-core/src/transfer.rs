@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ids::AgentName;
 use crate::memory::{KvMemory, MemKind, MemRegion};
 
@@ -145,9 +145,17 @@ pub enum XferState {
     Pending,
     /// All data is in place; the notification, if any, has been handed to the transport.
     Done,
-    /// The transfer failed; the destination blocks hold unspecified bytes.
-    Failed(String),
+    /// The transfer failed; the destination blocks hold unspecified bytes. The error is of kind
+    /// [`Transfer`](crate::ErrorKind::Transfer) for a failure of the transport (a peer gone, a
+    /// connection reset, memory the peer no longer serves), with the backend's name and, where
+    /// the transport gives one, its status code.
+    Failed(Error),
 }
+
+/// The longest notification payload, in bytes, that [`TransferAgent::post`] and
+/// [`TransferAgent::notify`] accept (kvx sends request ids and small wire messages). A backend
+/// drops a longer one it receives.
+pub const MAX_NOTIFICATION_LEN: usize = 64 << 10;
 
 /// A notification received from a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -161,7 +169,9 @@ pub struct Notification {
 /// One endpoint of a one-sided transport.
 ///
 /// Sync and object-safe (`Arc<dyn TransferAgent>` works). Every method is non-blocking except where
-/// its doc says otherwise. Errors carry the backend's name and status.
+/// its doc says otherwise. Errors carry the backend's name and status. docs/CONTRACT.md ("Backend
+/// side") states the same contract with the code that enforces it; kvx-testkit's conformance
+/// suite checks it on every backend.
 ///
 /// # Calling order
 /// 1. [`register`](Self::register) the KV memory; [`local_metadata`](Self::local_metadata) and give
@@ -171,6 +181,22 @@ pub struct Notification {
 /// 3. [`post`](Self::post) transfers, [`poll`](Self::poll) them until `Done` or `Failed`, then
 ///    [`release`](Self::release) them.
 /// 4. [`drain_notifications`](Self::drain_notifications) every step.
+///
+/// # Transfers in flight
+/// A posted transfer is *in flight* until it *settles*: until its state is `Done` or `Failed`, or,
+/// released while `Pending`, until the transport is done with it (the agent completes it in the
+/// background, in `poll`, `progress` and `drain_notifications`). While in flight it keeps what it
+/// uses: the registrations of its local blocks (the agent's `Arc<dyn KvMemory>` and the
+/// transport's mapping) and its peer (connection and keys). So:
+/// - [`deregister`](Self::deregister) and [`forget_remote`](Self::forget_remote) succeed at once,
+///   also while transfers use the registration or the peer. What they release is gone for new
+///   calls at once: the descriptor lists over it are released (their ids are `NotFound`), so new
+///   posts over them fail with `NotFound`.
+/// - Transfers posted before go on as if nothing happened: each finishes (`Done`, with its
+///   notification) or fails for its own reasons. None fails because of the deregistration or the
+///   forget.
+/// - The memory and the peer's connection are released when the last transfer using them settles
+///   (or when the agent is dropped).
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// This agent's name.
@@ -180,13 +206,18 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     fn capabilities(&self) -> Capabilities;
 
     /// Registers memory with the transport. The agent keeps `memory` alive until
-    /// [`deregister`](Self::deregister) or the agent is dropped, so it cannot be freed while a
-    /// peer may still access it.
+    /// [`deregister`](Self::deregister) (and the transfers in flight over it settle) or the agent
+    /// is dropped, so it cannot be freed while a peer may still access it.
     ///
-    /// Requires [`Capabilities::dram`] or [`Capabilities::vram`] for the memory's kind.
+    /// Requires [`Capabilities::dram`] or [`Capabilities::vram`] for the memory's kind
+    /// (`Unsupported`); an empty or address-wrapping region is `InvalidArgument`.
     fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId>;
 
-    /// Deregisters memory. Descriptor lists over it must no longer be used.
+    /// Deregisters memory: it leaves [`local_metadata`](Self::local_metadata), the local
+    /// descriptor lists over it are released, and a new [`prep_dlist`](Self::prep_dlist) over it
+    /// fails with `InvalidArgument` (as over any memory that is not registered). Succeeds at once
+    /// while transfers use it: see [Transfers in flight](Self#transfers-in-flight). An unknown
+    /// (or already deregistered) id is `NotFound`.
     fn deregister(&self, registration: RegistrationId) -> Result<()>;
 
     /// An opaque blob that a peer passes to [`load_remote`](Self::load_remote): the agent's name,
@@ -200,27 +231,49 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// it first (a restarted peer has new metadata).
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName>;
 
-    /// Forgets a peer: its descriptor lists are released and later posts to it fail.
+    /// Forgets a peer: its descriptor lists are released, and later `prep_dlist`, `post` and
+    /// `notify` naming it fail with `NotFound` until it is loaded again. Succeeds at once while
+    /// transfers to it are in flight: see [Transfers in flight](Self#transfers-in-flight). A peer
+    /// not loaded is `NotFound`.
     fn forget_remote(&self, agent: &AgentName) -> Result<()>;
 
     /// Prepares a descriptor list over this agent's registered memory or a remote agent's.
     ///
     /// # Behavior
     /// Every region of `blocks` must lie inside one registration of the owner, or the call fails
-    /// with `InvalidArgument` (local) or `InvalidPeerData` (remote).
+    /// with `InvalidArgument` (local) or `InvalidPeerData` (remote: the peer's metadata does not
+    /// cover it). A remote that is not loaded is `NotFound`.
     fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId>;
 
-    /// Releases a descriptor list.
+    /// Releases a descriptor list. Transfers posted over it are not affected. An unknown (or
+    /// already released) id is `NotFound`.
     fn release_dlist(&self, dlist: DlistId) -> Result<()>;
 
-    /// Posts one transfer of `local_descs[i]` <-> `remote_descs[i]` for every `i`.
+    /// Posts one transfer of `local_descs[i]` <-> `remote_descs[i]` for every `i`. With `notify`,
+    /// the remote agent receives the message after all the data is in place.
     ///
-    /// `local` must be a local list and `remote` a list of a loaded remote, the two index slices
-    /// equally long and every index in range of its list; otherwise nothing is transferred and an
-    /// error returned. With `notify`, the remote agent receives the message after all the data is
-    /// in place.
+    /// # Errors
+    /// Every backend checks its arguments with [`PostRequest::check`](crate::post::PostRequest::check)
+    /// before it touches its transport, in this order; on any of these nothing is transferred and
+    /// no notification sent:
     ///
-    /// Requires [`Capabilities::read`] or [`Capabilities::write`].
+    /// | the call | kind |
+    /// |---|---|
+    /// | `op` is not supported ([`Capabilities::read`], [`Capabilities::write`]) | `Unsupported` |
+    /// | `notify` without [`Capabilities::notifications`] | `Unsupported` |
+    /// | `notify` longer than [`MAX_NOTIFICATION_LEN`] | `InvalidArgument` |
+    /// | `local` or `remote` is no list of this agent (never prepared, released, or released with its registration or peer) | `NotFound` |
+    /// | `local` is a remote list, or `remote` a local one | `InvalidArgument` |
+    /// | `local_descs` and `remote_descs` differ in length | `InvalidArgument` |
+    /// | no descriptors at all (an empty post) | `InvalidArgument` |
+    /// | the two lists' blocks differ in length | `InvalidArgument` |
+    /// | an index out of range of its list | `InvalidArgument` |
+    ///
+    /// All of these are the local caller's arguments, remote indices included: a caller that takes
+    /// indices from a peer checks them first and reports `InvalidPeerData` itself (kvx's worker
+    /// does). After the checks, a transport that refuses the transfer is `Transfer` (for example a
+    /// peer the transport already knows is gone) and another failure of the transport library is
+    /// `Backend`.
     #[allow(clippy::needless_lifetimes)] // mockall needs the lifetime named.
     fn post<'a>(
         &self,
@@ -232,20 +285,28 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
         notify: Option<&'a [u8]>,
     ) -> Result<XferId>;
 
-    /// Where a transfer stands; drives the transport's progress. An unknown id is `NotFound`.
+    /// Where a transfer stands; drives the transport's progress. `Done` and `Failed` are final:
+    /// the transfer has settled and later polls return the same state until it is released.
+    /// An unknown (or released) id is `NotFound`.
     fn poll(&self, xfer: XferId) -> Result<XferState>;
 
-    /// Forgets a finished transfer (or cancels a pending one, where the backend can).
+    /// Forgets a transfer: its id is `NotFound` from now on. A transfer still `Pending` is
+    /// cancelled where the backend can, otherwise completed in the background; either way its
+    /// destination blocks hold unspecified bytes and its notification may or may not be sent.
     fn release(&self, xfer: XferId) -> Result<()>;
 
-    /// Sends a notification without data. Requires [`Capabilities::notifications`].
+    /// Sends a notification without data. Requires [`Capabilities::notifications`]
+    /// (`Unsupported`); a message longer than [`MAX_NOTIFICATION_LEN`] is `InvalidArgument`; a
+    /// peer not loaded is `NotFound`.
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()>;
 
     /// Moves received notifications into `out`; drives the transport's progress.
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()>;
 
-    /// Drives the transport once without blocking. Backends that progress on their own do
-    /// nothing. A target that only serves memory calls this (or `drain_notifications`) regularly.
+    /// Drives the transport once without blocking: moves transfers in flight along (released ones
+    /// included) and serves peers that read or write this agent's memory. Backends that progress
+    /// on their own do nothing. A target that only serves memory calls this (or
+    /// `drain_notifications`) regularly.
     fn progress(&self) -> Result<()> {
         Ok(())
     }

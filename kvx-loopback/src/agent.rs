@@ -13,10 +13,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::post::{DlistView, check_notification};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory, MemKind, MemRegion,
-    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 use crate::copy::{Pinned, PinnedSet, copy_checked};
@@ -105,6 +106,14 @@ struct Remote {
 struct Dlist {
     owner: DlistOwner,
     blocks: BlockList,
+    /// A local list: the registration holding each of its regions (empty for a remote list).
+    registrations: Vec<u64>,
+}
+
+impl Dlist {
+    fn view(&self) -> DlistView<'_> {
+        DlistView { owner: &self.owner, blocks: &self.blocks }
+    }
 }
 
 #[derive(Debug)]
@@ -124,7 +133,7 @@ enum Stage {
     /// A pass has taken the job and is copying.
     Copying,
     Done,
-    Failed(String),
+    Failed(Error),
 }
 
 /// What a transfer does, resolved and validated at post time.
@@ -133,6 +142,9 @@ struct Job {
     op: XferOp,
     peer: AgentName,
     peer_instance: u64,
+    /// The local registrations the blocks lie in, captured at post time: the transfer keeps them
+    /// (and so the memory) until it settles, whatever is deregistered meanwhile.
+    local: PinnedSet,
     /// (local address, remote address) of each block.
     spans: Vec<(u64, u64)>,
     block_len: u64,
@@ -164,7 +176,7 @@ impl AgentShared {
     /// One progress pass: runs every queued transfer whose delay is over. Returns how many
     /// transfers are still queued (delayed) afterwards.
     fn pass(&self) -> Result<usize> {
-        let (jobs, local, still_queued) = {
+        let (jobs, still_queued) = {
             let now = self.fabric.clock.now();
             let mut st = self.state()?;
             let mut jobs = Vec::new();
@@ -182,14 +194,13 @@ impl AgentShared {
                     }
                 }
             }
-            let local = if jobs.is_empty() { PinnedSet::default() } else { pin(&st.registrations) };
-            (jobs, local, still_queued)
+            (jobs, still_queued)
         };
         if jobs.is_empty() {
             return Ok(still_queued);
         }
-        let outcomes: Vec<(u64, Stage)> =
-            jobs.into_iter().map(|(id, job)| (id, self.run(&local, job))).collect();
+        // Each job, and with it its hold on the local memory, is dropped once it has run.
+        let outcomes: Vec<(u64, Stage)> = jobs.into_iter().map(|(id, job)| (id, self.run(job))).collect();
         let mut st = self.state()?;
         for (id, stage) in outcomes {
             // A transfer released while it was copying is simply gone.
@@ -200,44 +211,46 @@ impl AgentShared {
         Ok(still_queued)
     }
 
-    /// Performs one transfer: checks both sides' memory is still registered, copies every block,
-    /// then delivers the notification. Holds no lock of this agent.
-    fn run(&self, local: &PinnedSet, job: Job) -> Stage {
+    /// Performs one transfer: checks that the peer still serves the remote blocks, copies every
+    /// block, then delivers the notification. Holds no lock of this agent.
+    fn run(&self, job: Job) -> Stage {
+        let failed = |msg: String| Stage::Failed(err(ErrorKind::Transfer, msg));
         if let Some(reason) = job.fail {
-            return Stage::Failed(reason);
+            return failed(reason);
         }
         let peer = match self.fabric.lookup(&job.peer, job.peer_instance) {
             Ok(Some(peer)) => peer,
-            Ok(None) => return Stage::Failed(format!("peer {} is gone (dropped or restarted)", job.peer)),
-            Err(e) => return Stage::Failed(e.to_string()),
+            Ok(None) => return failed(format!("peer {} is gone (dropped or restarted)", job.peer)),
+            Err(e) => return Stage::Failed(e),
         };
-        // Pin the peer's registrations as they are now: a range deregistered since the post fails
-        // the transfer, and the pinned `Arc`s keep the memory alive while we copy.
+        // Pin the peer's registrations as they are now: a range the peer deregistered since the
+        // post fails the transfer (as a transport's access to unmapped memory would), and the
+        // pinned `Arc`s keep the memory alive while we copy.
         let remote = match peer.state() {
             Ok(st) => pin(&st.registrations),
-            Err(e) => return Stage::Failed(e.to_string()),
+            Err(e) => return Stage::Failed(e),
         };
         let len = job.block_len;
-        let (local_missing, remote_missing) = job.spans.iter().fold((false, false), |(l, r), &(la, ra)| {
-            (l || !local.holds(la, len), r || !remote.holds(ra, len))
-        });
-        if local_missing || remote_missing {
-            let side = if local_missing { "local" } else { "remote" };
-            return Stage::Failed(format!("{side} memory of the transfer is no longer registered"));
+        if job.spans.iter().any(|&(_, ra)| !remote.holds(ra, len)) {
+            return failed(format!("agent {} no longer serves the memory of the transfer", job.peer));
         }
         for &(la, ra) in &job.spans {
             let copied = match job.op {
-                XferOp::Read => copy_checked(&remote, ra, local, la, len),
-                XferOp::Write => copy_checked(local, la, &remote, ra, len),
+                XferOp::Read => copy_checked(&remote, ra, &job.local, la, len),
+                XferOp::Write => copy_checked(&job.local, la, &remote, ra, len),
             };
             if !copied {
-                // Unreachable after the checks above; kept so a bug fails the transfer, not memory.
-                return Stage::Failed("a block left registered memory during the copy".to_owned());
+                // Unreachable: the local side is pinned since the post and the remote side was
+                // checked above. Kept so that a bug fails the transfer, not memory.
+                return Stage::Failed(err(
+                    ErrorKind::Backend,
+                    "a block left registered memory during the copy",
+                ));
             }
         }
         if let Some(msg) = job.notify {
             if let Err(e) = self.deliver(&peer, msg) {
-                return Stage::Failed(format!("data copied, notification failed: {e}"));
+                return Stage::Failed(e.context("data copied, notification failed"));
             }
         }
         Stage::Done
@@ -380,7 +393,12 @@ impl TransferAgent for LoopbackAgent {
     }
 
     fn deregister(&self, registration: RegistrationId) -> Result<()> {
-        let removed = self.shared.state()?.registrations.remove(&registration.0);
+        let mut st = self.shared.state()?;
+        let removed = st.registrations.remove(&registration.0);
+        if removed.is_some() {
+            st.dlists.retain(|_, d| !d.registrations.contains(&registration.0));
+        }
+        drop(st);
         // The memory's Arc drops here, outside the lock: transfers in flight hold their own.
         match removed {
             Some(_) => Ok(()),
@@ -432,15 +450,8 @@ impl TransferAgent for LoopbackAgent {
         if st.remotes.remove(agent).is_none() {
             return Err(err(ErrorKind::NotFound, format!("agent {agent} is not loaded")));
         }
+        // Transfers posted to it keep its name and instance: they run as if it were still loaded.
         st.dlists.retain(|_, d| !matches!(&d.owner, DlistOwner::Remote(a) if a == agent));
-        for xfer in st.xfers.values_mut() {
-            if matches!(xfer.stage, Stage::Queued { .. })
-                && xfer.job.as_ref().is_some_and(|j| &j.peer == agent)
-            {
-                xfer.stage = Stage::Failed(format!("agent {agent} was forgotten before the transfer ran"));
-                xfer.job = None;
-            }
-        }
         Ok(())
     }
 
@@ -453,20 +464,25 @@ impl TransferAgent for LoopbackAgent {
             return Err(err(bad_kind, "descriptor list with zero-length blocks"));
         }
         let mut st = self.shared.state()?;
-        let registered: Vec<MemRegion> = match owner {
-            DlistOwner::Local => st.registrations.values().map(|r| r.region).collect(),
+        // (registration id, region); remote regions carry no id of this agent.
+        let registered: Vec<(Option<u64>, MemRegion)> = match owner {
+            DlistOwner::Local => st.registrations.iter().map(|(&id, r)| (Some(id), r.region)).collect(),
             DlistOwner::Remote(agent) => st
                 .remotes
                 .get(agent)
                 .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
                 .regions
                 .iter()
-                .map(RemoteRegion::region)
+                .map(|r| (None, r.region()))
                 .collect(),
         };
+        let mut registrations = Vec::new();
         for (i, region) in blocks.regions().enumerate() {
-            let inside = region.is_some_and(|region| registered.iter().any(|r| r.contains(&region)));
-            if !inside {
+            // The oldest registration that holds the region, for a deterministic choice.
+            let holder = region.and_then(|region| {
+                registered.iter().filter(|(_, r)| r.contains(&region)).map(|(id, _)| *id).min()
+            });
+            let Some(holder) = holder else {
                 return Err(err(
                     bad_kind,
                     format!(
@@ -481,10 +497,11 @@ impl TransferAgent for LoopbackAgent {
                         }
                     ),
                 ));
-            }
+            };
+            registrations.extend(holder);
         }
         let id = Self::next_id(&mut st);
-        st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone() });
+        st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone(), registrations });
         Ok(DlistId(id))
     }
 
@@ -505,56 +522,28 @@ impl TransferAgent for LoopbackAgent {
         notify: Option<&[u8]>,
     ) -> Result<XferId> {
         let mut st = self.shared.state()?;
-        let l = st
-            .dlists
-            .get(&local.0)
-            .ok_or_else(|| err(ErrorKind::NotFound, format!("no local list {local}")))?;
-        let r = st
-            .dlists
-            .get(&remote.0)
-            .ok_or_else(|| err(ErrorKind::NotFound, format!("no remote list {remote}")))?;
-        if l.owner != DlistOwner::Local {
-            return Err(err(ErrorKind::InvalidArgument, format!("{local} is not a local list")));
-        }
-        let DlistOwner::Remote(peer) = &r.owner else {
-            return Err(err(ErrorKind::InvalidArgument, format!("{remote} is not a remote list")));
-        };
+        let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
+        let plan = request.check(&CAPABILITIES, |id| st.dlists.get(&id.0).map(Dlist::view))?;
+        let peer = plan.peer().clone();
+        // Lists of a forgotten peer are released with it, so a remote list's peer is loaded.
         let peer_instance = st
             .remotes
-            .get(peer)
-            .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {peer} is not loaded")))?
+            .get(&peer)
+            .ok_or_else(|| err(ErrorKind::State, format!("a list of agent {peer}, which is not loaded")))?
             .instance;
-        if local_descs.len() != remote_descs.len() {
-            return Err(err(
-                ErrorKind::InvalidPeerData,
-                format!("{} local and {} remote descriptors", local_descs.len(), remote_descs.len()),
-            ));
-        }
-        if l.blocks.block_len != r.blocks.block_len {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "local blocks of {} bytes, remote blocks of {}",
-                    l.blocks.block_len, r.blocks.block_len
-                ),
-            ));
-        }
-        let mut spans = Vec::with_capacity(local_descs.len());
-        for (&li, &ri) in local_descs.iter().zip(remote_descs) {
-            let ld = l.blocks.desc(li).ok_or_else(|| {
-                err(
-                    ErrorKind::InvalidArgument,
-                    format!("local descriptor {li} out of range ({} in list)", l.blocks.len()),
-                )
-            })?;
-            let rd = r.blocks.desc(ri).ok_or_else(|| {
-                err(
-                    ErrorKind::InvalidPeerData,
-                    format!("remote descriptor {ri} out of range ({} in list)", r.blocks.len()),
-                )
-            })?;
-            spans.push((ld.addr, rd.addr));
-        }
+        // The registrations the local blocks lie in, once each. Deregistering releases the lists
+        // over the memory, so all of them are registered (a bug would fail the copy, see `run`).
+        let list_regs = st.dlists.get(&local.0).map(|d| d.registrations.as_slice()).unwrap_or_default();
+        let mut used: Vec<u64> =
+            plan.pairs().iter().filter_map(|(l, _)| list_regs.get(l.region).copied()).collect();
+        used.sort_unstable();
+        used.dedup();
+        let pinned = used
+            .iter()
+            .filter_map(|id| st.registrations.get(id))
+            .map(|r| Pinned { region: r.region, memory: r.memory.clone() })
+            .collect();
+        let spans: Vec<(u64, u64)> = plan.pairs().iter().map(|(l, r)| (l.addr, r.addr)).collect();
         // Everything is valid: count the transfer for the faults and queue it. Its notification
         // names it for the seeded faults.
         let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
@@ -566,10 +555,11 @@ impl TransferAgent for LoopbackAgent {
         let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
         let job = Job {
             op,
-            peer: peer.clone(),
+            peer,
             peer_instance,
+            local: PinnedSet::new(pinned),
             spans,
-            block_len: l.blocks.block_len,
+            block_len: plan.block_len(),
             notify: notify.map(<[u8]>::to_vec),
             fail,
         };
@@ -593,7 +583,7 @@ impl TransferAgent for LoopbackAgent {
         Ok(match &x.stage {
             Stage::Queued { .. } | Stage::Copying => XferState::Pending,
             Stage::Done => XferState::Done,
-            Stage::Failed(reason) => XferState::Failed(reason.clone()),
+            Stage::Failed(e) => XferState::Failed(e.clone()),
         })
     }
 
@@ -605,6 +595,7 @@ impl TransferAgent for LoopbackAgent {
     }
 
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
+        check_notification(&CAPABILITIES, msg)?;
         let instance = self
             .shared
             .state()?

@@ -112,7 +112,9 @@ fn nth_transfer_fails_without_moving_data_or_notifying() {
     let x3 = s.read(&[2], &[7], Some(b"three"));
     assert_eq!(settle(&s.decode, x1), XferState::Done);
     match settle(&s.decode, x2) {
-        XferState::Failed(reason) => assert!(reason.contains("injected"), "{reason}"),
+        XferState::Failed(e) => {
+            assert_eq!((e.kind(), e.backend()), (ErrorKind::Transfer, Some("loopback")), "{e}")
+        }
         other => panic!("expected Failed, got {other:?}"),
     }
     assert_eq!(settle(&s.decode, x3), XferState::Done);
@@ -245,23 +247,31 @@ fn refused_handshakes_fail_with_handshake_errors() {
     assert_eq!(a.load_remote(&md_b).unwrap().as_str(), "b");
 }
 
+/// The peer deregistering the memory a queued READ reads fails it when it runs (as a transport's
+/// access to unmapped memory would); deregistering the initiator's own memory does not: the
+/// transfer keeps it until it settles.
 #[test]
-fn memory_deregistered_after_post_fails_the_transfer_at_copy_time() {
+fn memory_the_peer_deregisters_fails_a_queued_transfer_but_local_memory_stays_pinned() {
     let s = Setup::new();
     let x = s.read(&[0], &[1], Some(b"never"));
     s.prefill.deregister(s.prefill_reg).unwrap();
     match settle(&s.decode, x) {
-        XferState::Failed(reason) => assert!(reason.contains("remote memory"), "{reason}"),
+        XferState::Failed(e) => {
+            assert_eq!((e.kind(), e.backend()), (ErrorKind::Transfer, Some("loopback")), "{e}")
+        }
         other => panic!("expected Failed, got {other:?}"),
     }
     assert!(s.decode_untouched());
     assert!(s.notes().is_empty());
 
     let s = Setup::new();
-    let x = s.read(&[0], &[1], None);
+    let x = s.read(&[0], &[1], Some(b"kept"));
     s.decode.deregister(s.decode_reg).unwrap();
-    assert!(matches!(settle(&s.decode, x), XferState::Failed(r) if r.contains("local memory")));
-    assert!(s.decode_untouched());
+    assert_eq!(Arc::strong_count(&s.decode_mem), 2, "the queued transfer holds the memory");
+    assert_eq!(settle(&s.decode, x), XferState::Done);
+    assert_eq!(s.decode_block(0), Some(2));
+    assert_eq!(Arc::strong_count(&s.decode_mem), 1, "released once the transfer settled");
+    assert_eq!(msgs(&s.notes()), [&b"kept"[..]]);
 }
 
 #[test]
@@ -290,7 +300,7 @@ fn a_dropped_peer_fails_transfers_and_its_metadata_goes_stale() {
     let x = s.read(&[0], &[0], None);
     let Setup { fabric, decode, prefill, decode_mem, .. } = s;
     drop(prefill);
-    assert!(matches!(settle(&decode, x), XferState::Failed(r) if r.contains("gone")));
+    assert!(matches!(settle(&decode, x), XferState::Failed(e) if e.kind() == ErrorKind::Transfer));
     assert!(decode_mem.to_vec().iter().all(|&b| b == 0));
     assert_eq!(decode.notify(&AgentName::new("prefill"), b"x").unwrap_err().kind(), ErrorKind::Transfer);
 
@@ -356,15 +366,11 @@ fn only_host_memory_registers() {
 }
 
 #[test]
-fn post_rejects_lists_of_different_block_sizes() {
+fn lists_of_zero_length_blocks_are_refused() {
     let s = Setup::new();
-    let mut half = list(&s.decode_mem);
-    half.block_len = BLOCK / 2;
-    let local = s.decode.prep_dlist(&DlistOwner::Local, &half).unwrap();
-    let e = s.decode.post(XferOp::Read, local, &[0], s.remote, &[0], None).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    let empty = BlockList { block_len: 0, ..list(&s.decode_mem) };
     assert_eq!(
-        s.decode.prep_dlist(&DlistOwner::Local, &BlockList { block_len: 0, ..half }).unwrap_err().kind(),
+        s.decode.prep_dlist(&DlistOwner::Local, &empty).unwrap_err().kind(),
         ErrorKind::InvalidArgument
     );
 }
@@ -381,12 +387,17 @@ fn releasing_a_queued_transfer_cancels_it() {
 }
 
 #[test]
-fn forgetting_a_peer_fails_its_queued_transfers() {
+fn forgetting_a_peer_leaves_its_queued_transfers_to_run() {
     let s = Setup::new();
-    let x = s.read(&[0], &[0], None);
+    let x = s.read(&[0], &[0], Some(b"after forget"));
     s.decode.forget_remote(s.prefill.name()).unwrap();
-    assert!(matches!(settle(&s.decode, x), XferState::Failed(r) if r.contains("forgotten")));
-    assert!(s.decode_untouched());
+    assert_eq!(
+        s.decode.post(XferOp::Read, s.local, &[1], s.remote, &[1], None).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    assert_eq!(settle(&s.decode, x), XferState::Done);
+    assert_eq!(s.decode_block(0), Some(1));
+    assert_eq!(msgs(&s.notes()), [&b"after forget"[..]]);
 }
 
 #[test]

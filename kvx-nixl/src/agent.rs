@@ -7,15 +7,17 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use kvx_core::post::{DlistView, check_notification};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
-    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MAX_NOTIFICATION_LEN,
+    MemKind, MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp,
+    XferState,
 };
 use nixl_sys as nixl;
 
 use crate::BACKEND;
-use crate::error::{NixlResultExt, error, nixl_error, status_of};
+use crate::error::{NixlResultExt, error, nixl_error};
 use crate::library::{check_library, lifecycle_lock};
 use crate::metadata::AgentMetadata;
 
@@ -80,15 +82,18 @@ impl NixlConfig {
 /// deadlock. So any number of `NixlAgent`s may be used from any threads, tests included.
 ///
 /// # Lifetimes
-/// A registration owns its `Arc<dyn KvMemory>` and deregisters before releasing it. Deregistering
-/// releases the local descriptor lists over that memory, and is refused (`State`) while a transfer
-/// over them is still in flight. NIXL cannot reliably cancel a transfer: releasing one in flight
-/// detaches it, and the agent completes it in the background (in every `poll`, `progress` and
-/// `drain_notifications`), still counting it as using its memory and its remote. Forgetting a
-/// remote is refused while transfers to it are in flight; otherwise it releases the remote's lists
-/// and invalidates its NIXL metadata. Dropping the agent waits (up to two seconds) for transfers in
-/// flight, then releases transfers, lists, remotes and registrations in that order, and only then
-/// destroys the NIXL agent.
+/// A registration owns its `Arc<dyn KvMemory>` and deregisters before releasing it. As the
+/// [`TransferAgent`] contract says, `deregister` and `forget_remote` succeed at once, also while
+/// transfers use the memory or the remote: their lists are released and new calls naming them
+/// fail, but the agent counts which transfers use which registration and remote, and deregisters
+/// the memory from NIXL (then lets it go) or invalidates the remote's NIXL metadata only when the
+/// last of them settles. NIXL cannot reliably cancel a transfer: releasing one in flight detaches
+/// it, and the agent completes it in the background (in every `progress` and
+/// `drain_notifications`). NIXL keeps one connection per remote name, so a restarted peer (new
+/// metadata under the same name) cannot be loaded while transfers to its previous instance are in
+/// flight (`State`); the same metadata loads again at once. Dropping the agent waits (up to two
+/// seconds) for transfers in flight, then releases transfers, lists, remotes and registrations in
+/// that order, and only then destroys the NIXL agent.
 ///
 /// # Notifications
 /// NIXL's UCX backend sends a transfer's notification when the initiator observes the transfer
@@ -220,29 +225,26 @@ impl TransferAgent for NixlAgent {
             .register_memory(&descriptor, None)
             .nixl(ErrorKind::Backend, "registering memory")?;
         let id = RegistrationId(state.next_id());
-        state.registrations.insert(id, Registration { handle, region, _memory: memory });
+        state
+            .registrations
+            .insert(id, Registration { handle, region, _memory: memory, users: 0, retired: false });
         Ok(id)
     }
 
     fn deregister(&self, registration: RegistrationId) -> Result<()> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        if !state.registrations.contains_key(&registration) {
+        let Some(reg) = state.registrations.get_mut(&registration).filter(|r| !r.retired) else {
             return Err(error(ErrorKind::NotFound, format!("{registration} is not registered")));
-        }
-        state.refresh_pending();
-        let over_registration = |local: &DlistId| {
-            state.dlists.get(local).is_some_and(|d| d.registrations.contains(&registration))
         };
-        let busy = state.xfers.values().any(|x| x.state == XferState::Pending && over_registration(&x.local))
-            || state.detached.iter().any(|x| over_registration(&x.local));
-        if busy {
-            return Err(error(ErrorKind::State, format!("{registration} is in use by a transfer in flight")));
-        }
+        reg.retired = true;
+        let in_use = reg.users > 0;
         state.dlists.retain(|_, d| !d.registrations.contains(&registration));
-        let Some(mut reg) = state.registrations.remove(&registration) else {
-            return Err(error(ErrorKind::NotFound, format!("{registration} is not registered")));
-        };
+        if in_use {
+            // The transfers over it keep it: the last to settle deregisters it (`release_uses`).
+            return Ok(());
+        }
+        let Some(mut reg) = state.registrations.remove(&registration) else { return Ok(()) };
         // Deregister first; `reg` (and with it the memory) goes at the end of this scope.
         reg.handle.deregister().nixl(ErrorKind::Backend, "deregistering memory")
     }
@@ -250,7 +252,7 @@ impl TransferAgent for NixlAgent {
     fn local_metadata(&self) -> Result<Vec<u8>> {
         let state = self.lock();
         let nixl_md = state.nixl.agent.get_local_md().nixl(ErrorKind::Backend, "getting local metadata")?;
-        let regions = state.registrations.values().map(|r| r.region).collect();
+        let regions = state.registrations.values().filter(|r| !r.retired).map(|r| r.region).collect();
         agent_metadata::seal(BACKEND, &self.name, &AgentMetadata { regions, nixl: nixl_md })
     }
 
@@ -262,16 +264,45 @@ impl TransferAgent for NixlAgent {
                 format!("peer metadata carries this agent's own name {name}"),
             ));
         }
-        let mut state = self.lock();
-        if state.remotes.contains_key(&name) {
-            return Err(error(ErrorKind::State, format!("remote {name} is already loaded; forget it first")));
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        // A remote forgotten while transfers to it are in flight keeps its NIXL metadata until they
+        // settle: the same metadata again just makes it loaded again.
+        match state.remotes.get_mut(&name) {
+            Some(remote) if !remote.forgotten => {
+                return Err(error(
+                    ErrorKind::State,
+                    format!("remote {name} is already loaded; forget it first"),
+                ));
+            }
+            Some(remote) if remote.nixl_md == meta.nixl => {
+                remote.forgotten = false;
+                remote.regions = meta.regions;
+                return Ok(name);
+            }
+            _ => {}
         }
         let agent = &state.nixl.agent;
         // nixl-sys unwraps the UTF-8 conversion of the name NIXL parsed out of the blob: a peer's
         // bad bytes must not panic through us.
         let loaded = catch_unwind(AssertUnwindSafe(|| agent.load_remote_md(&meta.nixl)))
-            .map_err(|_| error(ErrorKind::InvalidPeerData, "NIXL metadata carries a non-UTF-8 agent name"))?
-            .nixl(ErrorKind::InvalidPeerData, "loading remote metadata")?;
+            .map_err(|_| error(ErrorKind::InvalidPeerData, "NIXL metadata carries a non-UTF-8 agent name"));
+        let loaded = match (loaded, state.remotes.get_mut(&name)) {
+            (Ok(Ok(loaded)), _) => loaded,
+            // NIXL keeps one connection per remote name: a restarted peer cannot be loaded while
+            // transfers to its previous instance are in flight.
+            (Ok(Err(e)), Some(_)) => {
+                return Err(nixl_error(
+                    ErrorKind::State,
+                    &format!("loading {name} while transfers posted before it was forgotten are in flight"),
+                    e,
+                ));
+            }
+            (Ok(Err(e)), None) => {
+                return Err(nixl_error(ErrorKind::InvalidPeerData, "loading remote metadata", e));
+            }
+            (Err(e), _) => return Err(e),
+        };
         if loaded != name.as_str() {
             if let Err(e) = agent.invalidate_remote_md(&loaded) {
                 tracing::warn!(remote = %loaded, error = %e, "invalidating mislabelled remote metadata failed");
@@ -281,33 +312,35 @@ impl TransferAgent for NixlAgent {
                 format!("metadata names agent {:?} but NIXL's part is for {loaded:?}", name.as_str()),
             ));
         }
-        state.remotes.insert(name.clone(), Remote { regions: meta.regions });
+        let AgentMetadata { regions, nixl: nixl_md } = meta;
+        match state.remotes.get_mut(&name) {
+            Some(remote) => {
+                remote.forgotten = false;
+                remote.regions = regions;
+                remote.nixl_md = nixl_md;
+            }
+            None => {
+                state.remotes.insert(name.clone(), Remote { regions, nixl_md, users: 0, forgotten: false });
+            }
+        }
         Ok(name)
     }
 
     fn forget_remote(&self, agent: &AgentName) -> Result<()> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        if !state.remotes.contains_key(agent) {
+        let Some(remote) = state.remotes.get_mut(agent).filter(|r| !r.forgotten) else {
             return Err(error(ErrorKind::NotFound, format!("remote {agent} is not loaded")));
-        }
-        // A request in flight uses the remote's metadata (its keys) inside NIXL: invalidating that
-        // under it is not safe, and NIXL cannot reliably cancel.
-        state.refresh_pending();
-        let in_flight =
-            state.xfers.values().filter(|x| &x.remote == agent && x.state == XferState::Pending).count()
-                + state.detached.iter().filter(|x| &x.remote == agent).count();
-        if in_flight > 0 {
-            return Err(error(
-                ErrorKind::State,
-                format!("{in_flight} transfer(s) to {agent} in flight: poll them until Done or Failed first"),
-            ));
+        };
+        remote.forgotten = true;
+        let in_use = remote.users > 0;
+        state.dlists.retain(|_, d| d.owner != DlistOwner::Remote(agent.clone()));
+        if in_use {
+            // A request in flight uses the remote's metadata (its keys) inside NIXL, and NIXL
+            // cannot reliably cancel: the last transfer to settle invalidates it (`release_uses`).
+            return Ok(());
         }
         state.remotes.remove(agent);
-        for xfer in state.xfers.values_mut().filter(|x| &x.remote == agent) {
-            xfer.request = None;
-        }
-        state.dlists.retain(|_, d| d.owner != DlistOwner::Remote(agent.clone()));
         state
             .nixl
             .agent
@@ -322,10 +355,9 @@ impl TransferAgent for NixlAgent {
         };
         let kind_supported = self.capabilities.supports(blocks.kind);
         self.require(kind_supported, &format!("{:?} memory", blocks.kind))?;
-        let len = u32::try_from(blocks.len())
-            .ok()
-            .filter(|&n| i32::try_from(n).is_ok())
-            .ok_or_else(|| error(bad, format!("{} descriptors is more than NIXL indexes", blocks.len())))?;
+        if u32::try_from(blocks.len()).ok().filter(|&n| i32::try_from(n).is_ok()).is_none() {
+            return Err(error(bad, format!("{} descriptors is more than NIXL indexes", blocks.len())));
+        }
         if blocks.block_len == 0 {
             return Err(error(bad, "blocks of zero bytes"));
         }
@@ -333,17 +365,21 @@ impl TransferAgent for NixlAgent {
         let mut state = self.lock();
         // Every region must lie inside one registration of the owner.
         let (owned, nixl_owner): (Vec<(Option<RegistrationId>, MemRegion)>, &str) = match owner {
-            DlistOwner::Local => {
-                (state.registrations.iter().map(|(id, r)| (Some(*id), r.region)).collect(), LOCAL_AGENT)
-            }
+            DlistOwner::Local => (
+                state
+                    .registrations
+                    .iter()
+                    .filter(|(_, r)| !r.retired)
+                    .map(|(id, r)| (Some(*id), r.region))
+                    .collect(),
+                LOCAL_AGENT,
+            ),
             DlistOwner::Remote(name) => {
-                let remote = state
-                    .remotes
-                    .get(name)
-                    .ok_or_else(|| error(ErrorKind::NotFound, format!("remote {name} is not loaded")))?;
+                let remote = state.loaded(name)?;
                 (remote.regions.iter().map(|r| (None, *r)).collect(), name.as_str())
             }
         };
+        // A local list: the registration holding each region.
         let mut registrations = Vec::new();
         for (index, region) in blocks.regions().enumerate() {
             let region =
@@ -352,9 +388,7 @@ impl TransferAgent for NixlAgent {
                 owned.iter().find(|(_, registered)| registered.contains(&region)).ok_or_else(|| {
                     error(bad, format!("region {index} ({region:?}) is not inside registered memory"))
                 })?;
-            if let Some(id) = id.filter(|id| !registrations.contains(id)) {
-                registrations.push(id);
-            }
+            registrations.extend(*id);
         }
 
         let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
@@ -377,8 +411,7 @@ impl TransferAgent for NixlAgent {
             Dlist {
                 handle: PreparedDlist(handle),
                 owner: owner.clone(),
-                len,
-                block_len: blocks.block_len,
+                blocks: blocks.clone(),
                 registrations,
             },
         );
@@ -402,49 +435,24 @@ impl TransferAgent for NixlAgent {
         remote_descs: &[u32],
         notify: Option<&[u8]>,
     ) -> Result<XferId> {
-        match op {
-            XferOp::Read => self.require(self.capabilities.read, "READ")?,
-            XferOp::Write => self.require(self.capabilities.write, "WRITE")?,
-        }
-        if local_descs.len() != remote_descs.len() {
-            return Err(error(
-                ErrorKind::InvalidPeerData,
-                format!("{} local and {} remote descriptors", local_descs.len(), remote_descs.len()),
-            ));
-        }
-        if local_descs.is_empty() {
-            return Err(error(ErrorKind::InvalidArgument, "a transfer of no descriptors"));
-        }
         let mut guard = self.lock();
         let state = &mut *guard;
-        let local_list = state
-            .dlists
-            .get(&local)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{local} is not prepared")))?;
-        let remote_list = state
-            .dlists
-            .get(&remote)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{remote} is not prepared")))?;
-        if local_list.owner != DlistOwner::Local {
-            return Err(error(ErrorKind::InvalidArgument, format!("{local} is not a local descriptor list")));
-        }
-        let DlistOwner::Remote(remote_agent) = &remote_list.owner else {
-            return Err(error(
-                ErrorKind::InvalidArgument,
-                format!("{remote} is not a remote descriptor list"),
-            ));
+        let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
+        let plan = request.check(&self.capabilities, |id| state.dlists.get(&id).map(Dlist::view))?;
+        let (Some(local_list), Some(remote_list)) = (state.dlists.get(&local), state.dlists.get(&remote))
+        else {
+            return Err(error(ErrorKind::Backend, "a checked post's lists vanished"));
         };
-        if local_list.block_len != remote_list.block_len {
-            return Err(error(
-                ErrorKind::InvalidPeerData,
-                format!(
-                    "local blocks of {} bytes, remote blocks of {}",
-                    local_list.block_len, remote_list.block_len
-                ),
-            ));
+        let mut local_indices = Vec::with_capacity(plan.pairs().len());
+        let mut remote_indices = Vec::with_capacity(plan.pairs().len());
+        let mut registrations = Vec::new();
+        for (l, r) in plan.pairs() {
+            local_indices.push(nixl_index(l.index)?);
+            remote_indices.push(nixl_index(r.index)?);
+            registrations.extend(local_list.registrations.get(l.region).copied());
         }
-        let local_indices = indices(local_descs, local_list.len, ErrorKind::InvalidArgument, "local")?;
-        let remote_indices = indices(remote_descs, remote_list.len, ErrorKind::InvalidPeerData, "remote")?;
+        registrations.sort_unstable();
+        registrations.dedup();
 
         let options = match notify {
             Some(msg) => {
@@ -469,19 +477,22 @@ impl TransferAgent for NixlAgent {
             .nixl(ErrorKind::Backend, "making a transfer request")?;
         let in_flight =
             agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
-        let xfer = Xfer {
-            state: if in_flight { XferState::Pending } else { XferState::Done },
-            local,
-            remote: remote_agent.clone(),
-            request: Some(request),
-        };
+        let uses = Uses { registrations, remote: plan.peer().clone() };
+        state.take_uses(&uses);
+        let mut xfer = Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses) };
+        if !in_flight {
+            xfer.state = XferState::Done;
+            if let Some(uses) = xfer.settle() {
+                state.release_uses(uses);
+            }
+        }
         let id = XferId(state.next_id());
         state.xfers.insert(id, xfer);
         Ok(id)
     }
 
     fn poll(&self, xfer: XferId) -> Result<XferState> {
-        Ok(self.lock().refreshed(xfer)?.state.clone())
+        self.lock().refreshed(xfer)
     }
 
     fn release(&self, xfer: XferId) -> Result<()> {
@@ -490,20 +501,18 @@ impl TransferAgent for NixlAgent {
         let Some(entry) = state.xfers.remove(&xfer) else { return Ok(()) };
         // NIXL cannot reliably cancel a transfer in flight, and releasing its request early would
         // let the memory go while the transport still writes it: keep the request, complete it in
-        // the background (every `poll`, `progress` and `drain_notifications` checks it), and count
-        // it as using its memory and its remote until then.
-        if let (XferState::Pending, Some(request)) = (entry.state, entry.request) {
-            state.detached.push(Detached { request, local: entry.local, remote: entry.remote });
+        // the background (every `progress` and `drain_notifications` checks it), and count it as
+        // using its memory and its remote until then.
+        if entry.state == XferState::Pending {
+            state.detached.push(entry);
         }
         Ok(())
     }
 
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
-        self.require(self.capabilities.notifications, "notifications")?;
+        check_notification(&self.capabilities, msg)?;
         let state = self.lock();
-        if !state.remotes.contains_key(agent) {
-            return Err(error(ErrorKind::NotFound, format!("remote {agent} is not loaded")));
-        }
+        state.loaded(agent)?;
         state
             .nixl
             .agent
@@ -533,15 +542,18 @@ impl TransferAgent for NixlAgent {
 
 /// Everything behind the agent's mutex. nixl-sys marks its agent and request handles `Send` and
 /// `Sync` without saying why; kvx-nixl does not rely on that for correctness: every NIXL call and
-/// every drop of a NIXL handle happens with this mutex held (or, in `Drop`, with exclusive access). Field order is drop order; [`State`]'s `Drop` first
-/// empties the tables in dependency order, and the NIXL agent itself goes last.
+/// every drop of a NIXL handle happens with this mutex held (or, in `Drop`, with exclusive
+/// access). Field order is drop order; [`State`]'s `Drop` first empties the tables in dependency
+/// order, and the NIXL agent itself goes last.
 struct State {
     next_id: u64,
     xfers: HashMap<XferId, Xfer>,
     /// Released while in flight: completed in the background, then dropped.
-    detached: Vec<Detached>,
+    detached: Vec<Xfer>,
     dlists: HashMap<DlistId, Dlist>,
+    /// Loaded remotes, and remotes forgotten while transfers to them are in flight.
     remotes: HashMap<AgentName, Remote>,
+    /// Registrations, and registrations deregistered while transfers over them are in flight.
     registrations: BTreeMap<RegistrationId, Registration>,
     /// Notifications fetched by `progress` and not yet drained.
     received: Vec<Notification>,
@@ -555,24 +567,78 @@ impl State {
         id
     }
 
-    /// A posted transfer, its state brought up to date; `NotFound` for an unknown id.
-    fn refreshed(&mut self, xfer: XferId) -> Result<&mut Xfer> {
+    /// A loaded remote (not one forgotten while transfers to it are in flight); `NotFound` if none.
+    fn loaded(&self, name: &AgentName) -> Result<&Remote> {
+        self.remotes
+            .get(name)
+            .filter(|r| !r.forgotten)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("remote {name} is not loaded")))
+    }
+
+    /// A posted transfer's state, brought up to date; `NotFound` for an unknown id.
+    fn refreshed(&mut self, xfer: XferId) -> Result<XferState> {
         let entry = self
             .xfers
             .get_mut(&xfer)
             .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} is not posted")))?;
-        entry.refresh(&self.nixl.agent);
-        Ok(entry)
+        let settled = entry.refresh(&self.nixl.agent);
+        let state = entry.state.clone();
+        if let Some(uses) = settled {
+            self.release_uses(uses);
+        }
+        Ok(state)
     }
 
-    /// Updates every transfer still pending, and drops detached ones that have finished.
+    /// Updates every transfer still pending, and drops detached ones that have settled.
     fn refresh_pending(&mut self) {
         let agent = &self.nixl.agent;
-        for xfer in self.xfers.values_mut() {
-            xfer.refresh(agent);
+        let mut settled: Vec<Uses> = self.xfers.values_mut().filter_map(|x| x.refresh(agent)).collect();
+        self.detached.retain_mut(|x| match x.refresh(agent) {
+            Some(uses) => {
+                settled.push(uses);
+                false
+            }
+            None => x.state == XferState::Pending,
+        });
+        for uses in settled {
+            self.release_uses(uses);
         }
-        self.detached
-            .retain(|x| matches!(agent.get_xfer_status(&x.request), Ok(nixl::XferStatus::InProgress)));
+    }
+
+    /// Counts a new transfer as using its registrations and remote.
+    fn take_uses(&mut self, uses: &Uses) {
+        for id in &uses.registrations {
+            if let Some(reg) = self.registrations.get_mut(id) {
+                reg.users += 1;
+            }
+        }
+        if let Some(remote) = self.remotes.get_mut(&uses.remote) {
+            remote.users += 1;
+        }
+    }
+
+    /// A transfer settled: it no longer uses its registrations and remote. Deregistrations and
+    /// forgets that waited for it happen now.
+    fn release_uses(&mut self, uses: Uses) {
+        for id in uses.registrations {
+            let Some(reg) = self.registrations.get_mut(&id) else { continue };
+            reg.users -= 1;
+            if reg.retired && reg.users == 0 {
+                if let Some(mut reg) = self.registrations.remove(&id) {
+                    if let Err(e) = reg.handle.deregister() {
+                        tracing::warn!(registration = %id, error = %e, "deferred deregistration failed");
+                    }
+                }
+            }
+        }
+        let Some(remote) = self.remotes.get_mut(&uses.remote) else { return };
+        remote.users -= 1;
+        if remote.forgotten && remote.users == 0 {
+            self.remotes.remove(&uses.remote);
+            if let Err(e) = self.nixl.agent.invalidate_remote_md(uses.remote.as_str()) {
+                tracing::warn!(remote = %uses.remote, error = %e, "deferred invalidation of a remote failed");
+            }
+        }
     }
 
     fn any_in_flight(&self) -> bool {
@@ -636,12 +702,22 @@ struct Registration {
     handle: nixl::RegistrationHandle,
     region: MemRegion,
     _memory: Arc<dyn KvMemory>,
+    /// Transfers in flight over it.
+    users: usize,
+    /// Deregistered: gone for new calls, deregistered from NIXL when `users` drops to zero.
+    retired: bool,
 }
 
 /// A remote agent whose metadata is loaded.
 struct Remote {
     /// Its registered memory, from its metadata: remote descriptor lists must lie inside.
     regions: Vec<MemRegion>,
+    /// NIXL's part of its metadata, as loaded.
+    nixl_md: Vec<u8>,
+    /// Transfers in flight to it.
+    users: usize,
+    /// Forgotten: gone for new calls, its NIXL metadata invalidated when `users` drops to zero.
+    forgotten: bool,
 }
 
 /// A prepared descriptor list (`nixlDlistH`).
@@ -656,42 +732,48 @@ unsafe impl Send for PreparedDlist {}
 struct Dlist {
     handle: PreparedDlist,
     owner: DlistOwner,
-    len: u32,
-    block_len: u64,
-    /// The local registrations the list lies in (empty for a remote list).
+    blocks: BlockList,
+    /// A local list: the registration holding each of its regions (empty for a remote list).
     registrations: Vec<RegistrationId>,
 }
 
-/// A transfer released while in flight.
-struct Detached {
-    request: nixl::XferRequest,
-    local: DlistId,
+impl Dlist {
+    fn view(&self) -> DlistView<'_> {
+        DlistView { owner: &self.owner, blocks: &self.blocks }
+    }
+}
+
+/// What a transfer in flight uses: its local registrations and its remote.
+struct Uses {
+    registrations: Vec<RegistrationId>,
     remote: AgentName,
 }
 
 struct Xfer {
     /// `Pending` until NIXL reports completion or failure; then fixed.
     state: XferState,
-    local: DlistId,
-    remote: AgentName,
-    /// Released (and cancelled if in flight) when dropped.
+    /// Released (and cancelled if in flight) when dropped; dropped when the transfer settles.
     request: Option<nixl::XferRequest>,
+    /// Until the transfer settles.
+    uses: Option<Uses>,
 }
 
 impl Xfer {
-    fn refresh(&mut self, agent: &nixl::Agent) {
-        if self.state != XferState::Pending {
-            return;
-        }
-        let Some(request) = &self.request else { return };
+    /// Asks NIXL where the transfer stands; returns what it used once it has just settled.
+    fn refresh(&mut self, agent: &nixl::Agent) -> Option<Uses> {
+        let request = self.request.as_ref().filter(|_| self.state == XferState::Pending)?;
         self.state = match agent.get_xfer_status(request) {
             Ok(nixl::XferStatus::Success) => XferState::Done,
-            Ok(nixl::XferStatus::InProgress) => XferState::Pending,
-            Err(e) => {
-                let status = status_of(&e).map_or_else(|| "no status".to_owned(), |s| format!("status {s}"));
-                XferState::Failed(format!("NIXL transfer failed ({status}): {e}"))
-            }
+            Ok(nixl::XferStatus::InProgress) => return None,
+            Err(e) => XferState::Failed(nixl_error(ErrorKind::Transfer, "the NIXL transfer failed", e)),
         };
+        self.settle()
+    }
+
+    /// Lets the request go once the transfer has settled; returns what it used.
+    fn settle(&mut self) -> Option<Uses> {
+        self.request = None;
+        self.uses.take()
     }
 }
 
@@ -749,17 +831,11 @@ fn to_usize(value: u64) -> Result<usize> {
         .map_err(|_| error(ErrorKind::InvalidArgument, format!("{value} does not fit an address")))
 }
 
-/// Checks descriptor indices against a list of `len` and converts them to NIXL's `int`s.
-fn indices(descs: &[u32], len: u32, bad: ErrorKind, side: &str) -> Result<Vec<i32>> {
-    descs
-        .iter()
-        .map(|&i| {
-            // `len` fits an i32 (checked when the list was prepared), so any `i < len` does too.
-            i32::try_from(i).ok().filter(|_| i < len).ok_or_else(|| {
-                error(bad, format!("{side} descriptor {i} is out of range of a list of {len}"))
-            })
-        })
-        .collect()
+/// A descriptor index as NIXL's `int`. Every list's length fits one (checked when it was
+/// prepared), so every index in range does too.
+fn nixl_index(index: u32) -> Result<i32> {
+    i32::try_from(index)
+        .map_err(|_| error(ErrorKind::InvalidArgument, format!("descriptor {index} is past NIXL's indices")))
 }
 
 /// Moves the notifications NIXL has received into `out`, with their senders.
@@ -780,6 +856,11 @@ fn fetch_notifications(agent: &nixl::Agent, out: &mut Vec<Notification>) -> Resu
         let from = AgentName::new(sender.as_str());
         for msg in map.get_notifications(&sender).nixl(ErrorKind::Backend, "reading notifications")? {
             let msg = msg.nixl(ErrorKind::Backend, "reading a notification")?;
+            if msg.len() > MAX_NOTIFICATION_LEN {
+                // No kvx agent sends one: a peer's bug, dropped rather than failing the receiver.
+                tracing::warn!(from = %from, len = msg.len(), "dropping a notification over the limit");
+                continue;
+            }
             out.push(Notification { from: from.clone(), msg });
         }
     }
@@ -792,12 +873,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn indices_are_checked_against_the_list() {
-        assert_eq!(indices(&[0, 3], 4, ErrorKind::InvalidArgument, "local").unwrap(), vec![0, 3]);
-        let e = indices(&[4], 4, ErrorKind::InvalidPeerData, "remote").unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::InvalidPeerData);
-        assert_eq!(e.backend(), Some("nixl"));
-        assert!(indices(&[u32::MAX], u32::MAX, ErrorKind::InvalidArgument, "local").is_err());
+    fn indices_past_nixls_int_are_refused() {
+        assert_eq!(nixl_index(7).unwrap(), 7);
+        let e = nixl_index(u32::MAX).unwrap_err();
+        assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidArgument, Some("nixl")));
     }
 
     #[test]

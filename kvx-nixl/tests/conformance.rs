@@ -1,59 +1,59 @@
-//! The whole kvx conformance suite against the real NIXL library: two NixlAgents in one process,
-//! UCX backend, host memory. Once with the concrete type, once through `Arc<dyn TransferAgent>`,
-//! then with NIXL's progress thread and with its UCX thread-pool engine.
+//! The whole kvx conformance suite against the real NIXL library, one `#[test]` per check: two
+//! NixlAgents in one process, UCX backend, host memory. With the default configuration, through
+//! `Arc<dyn TransferAgent>`, with NIXL's progress thread and with its UCX thread-pool engine.
 //! The suite's default harness progresses the target while the initiator polls, which two NIXL
-//! agents in one process need. Without NIXL: a loud SKIP, or a failure with `KVX_REQUIRE_NIXL=1`.
+//! agents in one process need. Without NIXL every test prints a loud SKIP, or fails with
+//! `KVX_REQUIRE_NIXL=1`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Tests fail loudly by unwrapping.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvx_core::TransferAgent;
 use kvx_nixl::{NixlAgent, NixlConfig};
-use kvx_testkit::conformance::{Pair, check_all};
+use kvx_testkit::conformance::Pair;
 
-fn agent(name: &str, config: &NixlConfig) -> NixlAgent {
-    NixlAgent::new(name, config).unwrap()
+/// Two agents of `config` named after the test, or `None` (after saying why) without NIXL.
+fn pair(test: &str, config: &NixlConfig) -> Option<Pair<NixlAgent>> {
+    if !common::nixl_or_skip(test) {
+        return None;
+    }
+    let initiator = NixlAgent::new(format!("decode-{test}"), config).unwrap();
+    let target = NixlAgent::new(format!("prefill-{test}"), config).unwrap();
+    Some(Pair::new(Arc::new(initiator), Arc::new(target)))
 }
 
-#[test]
-fn conformance() {
-    if !common::nixl_or_skip("conformance") {
-        return;
-    }
-    let config = NixlConfig::default();
-    check_all(&Pair::new(Arc::new(agent("decode", &config)), Arc::new(agent("prefill", &config))));
+mod default_config {
+    use super::*;
+    kvx_testkit::conformance_tests!(|test: &str| pair(test, &NixlConfig::default()));
 }
 
-#[test]
-fn conformance_dyn() {
-    if !common::nixl_or_skip("conformance_dyn") {
-        return;
-    }
-    let config = NixlConfig::default();
-    let decode: Arc<dyn TransferAgent> = Arc::new(agent("decode-dyn", &config));
-    let prefill: Arc<dyn TransferAgent> = Arc::new(agent("prefill-dyn", &config));
-    check_all(&Pair::new(decode, prefill));
+mod dyn_agents {
+    use super::*;
+    kvx_testkit::conformance_tests!(|test: &str| {
+        if !common::nixl_or_skip(test) {
+            return None;
+        }
+        let config = NixlConfig::default();
+        let initiator: Arc<dyn TransferAgent> =
+            Arc::new(NixlAgent::new(format!("decode-dyn-{test}"), &config).unwrap());
+        let target: Arc<dyn TransferAgent> =
+            Arc::new(NixlAgent::new(format!("prefill-dyn-{test}"), &config).unwrap());
+        Some(Pair::new(initiator, target))
+    });
 }
 
-/// With NIXL's progress thread on, the suite must pass just the same.
-#[test]
-fn conformance_with_progress_thread() {
-    if !common::nixl_or_skip("conformance_with_progress_thread") {
-        return;
-    }
-    let config = NixlConfig::default().with_progress_thread(true, std::time::Duration::from_micros(100));
-    check_all(&Pair::new(Arc::new(agent("decode-pt", &config)), Arc::new(agent("prefill-pt", &config))));
+mod progress_thread {
+    use super::*;
+    kvx_testkit::conformance_tests!(|test: &str| {
+        pair(test, &NixlConfig::default().with_progress_thread(true, Duration::from_micros(100)))
+    });
 }
 
-/// With NIXL's UCX thread-pool engine (`num_threads`, as kvx's vLLM connector uses it), the suite
-/// must pass just the same.
-#[test]
-fn conformance_with_thread_pool() {
-    if !common::nixl_or_skip("conformance_with_thread_pool") {
-        return;
-    }
-    let config = NixlConfig::default().with_threads(4);
-    check_all(&Pair::new(Arc::new(agent("decode-tp", &config)), Arc::new(agent("prefill-tp", &config))));
+/// NIXL's UCX thread-pool engine (`num_threads`, as kvx's vLLM connector uses it).
+mod thread_pool {
+    use super::*;
+    kvx_testkit::conformance_tests!(|test: &str| pair(test, &NixlConfig::default().with_threads(4)));
 }

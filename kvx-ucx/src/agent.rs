@@ -23,22 +23,22 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::post::{DlistView, check_notification};
 use kvx_core::wire::agent_metadata::{self, MAX_AGENT_NAME};
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
-    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory,
+    MAX_NOTIFICATION_LEN, MemKind, MemRegion, Notification, PostPlan, PostRequest, RegistrationId, Result,
+    TransferAgent, XferId, XferOp, XferState,
 };
 use kvx_ucx_sys as sys;
 
 use crate::context::{Context, ProgressThreadConfig, UcxConfig};
 use crate::memory::{PoolMapping, UcxMemory};
-use crate::status::{BACKEND, check, check_as, error, status_string, ucx_error};
+use crate::status::{BACKEND, check, check_as, error, ucx_error};
 use crate::wire::{AgentMetadata, RegionMetadata};
 
 /// Active-message id of kvx notifications.
 const AM_NOTIFY: u32 = 0x6b76;
-/// Largest notification payload (kvx sends request ids).
-pub const MAX_NOTIFICATION_LEN: usize = 64 << 10;
 /// `ucp_worker_progress` calls per progress round, at most (stops early when idle).
 const PROGRESS_BURST: usize = 64;
 /// How long teardown waits for outstanding requests and endpoint closes.
@@ -316,14 +316,15 @@ impl Drop for Request {
     }
 }
 
-/// Removes finished requests; returns the first failure's text.
-fn reap(requests: &mut Vec<Request>) -> Option<String> {
+/// Removes finished requests; returns the first failure, of kind `Transfer` with UCX's status.
+fn reap(requests: &mut Vec<Request>) -> Option<Error> {
     let mut failure = None;
     requests.retain(|r| match r.status() {
         sys::UCS_INPROGRESS => true,
         sys::UCS_OK => false,
         status => {
-            failure.get_or_insert_with(|| format!("{} (status {status})", status_string(status)));
+            failure
+                .get_or_insert_with(|| ucx_error(ErrorKind::Transfer, "a request of the transfer", status));
             false
         }
     });
@@ -363,12 +364,12 @@ impl PendingSend {
     }
 
     /// `None` while in flight, then the outcome.
-    fn outcome(&self) -> Option<std::result::Result<(), String>> {
+    fn outcome(&self) -> Option<Result<()>> {
         let Some(request) = &self.request else { return Some(Ok(())) };
         match request.status() {
             sys::UCS_INPROGRESS => None,
             sys::UCS_OK => Some(Ok(())),
-            s => Some(Err(format!("notification: {} (status {s})", status_string(s)))),
+            s => Some(Err(ucx_error(ErrorKind::Transfer, "sending a notification", s))),
         }
     }
 }
@@ -438,7 +439,7 @@ struct Peer {
     forgotten: bool,
     /// Why UCX reported the endpoint failed: nothing more is posted on it, and it is closed
     /// without a flush.
-    failed: Option<String>,
+    failed: Option<Error>,
 }
 
 struct RemoteRegion {
@@ -455,8 +456,15 @@ impl Drop for RemoteRegion {
 }
 
 struct Dlist {
+    owner: DlistOwner,
     blocks: BlockList,
     target: DlistTarget,
+}
+
+impl Dlist {
+    fn view(&self) -> DlistView<'_> {
+        DlistView { owner: &self.owner, blocks: &self.blocks }
+    }
 }
 
 enum DlistTarget {
@@ -475,7 +483,7 @@ enum Stage {
     /// The notification in flight.
     Notify,
     Done,
-    Failed(String),
+    Failed(Error),
 }
 
 struct Xfer {
@@ -486,7 +494,7 @@ struct Xfer {
     notify: Option<Vec<u8>>,
     send: Option<PendingSend>,
     stage: Stage,
-    failure: Option<String>,
+    failure: Option<Error>,
     holds_refs: bool,
 }
 
@@ -613,8 +621,8 @@ impl Inner {
             std::mem::take(&mut *self.inbox.failed_eps.lock().unwrap_or_else(PoisonError::into_inner));
         for (ep, status) in failed {
             if let Some(peer) = self.peers.values_mut().find(|p| p.ep.as_ptr() as usize == ep) {
-                let why = format!("{} (status {status})", status_string(status));
-                tracing::warn!("UCX endpoint to {} failed: {why}", peer.name);
+                let why = ucx_error(ErrorKind::Transfer, &format!("agent {} is gone", peer.name), status);
+                tracing::warn!("UCX endpoint failed: {why}");
                 peer.failed.get_or_insert(why);
             }
         }
@@ -664,7 +672,7 @@ impl Inner {
 
     fn post_flush(&mut self, xfer: &mut Xfer) {
         let Some(peer) = self.peers.get(&xfer.peer) else {
-            xfer.failure = Some("peer vanished".into());
+            xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
             return;
         };
         // SAFETY: all-zero is "no fields set" for this plain C struct.
@@ -673,18 +681,18 @@ impl Inner {
         let status_ptr = unsafe { sys::ucp_ep_flush_nbx(peer.ep.as_ptr(), &param) };
         match Request::from_status_ptr(status_ptr, ErrorKind::Transfer, "ucp_ep_flush_nbx") {
             Ok(request) => xfer.requests.extend(request),
-            Err(e) => xfer.failure = Some(e.to_string()),
+            Err(e) => xfer.failure = Some(e),
         }
     }
 
     fn post_notification(&mut self, xfer: &mut Xfer, msg: &[u8]) {
         let Some(peer) = self.peers.get(&xfer.peer) else {
-            xfer.failure = Some("peer vanished".into());
+            xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
             return;
         };
         match PendingSend::post(peer.ep, &self.name, msg) {
             Ok(send) => xfer.send = Some(send),
-            Err(e) => xfer.failure = Some(e.to_string()),
+            Err(e) => xfer.failure = Some(e),
         }
     }
 
@@ -914,7 +922,10 @@ impl TransferAgent for UcxAgent {
         if reg.inflight == 0 {
             inner.destroy_reg(registration.0);
         }
-        // Descriptor lists over it: post fails from now on (the registration is gone or retired).
+        // Transfers in flight keep the registration (see `drop_refs`); the lists over it go now.
+        inner
+            .dlists
+            .retain(|_, d| !matches!(&d.target, DlistTarget::Local(regs) if regs.contains(&registration.0)));
         Ok(())
     }
 
@@ -1057,7 +1068,7 @@ impl TransferAgent for UcxAgent {
             }
         };
         let id = inner.next_id();
-        inner.dlists.insert(id, Dlist { blocks: blocks.clone(), target });
+        inner.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone(), target });
         Ok(DlistId(id))
     }
 
@@ -1079,25 +1090,18 @@ impl TransferAgent for UcxAgent {
         remote_descs: &[u32],
         notify: Option<&[u8]>,
     ) -> Result<XferId> {
-        if local_descs.len() != remote_descs.len() {
-            return Err(error(
-                ErrorKind::InvalidArgument,
-                format!("{} local descriptors but {} remote", local_descs.len(), remote_descs.len()),
-            ));
-        }
-        if notify.is_some_and(|m| m.len() > MAX_NOTIFICATION_LEN) {
-            return Err(error(
-                ErrorKind::InvalidArgument,
-                format!("notification over {MAX_NOTIFICATION_LEN} bytes"),
-            ));
-        }
         let mut guard = self.shared.lock()?;
         let inner = &mut *guard;
-        let ops = plan(inner, local, local_descs, remote, remote_descs)?;
+        let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
+        let checked = request.check(&self.capabilities(), |id| inner.dlists.get(&id.0).map(Dlist::view))?;
+        let ops = plan(inner, &checked, local, remote)?;
 
-        let peer = inner.peers.get(&ops.peer).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
+        let peer = inner
+            .peers
+            .get(&ops.peer)
+            .ok_or_else(|| error(ErrorKind::Backend, "the list's peer vanished"))?;
         if let Some(why) = &peer.failed {
-            return Err(error(ErrorKind::Transfer, format!("agent {} is gone: {why}", peer.name)));
+            return Err(why.clone());
         }
         let mut requests = Vec::new();
         let mut failure = None;
@@ -1171,7 +1175,7 @@ impl TransferAgent for UcxAgent {
         if let Some(e) = failure {
             // What was posted still runs: settle it in the background, without notification.
             xfer.notify = None;
-            xfer.failure = Some(e.to_string());
+            xfer.failure = Some(e.clone());
             inner.advance(&mut xfer);
             if !xfer.is_terminal() {
                 inner.orphans.push(xfer);
@@ -1214,20 +1218,16 @@ impl TransferAgent for UcxAgent {
     }
 
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
-        if msg.len() > MAX_NOTIFICATION_LEN {
-            return Err(error(
-                ErrorKind::InvalidArgument,
-                format!("notification over {MAX_NOTIFICATION_LEN} bytes"),
-            ));
-        }
+        check_notification(&self.capabilities(), msg)?;
         let mut inner = self.shared.lock()?;
         let key = *inner
             .peer_ids
             .get(agent)
             .ok_or_else(|| error(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?;
-        let peer = inner.peers.get(&key).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
+        let peer =
+            inner.peers.get(&key).ok_or_else(|| error(ErrorKind::Backend, "a loaded peer vanished"))?;
         if let Some(why) = &peer.failed {
-            return Err(error(ErrorKind::Transfer, format!("agent {agent} is gone: {why}")));
+            return Err(why.clone());
         }
         let send = PendingSend::post(peer.ep, &inner.name, msg)?;
         if send.request.is_some() {
@@ -1249,7 +1249,7 @@ impl TransferAgent for UcxAgent {
     }
 }
 
-/// A validated transfer: every descriptor resolved, nothing posted yet.
+/// A checked transfer mapped to UCX: every descriptor resolved, nothing posted yet.
 struct Plan {
     peer: u64,
     len: usize,
@@ -1259,56 +1259,30 @@ struct Plan {
     descs: Vec<(u64, sys::ucp_mem_h, u64, usize)>,
 }
 
-/// Checks a post's arguments completely before anything is transferred.
-fn plan(
-    inner: &Inner,
-    local: DlistId,
-    local_descs: &[u32],
-    remote: DlistId,
-    remote_descs: &[u32],
-) -> Result<Plan> {
-    let ldl =
-        inner.dlists.get(&local.0).ok_or_else(|| error(ErrorKind::NotFound, format!("{local} unknown")))?;
-    let rdl =
-        inner.dlists.get(&remote.0).ok_or_else(|| error(ErrorKind::NotFound, format!("{remote} unknown")))?;
-    let DlistTarget::Local(lregs) = &ldl.target else {
-        return Err(error(ErrorKind::InvalidArgument, format!("{local} is not a local list")));
+/// Maps a post that passed kvx-core's checks to this agent's memory handles and rkeys.
+fn plan(inner: &Inner, checked: &PostPlan<'_>, local: DlistId, remote: DlistId) -> Result<Plan> {
+    let target = |id: DlistId| inner.dlists.get(&id.0).map(|d| &d.target);
+    let (Some(DlistTarget::Local(lregs)), Some(DlistTarget::Remote { peer, regions })) =
+        (target(local), target(remote))
+    else {
+        return Err(error(ErrorKind::Backend, "a checked list has no UCX target of its kind"));
     };
-    let DlistTarget::Remote { peer, regions } = &rdl.target else {
-        return Err(error(ErrorKind::InvalidArgument, format!("{remote} is not a remote list")));
-    };
-    if ldl.blocks.block_len != rdl.blocks.block_len {
-        return Err(error(
-            ErrorKind::InvalidArgument,
-            format!("local blocks of {} bytes, remote of {}", ldl.blocks.block_len, rdl.blocks.block_len),
-        ));
-    }
-    let len = usize::try_from(ldl.blocks.block_len)
+    let len = usize::try_from(checked.block_len())
         .map_err(|_| error(ErrorKind::InvalidArgument, "block length exceeds the address space"))?;
-    let peer_state = inner.peers.get(peer).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
-    if peer_state.forgotten {
-        return Err(error(ErrorKind::NotFound, format!("agent {} was forgotten", peer_state.name)));
+    let mut descs = Vec::with_capacity(checked.pairs().len());
+    let mut regs = Vec::new();
+    for (l, r) in checked.pairs() {
+        // The list has one registration per region, and deregistering releases the lists over
+        // it: the registration is live.
+        let (Some(&reg_id), Some(&region)) = (lregs.get(l.region), regions.get(r.region)) else {
+            return Err(error(ErrorKind::Backend, "a descriptor outside its list's regions"));
+        };
+        let reg = inner.regs.get(&reg_id).filter(|r| !r.retired).ok_or_else(|| {
+            error(ErrorKind::Backend, format!("{local} lies in memory that was deregistered"))
+        })?;
+        regs.push(reg_id);
+        descs.push((l.addr, reg.memh.raw(), r.addr, region));
     }
-
-    let mut used = vec![false; lregs.len()];
-    let mut descs = Vec::with_capacity(local_descs.len());
-    for (&li, &ri) in local_descs.iter().zip(remote_descs) {
-        let l = ldl.blocks.desc(li).ok_or_else(|| {
-            error(ErrorKind::InvalidArgument, format!("local descriptor {li} out of range of {local}"))
-        })?;
-        let r = rdl.blocks.desc(ri).ok_or_else(|| {
-            error(ErrorKind::InvalidArgument, format!("remote descriptor {ri} out of range of {remote}"))
-        })?;
-        // desc() succeeded, so num_blocks > 0 and the region index is in range.
-        let lregion = (li / ldl.blocks.num_blocks) as usize;
-        let rregion = (ri / rdl.blocks.num_blocks) as usize;
-        used[lregion] = true;
-        let reg = inner.regs.get(&lregs[lregion]).filter(|r| !r.retired).ok_or_else(|| {
-            error(ErrorKind::State, format!("{local} lies in memory that was deregistered"))
-        })?;
-        descs.push((l.addr, reg.memh.raw(), r.addr, regions[rregion]));
-    }
-    let mut regs: Vec<u64> = lregs.iter().zip(&used).filter(|(_, u)| **u).map(|(id, _)| *id).collect();
     regs.sort_unstable();
     regs.dedup();
     Ok(Plan { peer: *peer, len, regs, descs })

@@ -6,7 +6,7 @@ mod memory;
 mod status;
 mod wire;
 
-pub use agent::{MAX_NOTIFICATION_LEN, UcxAgent};
+pub use agent::UcxAgent;
 pub use context::{ProgressThreadConfig, UcxConfig};
 pub use memory::UcxMemory;
 

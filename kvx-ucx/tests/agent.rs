@@ -160,8 +160,9 @@ fn a_dead_peer_fails_transfers_with_peer_failure_detection() {
             },
         }
     };
-    assert_eq!(failure.kind(), ErrorKind::Transfer, "{failure}");
-    assert!(failure.to_string().contains("is gone"), "{failure}");
+    assert_eq!((failure.kind(), failure.backend()), (ErrorKind::Transfer, Some("ucx")), "{failure}");
+    assert!(failure.code().is_some_and(|c| c < 0), "UCX's status is kept: {failure}");
+    assert!(failure.message().contains("agent doomed-target is gone"), "{failure}");
     let e = r.agent.notify(&"doomed-target".into(), b"late").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Transfer, "{e}");
     r.agent.forget_remote(&"doomed-target".into()).unwrap();
@@ -269,7 +270,7 @@ fn ucx_errors_carry_backend_and_status() {
     assert_eq!(agent.notify(&"nobody".into(), b"x").unwrap_err().kind(), ErrorKind::NotFound);
     let other = UcxAgent::new("other").unwrap();
     agent.load_remote(&other.local_metadata().unwrap()).unwrap();
-    let big = vec![0u8; kvx_ucx::MAX_NOTIFICATION_LEN + 1];
+    let big = vec![0u8; kvx_core::MAX_NOTIFICATION_LEN + 1];
     assert_eq!(agent.notify(other.name(), &big).unwrap_err().kind(), ErrorKind::InvalidArgument);
 }
 

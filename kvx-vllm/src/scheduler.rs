@@ -2,8 +2,8 @@
 //! with vLLM's arguments.
 
 use kvx_core::{
-    AuthKey, BlockId, ConnectorScheduler, FailedRecv, FinishReason, Finished, RequestId, SchedulerConfig,
-    TransferParams, wire,
+    AuthKey, BlockId, ConnectorScheduler, Error, ErrorKind, FailedRecv, FinishReason, Finished, RequestId,
+    SchedulerConfig, TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -184,15 +184,17 @@ impl Scheduler {
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// The workers' aggregated report: released holds, completed loads, failed loads.
+    /// The workers' aggregated report: released holds, completed loads, failed loads (vLLM
+    /// passes only their ids; the scheduler needs no more).
     fn update_finished(&mut self, sending: Vec<String>, recving: Vec<String>, failed_recving: Vec<String>) {
+        let failed = |id| FailedRecv {
+            request_id: RequestId::new(id),
+            error: Error::new(ErrorKind::Transfer, "the load failed in a worker"),
+        };
         let finished = Finished {
             sending: sending.into_iter().map(RequestId::new).collect(),
             recving: recving.into_iter().map(RequestId::new).collect(),
-            failed_recving: failed_recving
-                .into_iter()
-                .map(|id| FailedRecv { request_id: RequestId::new(id), reason: String::new() })
-                .collect(),
+            failed_recving: failed_recving.into_iter().map(failed).collect(),
         };
         self.inner.update_finished(&finished);
     }

@@ -113,7 +113,7 @@ impl State {
         let (sending, recving, failed) = &mut self.pending;
         for f in finished.failed_recving {
             let blocks = self.loading.remove(&f.request_id).unwrap_or_default();
-            failed.push((f.request_id.as_str().to_owned(), blocks, f.reason));
+            failed.push((f.request_id.as_str().to_owned(), blocks, f.error.to_string()));
         }
         for id in finished.recving {
             self.loading.remove(&id);

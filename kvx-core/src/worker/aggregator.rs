@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::error::Error;
 use crate::ids::RequestId;
 use crate::meta::{FailedRecv, Finished};
 
@@ -11,7 +12,7 @@ use crate::meta::{FailedRecv, Finished};
 pub struct FinishedAggregator {
     world_size: u32,
     sending: HashMap<RequestId, u32>,
-    recving: HashMap<RequestId, (u32, Option<String>)>,
+    recving: HashMap<RequestId, (u32, Option<Error>)>,
 }
 
 impl FinishedAggregator {
@@ -38,7 +39,7 @@ impl FinishedAggregator {
                 }
             }
             let recvs = report.recving.into_iter().map(|id| (id, None));
-            let fails = report.failed_recving.into_iter().map(|f| (f.request_id, Some(f.reason)));
+            let fails = report.failed_recving.into_iter().map(|f| (f.request_id, Some(f.error)));
             seen.clear();
             for (id, failure) in recvs.chain(fails) {
                 if !seen.insert(id.clone()) {
@@ -51,7 +52,7 @@ impl FinishedAggregator {
                 }
                 if entry.0 >= self.world_size {
                     match self.recving.remove(&id).and_then(|(_, f)| f) {
-                        Some(reason) => out.failed_recving.push(FailedRecv { request_id: id, reason }),
+                        Some(error) => out.failed_recving.push(FailedRecv { request_id: id, error }),
                         None => out.recving.push(id),
                     }
                 }

@@ -168,7 +168,7 @@ impl ConnectorWorker {
         let instance = conn.instance;
         if let Stage::Waiting { retry: Some((e, old)) } = &load.stage {
             if instance == *old {
-                let e = e.detached();
+                let e = e.clone();
                 self.loads.insert(id.clone(), load);
                 self.end_load(now, id, Err(e), true);
                 return;
@@ -325,9 +325,7 @@ impl ConnectorWorker {
     pub(super) fn fail(&mut self, request_id: &RequestId, error: Error) {
         warn!(%request_id, %error, "KV load failed");
         self.stats.failed_loads += 1;
-        self.finished
-            .failed_recving
-            .push(FailedRecv { request_id: request_id.clone(), reason: error.to_string() });
+        self.finished.failed_recving.push(FailedRecv { request_id: request_id.clone(), error });
     }
 
     /// Polls the READs in flight: a done READ waits for its confirmation; a failed one fails its
@@ -339,9 +337,7 @@ impl ConnectorWorker {
                 match self.agent.poll(*xfer) {
                     Ok(XferState::Pending) => {}
                     Ok(XferState::Done) => ended.push((id.clone(), Ok(()))),
-                    Ok(XferState::Failed(reason)) => {
-                        ended.push((id.clone(), Err(Error::new(ErrorKind::Transfer, reason))))
-                    }
+                    Ok(XferState::Failed(e)) => ended.push((id.clone(), Err(e))),
                     Err(e) => ended.push((id.clone(), Err(e))),
                 }
             }

@@ -214,7 +214,7 @@ impl ConnectorWorker {
         for waiter in h.waiting {
             match waiter {
                 Waiter::Load(id) => {
-                    if let Some(release) = self.end_load(now, &id, Err(e.detached()), false) {
+                    if let Some(release) = self.end_load(now, &id, Err(e.clone()), false) {
                         releases.push(release);
                     }
                 }

@@ -136,6 +136,11 @@ fn nonce_of(id: &str) -> Nonce {
 
 /// The notification that frees the prefill engine's hold of `id`, wanting no answer (a failed
 /// or notify-only load).
+/// The failure a mocked transport reports for a READ.
+fn link_down() -> Error {
+    Error::new(ErrorKind::Transfer, "link down").with_backend("mock").with_code(-3)
+}
+
 fn release(id: &str) -> Vec<u8> {
     wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to: None }).unwrap()
 }
@@ -289,7 +294,7 @@ fn the_prefill_engines_request_id_names_every_notification() {
                 .returning(|_, _| Ok(()));
         }
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
-        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
+        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed(link_down())));
     });
     let with_remote = |id: &str, local: Vec<BlockId>, remote: Vec<BlockId>| RecvRequest {
         remote_request_id: Some(format!("p-{id}").into()),
@@ -333,7 +338,7 @@ fn a_read_that_fails_because_the_engine_restarted_is_posted_again_to_its_new_ins
     let posts = Arc::new(Mutex::new(vec![]));
     let inbox = Inbox::default();
     let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
-        a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Failed("peer is gone".into())));
+        a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Failed(link_down())));
         a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Done));
     });
     let mut w = worker_with(a, 0, &[None, None]);
@@ -360,7 +365,7 @@ fn completed_and_failed_transfers_are_reported_per_request() {
             .times(1)
             .returning(|_, _| Ok(()));
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
-        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed("link down".into())));
+        a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed(link_down())));
         a.expect_poll().with(eq(XferId(3))).returning(|_| Ok(XferState::Pending));
     });
     let mut w = worker_with(a, 0, &[None, None]);
@@ -376,7 +381,7 @@ fn completed_and_failed_transfers_are_reported_per_request() {
     f.extend(f2);
     assert_eq!(f.failed_recving.len(), 1);
     assert_eq!(f.failed_recving[0].request_id, "bad".into());
-    assert!(f.failed_recving[0].reason.contains("link down"));
+    assert_eq!(f.failed_recving[0].error, link_down(), "the transfer's own error, kind and backend kept");
     assert_eq!(w.num_in_flight(), 1, "the worker goes on with the others");
     assert_eq!(
         w.stats().read_latencies.kept(),
@@ -398,7 +403,8 @@ fn a_failed_handshake_fails_exactly_the_waiting_requests_and_is_retried() {
     let f = w.get_finished(now);
     let failed: Vec<_> = f.failed_recving.iter().map(|f| f.request_id.as_str()).collect();
     assert_eq!(failed, ["a", "b"]);
-    assert!(f.failed_recving[0].reason.contains("connection refused"));
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Io);
+    assert!(f.failed_recving[0].error.message().ends_with("connection refused"), "{:?}", f.failed_recving[0]);
     // The next request handshakes again and succeeds.
     start_and_handshake(&mut w, now, vec![recv("c", vec![3], vec![3])]);
     assert_eq!(posts.lock().unwrap().len(), 1);
@@ -419,7 +425,9 @@ fn a_failed_handshake_says_so_once() {
         w.start_load_kv(now, &meta(vec![recv(&format!("r{n}"), vec![1], vec![1])]));
         w.poll_command();
         w.handle_handshake(now, &"prefill".into(), Err(cause));
-        let reason = w.get_finished(now).failed_recving.remove(0).reason;
+        let error = w.get_finished(now).failed_recving.remove(0).error;
+        assert_eq!(error.kind(), ErrorKind::Handshake, "{error}");
+        let reason = error.to_string();
         assert!(reason.starts_with("handshake failed: with engine prefill: "), "{reason}");
         assert_eq!(reason.matches("handshake failed").count(), 1, "{reason}");
     }
@@ -434,7 +442,7 @@ fn a_handshake_that_never_answers_times_out() {
     assert_eq!(w.next_deadline(), Some(now + Duration::from_secs(5)));
     let f = w.get_finished(now + Duration::from_secs(5));
     assert_eq!(f.failed_recving.len(), 1);
-    assert!(f.failed_recving[0].reason.contains("timed out"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Timeout, "{:?}", f.failed_recving[0]);
     // A result arriving after the timeout is ignored.
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |_| {})));
     assert!(w.is_idle());
@@ -504,7 +512,7 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         }
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
-        assert!(f.failed_recving[0].reason.len() < 2048, "{what}: a short reason");
+        assert!(f.failed_recving[0].error.message().len() < 2048, "{what}: a short reason");
         assert!(posts.lock().unwrap().is_empty(), "{what}: nothing may be posted");
     }
 }
@@ -543,11 +551,7 @@ fn bad_handshake_payloads_are_refused() {
         w.handle_handshake(Instant::now(), &"prefill".into(), Ok(payload));
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
-        assert!(
-            f.failed_recving[0].reason.starts_with(&kind.to_string()),
-            "{what}: {}",
-            f.failed_recving[0].reason
-        );
+        assert_eq!(f.failed_recving[0].error.kind(), kind, "{what}: {}", f.failed_recving[0].error);
         assert!(posts.lock().unwrap().is_empty(), "{what}");
         assert_eq!(w.stats().handshake_failures, 1, "{what}");
     }
@@ -692,10 +696,11 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
         assert_eq!(w.poll_command(), None, "{what}: no handshake with the named host");
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
-        assert!(
-            f.failed_recving[0].reason.starts_with("not authenticated"),
+        assert_eq!(
+            f.failed_recving[0].error.kind(),
+            ErrorKind::Unauthenticated,
             "{what}: {}",
-            f.failed_recving[0].reason
+            f.failed_recving[0].error
         );
     }
     let posts = Arc::new(Mutex::new(vec![]));
@@ -746,12 +751,12 @@ fn rank0_reports_an_id_once_every_rank_has_it() {
         sending: sending.iter().map(|s| RequestId::new(*s)).collect(),
         failed_recving: failed
             .iter()
-            .map(|s| FailedRecv { request_id: RequestId::new(*s), reason: "boom".into() })
+            .map(|s| FailedRecv { request_id: RequestId::new(*s), error: link_down() })
             .collect(),
     };
     let out = agg.aggregate([r(&["a", "b"], &["s"], &[]), r(&["a"], &[], &["b"])]);
     assert_eq!(out.recving, vec![RequestId::new("a")]);
-    assert_eq!(out.failed_recving, vec![FailedRecv { request_id: "b".into(), reason: "boom".into() }]);
+    assert_eq!(out.failed_recving, vec![FailedRecv { request_id: "b".into(), error: link_down() }]);
     assert!(out.sending.is_empty());
     assert_eq!(agg.num_partial(), 1);
     let out = agg.aggregate([r(&[], &[], &[]), r(&[], &["s"], &[])]);
@@ -912,13 +917,13 @@ fn a_load_without_an_answer_fails_and_its_engine_is_handshaken_again() {
     assert!(w.get_finished(now).is_empty());
     let f = w.get_finished(now + timeout);
     assert_eq!(f.failed_recving.len(), 1);
-    assert!(f.failed_recving[0].reason.starts_with("timed out"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Timeout, "{:?}", f.failed_recving[0]);
     assert_eq!(w.stats().lease_failures, 1);
     // A "not held" answer fails a load with the lease's error.
     start_and_handshake(&mut w, now, vec![recv("b", vec![2], vec![2])]);
     inbox.lock().unwrap().push(answer(&posts, "b", false));
     let f = w.get_finished(now);
-    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Expired, "{:?}", f.failed_recving[0]);
     assert_eq!((w.stats().lease_failures, w.stats().bytes_read), (2, 0));
 }
 
@@ -977,13 +982,13 @@ fn an_offer_of_another_instance_is_never_read_through_the_old_connection() {
     let f = w.get_finished(now);
     assert_eq!(f.failed_recving.len(), 1);
     assert_eq!(f.failed_recving[0].request_id, "old".into());
-    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Expired, "{:?}", f.failed_recving[0]);
     // An offer of an instance that is gone: one more handshake, then it fails unread.
     w.start_load_kv(now, &meta(vec![recv_from("gone", vec![3], vec![3], 1)]));
     answer_handshakes(&mut w, now, 2);
     let f = w.get_finished(now);
     assert_eq!(f.failed_recving[0].request_id, "gone".into());
-    assert!(f.failed_recving[0].reason.contains("is gone"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Expired, "{:?}", f.failed_recving[0]);
     assert_eq!(posts.lock().unwrap().len(), 2);
     inbox.lock().unwrap().push(answer(&posts, "new", true));
     assert_eq!(w.get_finished(now).recving, vec![RequestId::new("new")]);
@@ -1036,7 +1041,7 @@ fn only_the_answer_to_the_reads_own_release_confirms_it() {
     // The READ's own release finds the hold gone: "not held", and the load fails.
     inbox.lock().unwrap().push(answer(&posts, "a", false));
     let f = w.get_finished(now);
-    assert!(f.failed_recving[0].reason.starts_with("lease expired"), "{:?}", f);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Expired, "{:?}", f);
 }
 
 /// What a closing worker gave back to its agent, in the order it did.
@@ -1118,7 +1123,7 @@ fn close_gives_back_every_registration_list_and_peer_and_refuses_work() {
     assert_eq!(f.sending, vec![RequestId::new("h")], "the hold ended");
     assert_eq!(f.failed_recving.len(), 1);
     assert_eq!(f.failed_recving[0].request_id, "a".into());
-    assert!(f.failed_recving[0].reason.starts_with("invalid state"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::State, "{}", f.failed_recving[0].error);
     assert_eq!((w.num_in_flight(), w.handshake_payload(), w.layout()), (0, None, None));
     assert!(w.is_idle() && w.next_deadline().is_none());
 
@@ -1137,7 +1142,7 @@ fn close_gives_back_every_registration_list_and_peer_and_refuses_work() {
     let f = w.get_finished(now + Duration::from_secs(3600));
     assert_eq!(f.sending, vec![RequestId::new("h2")]);
     assert_eq!(f.failed_recving[0].request_id, "b".into());
-    assert!(f.failed_recving[0].reason.starts_with("invalid state"), "{}", f.failed_recving[0].reason);
+    assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::State, "{}", f.failed_recving[0].error);
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |_| {})));
     w.close().unwrap();
     assert!(calls.lock().unwrap().is_empty(), "closed: the agent was called: {:?}", calls.lock().unwrap());

@@ -583,7 +583,7 @@ impl SimEngine {
         for id in finished.sending {
             self.release_delayed(&id, "a finished send");
         }
-        let failed = finished.failed_recving.into_iter().map(|f| (f.request_id, Some(f.reason)));
+        let failed = finished.failed_recving.into_iter().map(|f| (f.request_id, Some(f.error.to_string())));
         for (id, failure) in finished.recving.into_iter().map(|id| (id, None)).chain(failed) {
             if self.delayed.contains_key(&id) {
                 // Aborted while its READ was in flight: only now may its blocks go.
