@@ -1,11 +1,12 @@
 //! Opens UCX's libraries in a link-map namespace of their own and resolves the bound functions.
 
 use std::cell::Cell;
-use std::ffi::{CStr, CString, c_void};
+use std::ffi::{CStr, CString, c_char, c_void};
 use std::fmt;
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use crate::generated::{Functions, UCP_API_MAJOR, UCP_API_MINOR};
 
@@ -28,6 +29,8 @@ pub struct Lib {
     functions: Functions,
     /// `uselocale` of the namespace's own C library (see [`functions`]).
     uselocale: unsafe extern "C" fn(libc::locale_t) -> libc::locale_t,
+    /// `environ` of the namespace's own C library (see [`Lib::refresh_environment`]).
+    environ: &'static AtomicPtr<*mut c_char>,
 }
 
 impl Lib {
@@ -39,6 +42,36 @@ impl Lib {
     /// The library's version (`ucp_get_version`), e.g. `(1, 13, 1)`.
     pub fn version(&self) -> (u32, u32, u32) {
         self.version
+    }
+
+    /// Gives UCX a copy of the program's environment as it is now.
+    ///
+    /// UCX reads its `UCX_*` variables (in `ucp_config_read`, or `ucp_init` without a config)
+    /// through the namespace's own C library, whose environment is a copy taken by [`load`] and
+    /// by each call of this, not the program's: the program's `setenv` may free the array its
+    /// own C library reads. A copy is kept for good (UCX may still be reading the previous one on
+    /// another thread), and a new one is made only when the environment changed.
+    pub fn refresh_environment(&self) {
+        static GIVEN: Mutex<&'static [CString]> = Mutex::new(&[]);
+        let current: Vec<CString> = std::env::vars_os()
+            .filter_map(|(name, value)| {
+                let mut entry = name.into_vec();
+                entry.push(b'=');
+                entry.extend_from_slice(value.as_bytes());
+                // The environment holds C strings: an entry with a NUL cannot be there.
+                CString::new(entry).ok()
+            })
+            .collect();
+        // The guarded data is a slice that is only ever replaced whole: never inconsistent.
+        let mut given = GIVEN.lock().unwrap_or_else(PoisonError::into_inner);
+        if **given == current[..] {
+            return;
+        }
+        let entries: &'static [CString] = Vec::leak(current);
+        let array: Vec<*mut c_char> =
+            entries.iter().map(|entry| entry.as_ptr().cast_mut()).chain([std::ptr::null_mut()]).collect();
+        self.environ.store(Vec::leak(array).as_mut_ptr(), Ordering::Release);
+        *given = entries;
     }
 }
 
@@ -134,7 +167,7 @@ fn origin(namespace: libc::Lmid_t, name: &str) -> Result<PathBuf, LoadError> {
     if handle.is_null() {
         return Err(LoadError::new(dl_error(&format!("{LIBUCP} did not load {name}"))));
     }
-    let mut buffer = [0 as std::ffi::c_char; libc::PATH_MAX as usize];
+    let mut buffer = [0 as c_char; libc::PATH_MAX as usize];
     // SAFETY: a live handle; RTLD_DI_ORIGIN copies a directory name (shorter than PATH_MAX) with its
     // NUL into the buffer.
     if unsafe { libc::dlinfo(handle, libc::RTLD_DI_ORIGIN, buffer.as_mut_ptr().cast::<c_void>()) } != 0 {
@@ -204,5 +237,11 @@ fn open() -> Result<Lib, LoadError> {
             dir.display()
         )));
     }
-    Ok(Lib { dir, version: (major, minor, release), functions, uselocale })
+    // SAFETY: the namespace C library's `environ`, a `char **` variable: an atomic pointer has
+    // its size and alignment, and the variable lives as long as the namespace, for good.
+    let environ = unsafe { &*lookup(c"environ")?.cast::<AtomicPtr<*mut c_char>>() };
+    let lib = Lib { dir, version: (major, minor, release), functions, uselocale, environ };
+    // Until now the namespace read the program's own array, which a later `setenv` may free.
+    lib.refresh_environment();
+    Ok(lib)
 }

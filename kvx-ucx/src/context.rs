@@ -126,7 +126,8 @@ impl Context {
     /// (environment), applies `config`'s options and initialises a context with RMA and active
     /// messages.
     pub(crate) fn new(config: &UcxConfig, name: &str) -> Result<Self> {
-        load()?;
+        // UCX reads the environment through a copy of its own: bring it up to date.
+        load()?.refresh_environment();
         let mut raw_config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: null env prefix and file name mean the defaults; the out-pointer is valid.
         check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw_config) }, "ucp_config_read")?;
