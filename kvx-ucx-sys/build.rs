@@ -92,15 +92,15 @@ fn dynamic(file: syn::File) -> Result<syn::File, Box<dyn Error>> {
              function.\n\n # Panics\n When UCX cannot be loaded: call [`load`](crate::load) first to \
              get the reason as an error."
         );
+        // The generated `unsafe` blocks: `resolve`'s caller vouches that the symbol is this
+        // declaration's C function; a wrapper's caller upholds the C function's contract.
         fields.push(quote! { pub(crate) #name: #pointer, });
         resolved.push(quote! {
-            // SAFETY: the caller vouches that the symbol is this declaration's C function.
             #name: unsafe { std::mem::transmute::<*mut std::ffi::c_void, #pointer>(symbol(#symbol)?) },
         });
         wrappers.push(quote! {
             #[doc = #doc]
             pub unsafe fn #name(#inputs) #output {
-                // SAFETY: the caller upholds the C function's contract.
                 unsafe { (crate::load::functions().#name)(#(#args),*) }
             }
         });
