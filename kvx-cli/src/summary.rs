@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use kvx_core::{Samples, WorkerStats};
 use kvx_testkit::sim::SimEngine;
 
 /// What a run moved and checked, from the decode engine's point of view, plus leak checks.
@@ -13,7 +14,10 @@ pub(crate) struct Summary {
     failed: u64,
     bytes_moved: u64,
     wall: Duration,
-    latencies: Vec<Duration>,
+    /// Post to the poll that found the READ done, sorted.
+    read_latencies: Vec<Duration>,
+    /// Post to the prefill engine's confirmation, sorted.
+    confirmed_latencies: Vec<Duration>,
     handshake: Option<Duration>,
     blocks_verified: u64,
     bytes_verified: u64,
@@ -49,9 +53,14 @@ impl Summary {
     /// view is the whole story: it moves and checks the bytes).
     pub(crate) fn of_engine(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
         let workers = decode.worker_stats();
-        let mut latencies: Vec<Duration> =
-            workers.iter().flat_map(|w| w.transfer_latencies.kept().iter().copied()).collect();
-        latencies.sort();
+        let sorted = |samples: fn(&WorkerStats) -> &Samples| {
+            let mut v: Vec<Duration> =
+                workers.iter().flat_map(|w| samples(w).kept().iter().copied()).collect();
+            v.sort();
+            v
+        };
+        let read_latencies = sorted(|w| &w.read_latencies);
+        let confirmed_latencies = sorted(|w| &w.transfer_latencies);
         let stats = decode.stats();
         let mut s = Summary {
             requests,
@@ -59,7 +68,8 @@ impl Summary {
             failed: stats.failed,
             bytes_moved: workers.iter().map(|w| w.bytes_read).sum(),
             wall,
-            latencies,
+            read_latencies,
+            confirmed_latencies,
             handshake: workers
                 .iter()
                 .filter(|w| w.handshake_times.count() > 0)
@@ -121,11 +131,17 @@ impl Summary {
     pub(crate) fn errors(&self) -> &[String] {
         &self.errors
     }
+}
 
-    fn percentile(&self, p: f64) -> Option<Duration> {
-        let n = self.latencies.len();
-        (n > 0).then(|| self.latencies[((n - 1) as f64 * p).round() as usize])
-    }
+/// The `p` quantile of sorted durations.
+fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
+    let n = sorted.len();
+    (n > 0).then(|| sorted[((n - 1) as f64 * p).round() as usize])
+}
+
+/// p50 and p99 of sorted durations, in milliseconds.
+fn ms2(sorted: &[Duration]) -> String {
+    format!("{} / {}", ms(percentile(sorted, 0.5)), ms(percentile(sorted, 0.99)))
 }
 
 fn ms(d: Option<Duration>) -> String {
@@ -153,8 +169,8 @@ impl fmt::Display for Summary {
                 "throughput",
                 format!("{:.2} GB/s (bytes moved / wall time)", self.bytes_moved as f64 / secs / 1e9),
             ),
-            ("transfer latency p50", ms(self.percentile(0.5))),
-            ("transfer latency p99", ms(self.percentile(0.99))),
+            ("READ p50 / p99", ms2(&self.read_latencies)),
+            ("confirmed p50 / p99", ms2(&self.confirmed_latencies)),
             ("handshake time", ms(self.handshake)),
             ("blocks verified", format!("{} ({} checked)", self.blocks_verified, mb(self.bytes_verified))),
             ("blocks mismatched", self.mismatched.to_string()),

@@ -73,16 +73,11 @@ impl Children {
         self.0[i].wait().unwrap();
     }
 
-    /// Child `i`'s exit status, within [`LIMIT`].
+    /// Child `i`'s exit status, within [`LIMIT`] (killed after).
     fn exit_status(&mut self, i: usize) -> ExitStatus {
-        let deadline = Instant::now() + LIMIT;
-        loop {
-            if let Some(status) = self.0[i].try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "kvx (pid {}) did not exit within {LIMIT:?}", self.pid(i));
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let pid = self.pid(i);
+        kvx_testkit::child::wait_within(&mut self.0[i], LIMIT)
+            .unwrap_or_else(|| panic!("kvx (pid {pid}) did not exit within {LIMIT:?}"))
     }
 }
 

@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 use crate::clock::{Clock, system_clock};
@@ -142,6 +142,13 @@ impl WorkerDriver {
         })
     }
 
+    /// When the worker next has work due without any input (a lease to end, a load or handshake
+    /// timing out, an early notification to drop): an engine that idles between steps steps again
+    /// by then. `None`: nothing is due until something arrives.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.worker.next_deadline()
+    }
+
     /// Whether the worker has nothing in flight and rank 0 holds no partial report.
     pub fn is_idle(&self) -> bool {
         self.worker.is_idle() && self.aggregator.num_partial() == 0
@@ -204,11 +211,14 @@ impl WorkerDriver {
         }
     }
 
-    /// Waits until a handshake result arrives or `timeout` passes, then feeds what arrived. For
-    /// engines that idle between steps; a step loop never needs it. With
-    /// [`Handshakes::OnStepThread`] it polls the fetches once and waits for nothing.
+    /// Waits until a handshake result arrives, `timeout` passes or the worker's
+    /// [next deadline](Self::next_deadline) comes, then feeds what arrived. For engines that idle
+    /// between steps; a step loop never needs it. With [`Handshakes::OnStepThread`] it polls the
+    /// fetches once and waits for nothing.
     pub fn wait_for_handshakes(&mut self, timeout: Duration) {
         if self.handshakes == Handshakes::Background {
+            let due = self.next_deadline().map(|d| d.saturating_duration_since(self.clock.now()));
+            let timeout = due.map_or(timeout, |due| due.min(timeout));
             if let Ok((engine_id, result)) = self.results_rx.recv_timeout(timeout) {
                 self.worker.handle_handshake(self.clock.now(), &engine_id, result);
             }

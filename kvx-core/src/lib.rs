@@ -3,7 +3,7 @@
 
 pub mod auth;
 pub mod clock;
-#[cfg(feature = "net")]
+#[cfg(feature = "driver")]
 pub mod driver;
 pub mod error;
 pub mod exchange;
@@ -22,7 +22,7 @@ pub mod worker;
 
 pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource};
 pub use clock::{Clock, ManualClock, SystemClock};
-#[cfg(feature = "net")]
+#[cfg(feature = "driver")]
 pub use driver::{Handshakes, WorkerDriver};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::MetadataExchange;

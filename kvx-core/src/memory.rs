@@ -23,8 +23,10 @@ pub enum MemKind {
 }
 
 /// A contiguous range of memory: plain data, no ownership. Used to describe registrations and the
-/// blocks of a descriptor list.
+/// blocks of a descriptor list. Decoding refuses keys it does not have (it travels in NIXL's
+/// agent metadata).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MemRegion {
     /// Start address in the owning process.
     pub addr: u64,

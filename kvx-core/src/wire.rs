@@ -3,12 +3,17 @@
 //! Every message that crosses a process boundary is an [`Envelope`]: a magic tag, the wire
 //! version and the message kind, then the body. A peer speaking another version is refused with
 //! [`ErrorKind::Incompatible`] before its body is looked at.
+//!
+//! A transfer agent's metadata travels inside a [`HandshakePayload`] in an envelope of its own,
+//! [`agent_metadata`], which names the backend that made it.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId};
+
+pub mod agent_metadata;
 
 /// The wire-format version. Bump it on any incompatible change of a message.
 pub const WIRE_VERSION: u16 = 2;
@@ -76,6 +81,22 @@ fn from_slice_bounded<'a, T: Deserialize<'a>>(
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(MAX_NESTING);
     T::deserialize(&mut de)
+}
+
+/// Decodes one `T` that must take all of `bytes`, which came from a peer: nesting is bounded by
+/// [`MAX_NESTING`], a declared length allocates no more than the bytes present, and bytes after
+/// the value are refused. Every failure is [`ErrorKind::InvalidPeerData`], its message naming
+/// `what` is decoded. For formats whose every byte must be accounted for (agent metadata).
+pub fn decode_exact<T: DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T> {
+    // A reader over the slice that advances as it is read, so what is left can be checked.
+    let mut de = rmp_serde::Deserializer::new(bytes);
+    de.set_max_depth(MAX_NESTING);
+    let value = T::deserialize(&mut de)
+        .map_err(|e| Error::invalid_peer_data(format!("malformed {what}: {e}")).with_source(e))?;
+    match de.get_ref().len() {
+        0 => Ok(value),
+        left => Err(Error::invalid_peer_data(format!("bytes after the {what}: {left}"))),
+    }
 }
 
 /// Decodes a message from bytes that came from a peer: checks magic, version and kind first.

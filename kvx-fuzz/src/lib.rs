@@ -329,11 +329,31 @@ pub mod dict {
         .collect()
     }
 
-    /// kvx-loopback's metadata field names.
-    pub fn loopback() -> Vec<Vec<u8>> {
-        ["kvx-loopback", "magic", "version", "fabric", "instance", "name", "regions", "id", "addr", "len"]
-            .iter()
-            .filter_map(|w| rmp_serde::to_vec(w).ok())
-            .collect()
+    /// Agent metadata's keys and values: the envelope's, and each backend's body's.
+    pub fn agent_metadata() -> Vec<Vec<u8>> {
+        [
+            "backend",
+            "version",
+            "agent",
+            "body",
+            "loopback",
+            "ucx",
+            "nixl",
+            "fabric",
+            "instance",
+            "regions",
+            "id",
+            "addr",
+            "len",
+            "worker_address",
+            "rkey",
+            "kind",
+            "device",
+            "Dram",
+            "Vram",
+        ]
+        .iter()
+        .filter_map(|w| rmp_serde::to_vec(w).ok())
+        .collect()
     }
 }

@@ -56,10 +56,15 @@ struct OwnedEnvelope {
     body: serde_bytes::ByteBuf,
 }
 
-fn read_envelope(bytes: &[u8]) -> Option<OwnedEnvelope> {
+/// `bytes` as a `T`, nesting bounded as kvx bounds it; `None` if they are not one.
+fn read_bounded<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(wire::MAX_NESTING);
-    OwnedEnvelope::deserialize(&mut de).ok()
+    T::deserialize(&mut de).ok()
+}
+
+fn read_envelope(bytes: &[u8]) -> Option<OwnedEnvelope> {
+    read_bounded(bytes)
 }
 
 /// A format nested inside a target's input, which the engine mutates in place and wraps again:
@@ -84,6 +89,57 @@ pub const ENVELOPE_BODY: Nest = Nest {
 /// An envelope around `body`, with `version`, `kind` and `magic` as given.
 pub fn raw_envelope(magic: &[u8], version: u16, kind: MessageKind, body: &[u8]) -> Vec<u8> {
     rmp_serde::to_vec_named(&RawEnvelope { magic, version, kind, body }).unwrap_or_default()
+}
+
+/// Agent metadata's envelope as `kvx_core::wire::agent_metadata` writes it, for making and
+/// reading envelopes that `seal` would not: any backend, version, name and body bytes.
+#[derive(Clone, Serialize, Deserialize)]
+struct RawAgentEnvelope {
+    backend: String,
+    version: u32,
+    agent: String,
+    body: serde_bytes::ByteBuf,
+}
+
+fn read_agent_envelope(bytes: &[u8]) -> Option<RawAgentEnvelope> {
+    read_bounded(bytes)
+}
+
+fn write_agent_envelope(envelope: &RawAgentEnvelope) -> Vec<u8> {
+    rmp_serde::to_vec_named(envelope).unwrap_or_default()
+}
+
+/// The body of an agent metadata envelope: a backend's own metadata.
+pub const AGENT_METADATA_BODY: Nest = Nest {
+    unwrap: |bytes| read_agent_envelope(bytes).map(|e| e.body.into_vec()),
+    wrap: |outer, inner| match read_agent_envelope(outer) {
+        Some(e) => write_agent_envelope(&RawAgentEnvelope { body: inner.to_vec().into(), ..e }),
+        None => outer.to_vec(),
+    },
+};
+
+/// Hostile variants of a backend's valid agent metadata, `valid` in its envelope: the whole's
+/// [`msgpack_hostile`] variants; the envelope under another backend's name, of another version,
+/// with an empty agent name or one with a NUL; the body's [`msgpack_hostile`] variants in the
+/// envelope (`hostile-body-*`).
+pub fn agent_metadata_hostile(valid: &[u8]) -> Vec<Seed> {
+    let mut seeds = msgpack_hostile(valid);
+    let Some(envelope) = read_agent_envelope(valid) else { return seeds };
+    let variant = |name: &str, edit: &dyn Fn(&mut RawAgentEnvelope)| {
+        let mut e = envelope.clone();
+        edit(&mut e);
+        Seed::new(name, write_agent_envelope(&e))
+    };
+    let other = if envelope.backend == "loopback" { "ucx" } else { "loopback" };
+    seeds.push(variant("hostile-other-backend", &|e| e.backend = other.into()));
+    seeds.push(variant("hostile-other-version", &|e| e.version += 1));
+    seeds.push(variant("hostile-empty-agent-name", &|e| e.agent.clear()));
+    seeds.push(variant("hostile-agent-name-with-nul", &|e| e.agent.push('\0')));
+    for body in msgpack_hostile(&envelope.body) {
+        let what = body.name.trim_start_matches("hostile-");
+        seeds.push(variant(&format!("hostile-body-{what}"), &|e| e.body = body.bytes.clone().into()));
+    }
+    seeds
 }
 
 /// Seeds of one wire message type: each sample encoded, then hostile variants of the first.
@@ -327,6 +383,31 @@ mod tests {
         let back: RankReport = wire::decode(&(ENVELOPE_BODY.wrap)(&bytes, &other)).unwrap();
         assert_eq!(back.rank, 4);
         assert_eq!((ENVELOPE_BODY.unwrap)(b"junk"), None);
+    }
+
+    #[test]
+    fn agent_metadata_variants_are_refused_and_bodies_unwrap_and_wrap_again() {
+        use kvx_core::wire::agent_metadata;
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Body {
+            regions: Vec<u64>,
+        }
+        let valid = agent_metadata::seal("ucx", &"a".into(), &Body { regions: vec![1, 2] }).unwrap();
+        let body = (AGENT_METADATA_BODY.unwrap)(&valid).unwrap();
+        assert_eq!((AGENT_METADATA_BODY.wrap)(&valid, &body), valid);
+        let other = rmp_serde::to_vec_named(&Body { regions: vec![3] }).unwrap();
+        let opened =
+            agent_metadata::open::<Body>("ucx", &(AGENT_METADATA_BODY.wrap)(&valid, &other)).unwrap();
+        assert_eq!(opened.body, Body { regions: vec![3] });
+        let seeds = agent_metadata_hostile(&valid);
+        let names: Vec<&str> = seeds.iter().map(|s| s.name.as_str()).collect();
+        for name in ["hostile-other-backend", "hostile-other-version", "hostile-body-trailing-byte"] {
+            assert!(names.contains(&name), "{names:?}");
+        }
+        for seed in seeds.iter().filter(|s| s.bytes != valid) {
+            assert!(agent_metadata::open::<Body>("ucx", &seed.bytes).is_err(), "{} opens", seed.name);
+        }
     }
 
     #[test]

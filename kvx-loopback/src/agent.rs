@@ -13,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory, MemKind, MemRegion,
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
@@ -396,8 +397,8 @@ impl TransferAgent for LoopbackAgent {
             .map(|(&id, r)| RemoteRegion { id, addr: r.region.addr, len: r.region.len })
             .collect();
         regions.sort_by_key(|r| r.id);
-        AgentMetadata::new(self.shared.fabric.id, self.shared.instance, self.shared.name.clone(), regions)
-            .encode()
+        let md = AgentMetadata { fabric: self.shared.fabric.id, instance: self.shared.instance, regions };
+        agent_metadata::seal(BACKEND, &self.shared.name, &md)
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
@@ -407,26 +408,23 @@ impl TransferAgent for LoopbackAgent {
         {
             return Err(handshake(format!("injected fault: {} refuses handshakes", self.shared.name)));
         }
-        let md = AgentMetadata::decode(metadata)?;
+        let (name, md) = AgentMetadata::open(metadata)?;
         if md.fabric != self.shared.fabric.id {
-            return Err(handshake(format!("agent {} lives on another fabric: unreachable", md.name)));
+            return Err(handshake(format!("agent {name} lives on another fabric: unreachable")));
         }
-        let peer = self.shared.fabric.lookup(&md.name, md.instance)?.ok_or_else(|| {
-            handshake(format!("agent {} is gone (dropped or restarted): stale metadata", md.name))
+        let peer = self.shared.fabric.lookup(&name, md.instance)?.ok_or_else(|| {
+            handshake(format!("agent {name} is gone (dropped or restarted): stale metadata"))
         })?;
         if peer.refuses_handshakes()? {
-            return Err(handshake(format!("injected fault: {} refuses handshakes", md.name)));
+            return Err(handshake(format!("injected fault: {name} refuses handshakes")));
         }
         drop(peer);
         let mut st = self.shared.state()?;
-        if st.remotes.contains_key(&md.name) {
-            return Err(err(
-                ErrorKind::State,
-                format!("agent {} is already loaded: forget it first", md.name),
-            ));
+        if st.remotes.contains_key(&name) {
+            return Err(err(ErrorKind::State, format!("agent {name} is already loaded: forget it first")));
         }
-        st.remotes.insert(md.name.clone(), Remote { instance: md.instance, regions: md.regions });
-        Ok(md.name)
+        st.remotes.insert(name.clone(), Remote { instance: md.instance, regions: md.regions });
+        Ok(name)
     }
 
     fn forget_remote(&self, agent: &AgentName) -> Result<()> {

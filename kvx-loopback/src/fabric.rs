@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use kvx_core::clock::system_clock;
+use kvx_core::wire::agent_metadata;
 use kvx_core::{AgentName, Clock, Error, ErrorKind, Result};
 
 use crate::agent::{AgentOptions, AgentShared, LoopbackAgent};
@@ -62,7 +63,8 @@ impl Fabric {
     /// `drain_notifications`): deterministic, for tests.
     ///
     /// A name that a live agent of this fabric has is a `State` error; once that agent is dropped
-    /// the name can be used again (a restarted peer, with new metadata).
+    /// the name can be used again (a restarted peer, with new metadata). A name that agent
+    /// metadata cannot carry (`agent_metadata::check_agent_name`) is an `InvalidArgument` error.
     pub fn agent(&self, name: impl Into<AgentName>) -> Result<LoopbackAgent> {
         self.agent_with(name, AgentOptions::default())
     }
@@ -70,9 +72,7 @@ impl Fabric {
     /// A new agent with options (e.g. a background progress thread).
     pub fn agent_with(&self, name: impl Into<AgentName>, options: AgentOptions) -> Result<LoopbackAgent> {
         let name = name.into();
-        if name.as_str().is_empty() {
-            return Err(Error::invalid_argument("agent name is empty").with_backend(BACKEND));
-        }
+        agent_metadata::check_agent_name(&name).map_err(|e| e.with_backend(BACKEND))?;
         let mut agents = lock(&self.inner.agents, "fabric's agent table")?;
         if agents.get(&name).is_some_and(|(_, weak)| weak.strong_count() > 0) {
             return Err(Error::new(ErrorKind::State, format!("agent {name} already exists on this fabric"))

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Clock, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, ManualClock, MemKind,
     MemRegion, Notification, RegistrationId, TransferAgent, XferId, XferOp, XferState,
@@ -312,6 +313,26 @@ fn names_are_unique_per_fabric_and_fabrics_are_separate() {
     assert_eq!(e.kind(), ErrorKind::Handshake, "metadata of another fabric is unreachable");
     drop(a);
     fabric.agent("a").unwrap();
+}
+
+/// Agent metadata is kvx-core's envelope: another backend's is `Incompatible`, a byte after it
+/// `InvalidPeerData`, and neither loads anything. Names the envelope cannot carry make no agent.
+#[test]
+fn metadata_of_another_backend_is_incompatible_and_bytes_after_it_are_invalid() {
+    let fabric = Fabric::new();
+    let (a, b) = (fabric.agent("a").unwrap(), fabric.agent("b").unwrap());
+    let md = b.local_metadata().unwrap();
+    for backend in ["ucx", "nixl"] {
+        let other = agent_metadata::seal(backend, b.name(), &()).unwrap();
+        let e = a.load_remote(&other).unwrap_err();
+        assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("loopback")), "{backend}: {e}");
+    }
+    let e = a.load_remote(&[&md[..], &[0]].concat()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "{e}");
+    assert_eq!(a.load_remote(&md).unwrap().as_str(), "b", "nothing was half-loaded");
+    for bad in ["n".repeat(agent_metadata::MAX_AGENT_NAME + 1), "a\0".to_owned()] {
+        assert_eq!(fabric.agent(bad).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
 }
 
 /// Host memory that claims to be GPU memory: the loopback must refuse it without touching it.

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    ConnectorMetadata, ConnectorWorker, Finished, Handshakes, HeldRequest, HexBytes, HostMemory, LayerCache,
-    ManualClock, MetadataExchange, RecvRequest, RemoteCoordinates, RequestId, SingleRank, WorkerConfig,
-    WorkerDriver,
+    Clock, ConnectorMetadata, ConnectorWorker, Finished, Handshakes, HeldRequest, HexBytes, HostMemory,
+    LayerCache, ManualClock, MetadataExchange, RecvRequest, RemoteCoordinates, RequestId, SingleRank,
+    WorkerConfig, WorkerDriver,
 };
 use kvx_loopback::Fabric;
 
@@ -180,4 +180,50 @@ fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
     assert_eq!(failed.len(), 1);
     assert!(failed[0].reason.contains("took over"), "{}", failed[0].reason);
     assert!(driver.is_idle());
+}
+
+/// An idle engine's wait for handshakes ends at the worker's next deadline, not at the caller's
+/// timeout: a handshake that never answers is failed when it is due.
+#[test]
+fn waiting_for_handshakes_ends_at_the_next_deadline() {
+    let rt = runtime();
+    let fabric = Fabric::new();
+    let clock = ManualClock::new();
+    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 5700 };
+    let worker = ConnectorWorker::new(
+        WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 0, 1, 4) },
+        Arc::new(fabric.agent("decode-0").unwrap()),
+    )
+    .unwrap();
+    let mut driver = WorkerDriver::new(worker, Arc::new(Silent), Arc::new(SingleRank), rt.handle().clone())
+        .with_clock(Arc::new(clock.clone()));
+    driver.register_kv_caches(&layer()).unwrap();
+    assert_eq!(driver.next_deadline(), None, "nothing is due before a load");
+    let req = RecvRequest {
+        request_id: "r".into(),
+        remote_request_id: None,
+        local_block_ids: vec![2],
+        remote_block_ids: vec![5],
+        remote_read_from: 0,
+        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+        nonce: Some(HexBytes([1; 16])),
+        mac: None,
+        remote_instance: None,
+    };
+    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() });
+    let timeout = driver.worker().config().handshake_timeout;
+    assert_eq!(driver.next_deadline(), Some(clock.now() + timeout));
+    clock.advance(timeout);
+    // Due now: the wait returns at once instead of after the hour asked for (bounded here by a
+    // watchdog so that a regression fails instead of hanging).
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        driver.wait_for_handshakes(Duration::from_secs(3600));
+        let _ = done_tx.send(driver);
+    });
+    let mut driver = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("wait_for_handshakes waited past the worker's deadline");
+    let failed = driver.get_finished().unwrap().failed_recving;
+    assert_eq!(failed.len(), 1, "the handshake that never answered failed when due");
 }

@@ -7,6 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
@@ -16,7 +17,7 @@ use nixl_sys as nixl;
 use crate::BACKEND;
 use crate::error::{NixlResultExt, error, nixl_error, status_of};
 use crate::library::{check_library, lifecycle_lock};
-use crate::metadata::Envelope;
+use crate::metadata::AgentMetadata;
 
 /// The NIXL plugin kvx-nixl uses.
 const UCX_PLUGIN: &str = "UCX";
@@ -111,13 +112,12 @@ impl NixlAgent {
     ///
     /// Checks first that the real NIXL library is loadable ([`check_library`](crate::check_library)):
     /// without it this returns [`ErrorKind::NotAvailable`] instead of letting NIXL abort the
-    /// process. A missing UCX plugin is `NotAvailable` too.
+    /// process. A missing UCX plugin is `NotAvailable` too. A name that agent metadata cannot
+    /// carry (`agent_metadata::check_agent_name`) is an `InvalidArgument` error.
     pub fn new(name: impl Into<AgentName>, config: &NixlConfig) -> Result<Self> {
         check_library()?;
         let name = name.into();
-        if name.as_str().is_empty() || name.as_str().contains('\0') {
-            return Err(error(ErrorKind::InvalidArgument, format!("invalid agent name {name:?}")));
-        }
+        agent_metadata::check_agent_name(&name).map_err(|e| e.with_backend(BACKEND))?;
         let nixl_config = nixl::AgentConfig {
             enable_prog_thread: config.progress_thread,
             enable_listen_thread: false,
@@ -251,12 +251,11 @@ impl TransferAgent for NixlAgent {
         let state = self.lock();
         let nixl_md = state.nixl.agent.get_local_md().nixl(ErrorKind::Backend, "getting local metadata")?;
         let regions = state.registrations.values().map(|r| r.region).collect();
-        Envelope::new(self.name.as_str().to_owned(), regions, nixl_md).encode()
+        agent_metadata::seal(BACKEND, &self.name, &AgentMetadata { regions, nixl: nixl_md })
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
-        let envelope = Envelope::decode(metadata)?;
-        let name = AgentName::new(envelope.name.as_str());
+        let (name, meta) = AgentMetadata::open(metadata)?;
         if name == self.name {
             return Err(error(
                 ErrorKind::InvalidPeerData,
@@ -270,19 +269,19 @@ impl TransferAgent for NixlAgent {
         let agent = &state.nixl.agent;
         // nixl-sys unwraps the UTF-8 conversion of the name NIXL parsed out of the blob: a peer's
         // bad bytes must not panic through us.
-        let loaded = catch_unwind(AssertUnwindSafe(|| agent.load_remote_md(&envelope.nixl)))
+        let loaded = catch_unwind(AssertUnwindSafe(|| agent.load_remote_md(&meta.nixl)))
             .map_err(|_| error(ErrorKind::InvalidPeerData, "NIXL metadata carries a non-UTF-8 agent name"))?
             .nixl(ErrorKind::InvalidPeerData, "loading remote metadata")?;
-        if loaded != envelope.name {
+        if loaded != name.as_str() {
             if let Err(e) = agent.invalidate_remote_md(&loaded) {
                 tracing::warn!(remote = %loaded, error = %e, "invalidating mislabelled remote metadata failed");
             }
             return Err(error(
                 ErrorKind::InvalidPeerData,
-                format!("metadata names agent {:?} but NIXL's part is for {loaded:?}", envelope.name),
+                format!("metadata names agent {:?} but NIXL's part is for {loaded:?}", name.as_str()),
             ));
         }
-        state.remotes.insert(name.clone(), Remote { regions: envelope.regions });
+        state.remotes.insert(name.clone(), Remote { regions: meta.regions });
         Ok(name)
     }
 

@@ -8,6 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{nixl_or_skip, pattern, wait_notifications, wait_xfer};
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, Notification,
     TransferAgent, XferOp, XferState,
@@ -178,6 +179,34 @@ fn descriptor_lists_must_lie_in_registered_memory() {
     let list = decode.agent.prep_dlist(&DlistOwner::Local, &decode.blocks()).unwrap();
     decode.agent.release_dlist(list).unwrap();
     assert_eq!(decode.agent.release_dlist(list).unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+/// Agent metadata is kvx-core's envelope: a loopback agent's metadata is `Incompatible` here and
+/// a NIXL agent's is there; a byte after it is `InvalidPeerData`; neither loads anything.
+#[test]
+fn metadata_of_another_backend_is_incompatible_and_bytes_after_it_are_invalid() {
+    if !nixl_or_skip("metadata_of_another_backend_is_incompatible_and_bytes_after_it_are_invalid") {
+        return;
+    }
+    let decode = Side::new("decode", 9);
+    let prefill = Side::new("prefill", 10);
+    let fabric = kvx_loopback::Fabric::new();
+    let loopback = fabric.agent("loopback-peer").unwrap();
+    let e = decode.agent.load_remote(&loopback.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("nixl")), "{e}");
+    let e = loopback.load_remote(&prefill.agent.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("loopback")), "{e}");
+    let ucx = agent_metadata::seal("ucx", prefill.agent.name(), &()).unwrap();
+    assert_eq!(decode.agent.load_remote(&ucx).unwrap_err().kind(), ErrorKind::Incompatible);
+
+    let md = prefill.agent.local_metadata().unwrap();
+    let e = decode.agent.load_remote(&[&md[..], &[0]].concat()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidPeerData, Some("nixl")), "{e}");
+    assert_eq!(decode.agent.load_remote(&md).unwrap(), *prefill.agent.name(), "nothing was half-loaded");
+    for bad in ["n".repeat(agent_metadata::MAX_AGENT_NAME + 1), "a\0".to_owned()] {
+        let made = NixlAgent::new(bad, &NixlConfig::default());
+        assert_eq!(made.err().map(|e| e.kind()), Some(ErrorKind::InvalidArgument));
+    }
 }
 
 #[test]
@@ -354,10 +383,7 @@ fn transfers_in_flight_pin_their_memory_and_remote() {
     // The first transfer needs the target to progress (connection setup): it stays in flight
     // until `prefill` is serviced.
     let xfer = decode.agent.post(XferOp::Read, local, &[0, 1, 2, 3], remote, &[9, 8, 7, 6], None).unwrap();
-    if decode.agent.poll(xfer).unwrap() != XferState::Pending {
-        eprintln!("transfer completed at once; nothing in flight to check");
-        return;
-    }
+    assert_eq!(decode.agent.poll(xfer).unwrap(), XferState::Pending, "in flight until the target progresses");
     assert_eq!(decode.agent.forget_remote(&peer).unwrap_err().kind(), ErrorKind::State);
     assert_eq!(decode.agent.deregister(registration).unwrap_err().kind(), ErrorKind::State);
     decode.agent.release(xfer).unwrap();

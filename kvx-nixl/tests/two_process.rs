@@ -9,7 +9,7 @@ mod common;
 use common::nixl_or_skip;
 use common::xproc::{config, run_target_if_child, spawn_target};
 use kvx_nixl::NixlAgent;
-use kvx_testkit::xproc::{READS, Reader};
+use kvx_testkit::xproc::Reader;
 
 #[test]
 fn thousand_scattered_reads_across_processes() {
@@ -27,7 +27,7 @@ fn thousand_scattered_reads_across_processes() {
 
     // Scattered on both sides: 1000 distinct remote blocks out of 2000, into a permuted order.
     reader.read_round(0, Some(b"blocks-read"));
-    assert_eq!(reader.verify(0), READS);
+    reader.verify(0);
 
     reader.notify_done();
     assert_eq!(target.finish("decode"), 2, "the target got the READ's notification and DONE");

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+pub mod child;
 pub mod conformance;
 pub mod hostile;
 pub mod matrix;

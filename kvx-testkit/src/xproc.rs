@@ -242,18 +242,11 @@ impl Target {
                 Err(RecvTimeoutError::Timeout) => panic!("target still running after {PROCESS_DEADLINE:?}"),
             }
         }
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(status)) => {
-                    assert!(status.success(), "target process failed: {status}");
-                    return count;
-                }
-                Ok(None) => {}
-                Err(e) => panic!("waiting for the target process: {e}"),
-            }
-            assert!(Instant::now() < deadline, "target closed its stdout but did not exit");
-            std::thread::park_timeout(Duration::from_millis(1));
+        match crate::child::wait_within(&mut self.child, PROCESS_DEADLINE) {
+            Some(status) => assert!(status.success(), "target process failed: {status}"),
+            None => panic!("target closed its stdout but did not exit within {PROCESS_DEADLINE:?}"),
         }
+        count
     }
 }
 
@@ -343,8 +336,9 @@ impl<A: TransferAgent> Reader<A> {
         }
     }
 
-    /// Checks every byte of the round's reads; returns the number of blocks checked.
-    pub fn verify(&self, round: usize) -> usize {
+    /// Checks every byte of the round's reads. Panics, like `assert!`, naming the first read
+    /// whose block differs from the target's.
+    pub fn verify(&self, round: usize) {
         let mut block = vec![0u8; BLOCK_LEN];
         for i in 0..READS {
             ok(self.local.read(local_slot(i) * BLOCK_LEN, &mut block), "reader: read local slot");
@@ -356,7 +350,6 @@ impl<A: TransferAgent> Reader<A> {
                 panic!("round {round}: read {i} (remote block {b}) differs at word {w}");
             }
         }
-        READS
     }
 
     /// Clears the local slots, so that a round cannot pass on stale data.

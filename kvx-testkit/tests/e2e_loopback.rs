@@ -208,11 +208,12 @@ fn a_failed_transfer_fails_exactly_that_request() {
 
 #[test]
 fn a_refused_handshake_fails_the_waiting_requests() {
-    let lb = Loopback::default();
+    // In simulated time: the holds nobody reads expire by their lease without waiting for it.
+    let lb = Loopback::simulated();
     let m = model();
     let prefill =
         lb.engine(EngineConfig { lease_duration: Duration::from_millis(200), ..lb.config("prefill", &m) });
-    let mut c = Cluster::new(vec![prefill], lb.engine(lb.config("decode", &m))).unwrap();
+    let mut c = lb.cluster_of(vec![prefill], lb.engine(lb.config("decode", &m)));
     for rank in 0..2 {
         lb.agent("prefill", rank).set_faults(Faults::none().refuse_handshakes()).unwrap();
     }
@@ -227,6 +228,20 @@ fn a_refused_handshake_fails_the_waiting_requests() {
     }
     assert_eq!(c.decode.stats().failed, 3);
     assert!(c.decode.worker_stats().iter().all(|w| w.handshake_failures >= 1 && w.handshakes == 0));
+    assert!(c.prefills[0].worker_stats().iter().all(|w| w.expired_holds == 3));
+    let elapsed = lb.time.as_ref().unwrap().clock().elapsed();
+    assert!(elapsed >= Duration::from_millis(200), "the leases ran out in simulated time: {elapsed:?}");
+}
+
+#[test]
+fn simulated_time_needs_every_engine_on_its_clock() {
+    let (system, simulated) = (Loopback::default(), Loopback::simulated());
+    let m = model();
+    let prefill = simulated.engine(simulated.config("prefill", &m));
+    let decode = system.engine(system.config("decode", &m));
+    let e = Cluster::new(vec![prefill], decode).unwrap().with_sim_time(simulated.time.unwrap()).unwrap_err();
+    assert_eq!(e.kind(), kvx_core::ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("engine decode"), "{e}");
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! The fault matrix (`kvx_testkit::matrix`) on the loopback backend, TP=2, then the faults only
 //! loopback can inject (`kvx_loopback::Faults`) that the lease protocol adds to
 //! `e2e_loopback.rs`'s: a lost or doubled release, a lost answer, and an answer path that cannot
-//! be reached.
+//! be reached. Those run in simulated time (`kvx_testkit::sim::SimTime`): the leases and the
+//! 10 s confirmation timeouts they wait out cost steps, not wall time.
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
@@ -9,12 +10,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use kvx_core::{EngineId, TransferAgent};
+use kvx_core::{EngineId, ManualClock, TransferAgent};
 use kvx_loopback::{Fabric, Faults, LoopbackAgent};
 use kvx_testkit::matrix::{
     self, Matrix, PROMPT_BLOCKS, assert_clean, assert_failed, assert_finished, run, submit,
 };
-use kvx_testkit::sim::{EngineConfig, InProcessSideChannels, SimBackend};
+use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, SimBackend, SimTime};
 
 /// A rank's agent, by (engine, rank), without keeping it alive.
 type Agents = Arc<Mutex<HashMap<(String, u32), Weak<LoopbackAgent>>>>;
@@ -60,14 +61,24 @@ fn other_tensor_parallel_sizes() {
     }
 }
 
-/// A cluster on `lb` whose prefill engine has the lease `lease`.
-fn cluster_with_lease(lb: &Loopback, case: &str, lease: Duration) -> kvx_testkit::sim::Cluster {
+/// Loopback agents on a fabric of a simulated clock, and that clock.
+fn simulated() -> (Loopback, ManualClock) {
+    let clock = ManualClock::new();
+    let lb = Loopback { fabric: Fabric::with_clock(Arc::new(clock.clone())), agents: Agents::default() };
+    (lb, clock)
+}
+
+/// A cluster on `lb` (of `clock`) whose prefill engine has the lease `lease`, in simulated time
+/// (10 ms a step): the leases and the decode workers' confirmation timeout (10 s) it waits out
+/// cost steps.
+fn cluster_with_lease(lb: &Loopback, clock: &ManualClock, case: &str, lease: Duration) -> Cluster {
     let m = lb.matrix();
     let net = InProcessSideChannels::new();
-    let prefill =
-        m.engine(EngineConfig { lease_duration: lease, ..m.config(&format!("{case}-prefill"), &net) });
-    let decode = m.engine(m.config(&format!("{case}-decode"), &net));
-    matrix::cluster(vec![prefill], decode)
+    let time = SimTime::loopback(clock.clone(), Duration::from_millis(10), &lb.fabric, &net);
+    let config = |id: &str| time.configure(m.config(&format!("{case}-{id}"), &net));
+    let prefill = m.engine(EngineConfig { lease_duration: lease, ..config("prefill") });
+    let decode = m.engine(config("decode"));
+    matrix::cluster(vec![prefill], decode).with_sim_time(time).unwrap()
 }
 
 /// Rank 1 of the prefill engine loses its first answer ("held"): that rank's load waits out its
@@ -76,9 +87,9 @@ fn cluster_with_lease(lb: &Loopback, case: &str, lease: Duration) -> kvx_testkit
 /// again (same instance: not a restart), and the next request succeeds.
 #[test]
 fn a_lost_answer_fails_the_load_after_its_confirmation_timeout() {
-    let lb = Loopback::default();
+    let (lb, clock) = simulated();
     let m = lb.matrix();
-    let mut c = cluster_with_lease(&lb, "lost-answer", Duration::from_secs(30));
+    let mut c = cluster_with_lease(&lb, &clock, "lost-answer", Duration::from_secs(30));
     lb.agent("lost-answer-prefill", 1).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
@@ -108,8 +119,8 @@ fn a_lost_answer_fails_the_load_after_its_confirmation_timeout() {
 /// hold is freed by its lease (1 s here), not by a release.
 #[test]
 fn a_lost_release_fails_the_load_and_the_hold_expires() {
-    let lb = Loopback::default();
-    let mut c = cluster_with_lease(&lb, "lost-release", Duration::from_secs(1));
+    let (lb, clock) = simulated();
+    let mut c = cluster_with_lease(&lb, &clock, "lost-release", Duration::from_secs(1));
     lb.agent("lost-release-decode", 0).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
@@ -128,9 +139,9 @@ fn a_lost_release_fails_the_load_and_the_hold_expires() {
 /// request succeeds.
 #[test]
 fn a_doubled_release_is_answered_twice_and_the_load_succeeds() {
-    let lb = Loopback::default();
+    let (lb, clock) = simulated();
     let m = lb.matrix();
-    let mut c = cluster_with_lease(&lb, "doubled", Duration::from_secs(30));
+    let mut c = cluster_with_lease(&lb, &clock, "doubled", Duration::from_secs(30));
     lb.agent("doubled-decode", 0).set_faults(Faults::none().duplicate_nth_notification(1)).unwrap();
     let ids = submit(&mut c, "doubled", 1, 1);
     run(&mut c);
@@ -154,9 +165,9 @@ fn a_doubled_release_is_answered_twice_and_the_load_succeeds() {
 /// the fault gone, both sides handshake again and the next request succeeds.
 #[test]
 fn an_unreachable_answer_path_fails_the_load_and_nothing_leaks() {
-    let lb = Loopback::default();
+    let (lb, clock) = simulated();
     let m = lb.matrix();
-    let mut c = cluster_with_lease(&lb, "no-answer", Duration::from_secs(30));
+    let mut c = cluster_with_lease(&lb, &clock, "no-answer", Duration::from_secs(30));
     let ids = submit(&mut c, "no-answer", 1, 1);
     let fabric = lb.fabric.clone();
     let mut refused = false;

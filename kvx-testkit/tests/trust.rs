@@ -65,9 +65,9 @@ fn hostile_client() -> impl FnMut(ClientRequest) -> Vec<ClientRequest> + Send + 
 }
 
 fn run(prefill_key: Option<&str>, decode_key: Option<&str>) -> Cluster {
-    let lb = Loopback::default();
+    let lb = Loopback::simulated();
     let (prefill, decode) = engines(&lb, prefill_key, decode_key);
-    let mut c = Cluster::new(vec![prefill], decode).unwrap().with_client(hostile_client());
+    let mut c = lb.cluster_of(vec![prefill], decode).with_client(hostile_client());
     c.submit(RequestId::new("victim"), victim_prompt(), 2).unwrap();
     c.submit(RequestId::new("attacker"), attacker_prompt(), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();

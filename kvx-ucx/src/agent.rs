@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata::{self, MAX_AGENT_NAME};
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
@@ -32,7 +33,7 @@ use kvx_ucx_sys as sys;
 use crate::context::{Context, ProgressThreadConfig, UcxConfig};
 use crate::memory::{PoolMapping, UcxMemory};
 use crate::status::{BACKEND, check, check_as, error, status_string, ucx_error};
-use crate::wire::{AgentMetadata, MAX_NAME, RegionMetadata};
+use crate::wire::{AgentMetadata, RegionMetadata};
 
 /// Active-message id of kvx notifications.
 const AM_NOTIFY: u32 = 0x6b76;
@@ -65,15 +66,11 @@ impl UcxAgent {
     }
 
     /// Creates an agent: a UCP context and worker, an active-message handler for notifications
-    /// and, if configured, a progress thread.
+    /// and, if configured, a progress thread. A name that agent metadata cannot carry
+    /// (`agent_metadata::check_agent_name`) is an `InvalidArgument` error.
     pub fn with_config(name: impl Into<AgentName>, config: &UcxConfig) -> Result<Self> {
         let name = name.into();
-        if name.as_str().is_empty() || name.as_str().len() > MAX_NAME {
-            return Err(error(
-                ErrorKind::InvalidArgument,
-                format!("agent name of {} bytes", name.as_str().len()),
-            ));
-        }
+        agent_metadata::check_agent_name(&name).map_err(|e| e.with_backend(BACKEND))?;
         let context = Arc::new(Context::new(config, name.as_str())?);
         let inner = Inner::new(name.clone(), context, config.peer_failure_detection())?;
         let shared = Arc::new(Shared { name, inner: Mutex::new(inner) });
@@ -223,7 +220,7 @@ impl Inbox {
     }
 
     fn accept(&self, header: &[u8], data: &[u8]) -> sys::ucs_status_t {
-        if header.is_empty() || header.len() > MAX_NAME {
+        if header.is_empty() || header.len() > MAX_AGENT_NAME {
             return self.reject("bad sender name length");
         }
         let Ok(from) = std::str::from_utf8(header) else {
@@ -929,12 +926,15 @@ impl TransferAgent for UcxAgent {
             .into_iter()
             .map(|(_, r)| RegionMetadata { addr: r.region.addr, len: r.region.len, rkey: r.rkey.clone() })
             .collect();
-        AgentMetadata::new(&inner.name, inner.address.clone(), regions).encode()
+        agent_metadata::seal(
+            BACKEND,
+            &inner.name,
+            &AgentMetadata { worker_address: inner.address.clone(), regions },
+        )
     }
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
-        let meta = AgentMetadata::decode(metadata)?;
-        let name = AgentName::new(meta.name);
+        let (name, meta) = AgentMetadata::open(metadata)?;
         let mut inner = self.shared.lock()?;
         if name == inner.name {
             return Err(error(

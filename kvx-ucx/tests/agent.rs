@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, TransferAgent, XferId, XferOp,
-    XferState,
+    BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, RegistrationId, TransferAgent,
+    XferId, XferOp, XferState,
 };
 use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
 
@@ -45,6 +46,7 @@ fn wait_initiator_only(agent: &UcxAgent, x: XferId) -> XferState {
 struct Reader {
     agent: UcxAgent,
     local: Arc<HostMemory>,
+    registration: RegistrationId,
     local_list: DlistId,
     remote_list: DlistId,
 }
@@ -52,12 +54,12 @@ struct Reader {
 fn reader(name: &str, config: &UcxConfig, target: &UcxAgent, remote_base: u64, blocks: u32) -> Reader {
     let agent = UcxAgent::with_config(name, config).unwrap();
     let local = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
-    agent.register(local.clone()).unwrap();
+    let registration = agent.register(local.clone()).unwrap();
     agent.load_remote(&target.local_metadata().unwrap()).unwrap();
     let local_list = agent.prep_dlist(&DlistOwner::Local, &list(local.region().addr, blocks)).unwrap();
     let remote_list =
         agent.prep_dlist(&DlistOwner::Remote(target.name().clone()), &list(remote_base, blocks)).unwrap();
-    Reader { agent, local, local_list, remote_list }
+    Reader { agent, local, registration, local_list, remote_list }
 }
 
 fn verify_reversed(local: &HostMemory, blocks: usize) {
@@ -169,13 +171,14 @@ fn a_dead_peer_fails_transfers_with_peer_failure_detection() {
 }
 
 /// Released, deregistered and forgotten while running: the transfer keeps its memory, rkeys and
-/// endpoint until UCX is done, sends no notification, and dropping everything leaks nothing.
+/// endpoint until UCX is done, sends no notification, and lets the memory go when it ends.
 #[test]
 fn handles_outlive_running_transfers() {
     let tcp = UcxConfig::default().with_transports("tcp");
     let target = UcxAgent::with_config("slow-target", &tcp).unwrap();
     let blocks = 64u32;
     let heap = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    fill_blocks(|off, d| heap.write(off, d).unwrap(), blocks as usize);
     target.register(heap.clone()).unwrap();
     let r = reader("impatient", &tcp, &target, heap.region().addr, blocks);
     let idx: Vec<u32> = (0..blocks).collect();
@@ -185,26 +188,32 @@ fn handles_outlive_running_transfers() {
     r.agent.release(x).unwrap();
     assert_eq!(r.agent.poll(x).unwrap_err().kind(), ErrorKind::NotFound);
     r.agent.forget_remote(target.name()).unwrap();
-    let regs_before = Arc::strong_count(&r.local);
-    // Let both sides run: the orphaned READ completes; no notification is sent for it.
-    let deadline = Instant::now() + Duration::from_secs(2);
+    r.agent.deregister(r.registration).unwrap();
+    assert_eq!(Arc::strong_count(&r.local), 2, "the running READ keeps the memory it writes");
+    // Both sides run until the orphaned READ completes and lets the memory go.
+    let deadline = Instant::now() + DEADLINE;
     let mut notes = Vec::new();
-    while Instant::now() < deadline {
+    while Arc::strong_count(&r.local) > 1 {
+        assert!(Instant::now() < deadline, "the released READ did not end within {DEADLINE:?}");
         target.drain_notifications(&mut notes).unwrap();
         r.agent.progress().unwrap();
     }
+    let mut block = vec![0u8; BLOCK];
+    r.local.read(5 * BLOCK, &mut block).unwrap();
+    assert!(block.iter().enumerate().all(|(i, &v)| v == pattern(5, i)), "the READ completed");
+    // Its notification was dropped when it was released, before anything could send it.
+    target.drain_notifications(&mut notes).unwrap();
     assert!(notes.is_empty(), "a released transfer sent {notes:?}");
-    assert_eq!(Arc::strong_count(&r.local), regs_before);
-    drop(r.agent);
-    assert_eq!(Arc::strong_count(&r.local), 1, "the agent released the memory on drop");
     drop(target);
-    assert_eq!(Arc::strong_count(&heap), 1);
+    assert_eq!(Arc::strong_count(&heap), 1, "the target released its memory on drop");
 }
 
-/// A peer that never answers: dropping is bounded and does not abort. UCX 1.13 would abort in
-/// ucp_worker_destroy, so the agent leaks its UCX state (and keeps the memory) instead.
+/// A peer that never answers (over TCP without peer failure detection, a READ of its memory can
+/// neither finish nor be cancelled): dropping the reader's agent returns, within its teardown
+/// bound, without aborting. UCX 1.13 would abort in ucp_worker_destroy, so the agent leaks its
+/// UCX state instead, and with it the reader's memory: the pending READ may still write into it.
 #[test]
-fn dropping_an_agent_with_a_pending_transfer_is_bounded() {
+fn dropping_an_agent_with_a_pending_transfer_keeps_the_memory_ucx_may_write() {
     let tcp = UcxConfig::default().with_transports("tcp");
     let target = UcxAgent::with_config("never-served", &tcp).unwrap();
     let heap = Arc::new(HostMemory::new(4 * BLOCK).unwrap());
@@ -212,10 +221,34 @@ fn dropping_an_agent_with_a_pending_transfer_is_bounded() {
     let r = reader("dropper", &tcp, &target, heap.region().addr, 4);
     let x = r.agent.post(XferOp::Read, r.local_list, &[0, 1], r.remote_list, &[2, 3], None).unwrap();
     assert_eq!(r.agent.poll(x).unwrap(), XferState::Pending);
-    let start = Instant::now();
-    drop(r.agent);
-    assert!(start.elapsed() < Duration::from_secs(10));
-    assert_eq!(Arc::strong_count(&r.local), 2, "leaked with the worker that may still write to it");
+    let (agent, local) = (r.agent, r.local);
+    let (tx, dropped) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(agent);
+        let _ = tx.send(());
+    });
+    dropped.recv_timeout(DEADLINE).expect("dropping the agent returned");
+    assert_eq!(Arc::strong_count(&local), 2, "kept for the READ that may still write into it");
+}
+
+#[test]
+fn ucx_memory_is_held_by_its_registration_and_outlives_its_agent() {
+    let agent = UcxAgent::new("pool-owner").unwrap();
+    let pool = agent.alloc_memory(3 * BLOCK + 5).unwrap();
+    assert_eq!(pool.len(), 3 * BLOCK + 5);
+    assert!(pool.to_vec().iter().all(|&b| b == 0));
+    pool.fill(10, 5, 9).unwrap();
+    assert!(pool.write(pool.len() - 1, &[1, 2]).is_err());
+    let registration = agent.register(pool.clone()).unwrap();
+    assert_eq!(Arc::strong_count(&pool), 2, "the registration holds the pool");
+    agent.deregister(registration).unwrap();
+    assert_eq!(Arc::strong_count(&pool), 1, "deregistering gives it back");
+    agent.register(pool.clone()).unwrap();
+    drop(agent); // deregisters; the pool's mapping (and its UCX context) stay with the pool
+    assert_eq!(Arc::strong_count(&pool), 1);
+    let mut out = [0u8; 6];
+    pool.read(9, &mut out).unwrap();
+    assert_eq!(out, [0, 9, 9, 9, 9, 9]);
 }
 
 #[test]
@@ -240,19 +273,26 @@ fn ucx_errors_carry_backend_and_status() {
     assert_eq!(agent.notify(other.name(), &big).unwrap_err().kind(), ErrorKind::InvalidArgument);
 }
 
+/// Agent metadata is kvx-core's envelope: a loopback agent's metadata is `Incompatible` here and
+/// a UCX agent's is there; a byte after it is `InvalidPeerData`; neither loads anything.
 #[test]
-fn ucx_memory_is_registered_once_and_freed_last() {
-    let agent = UcxAgent::new("pool-owner").unwrap();
-    let pool = agent.alloc_memory(3 * BLOCK + 5).unwrap();
-    assert_eq!(pool.len(), 3 * BLOCK + 5);
-    assert!(pool.to_vec().iter().all(|&b| b == 0));
-    pool.fill(10, 5, 9).unwrap();
-    assert!(pool.write(pool.len() - 1, &[1, 2]).is_err());
-    let reg = agent.register(pool.clone()).unwrap();
-    drop(agent); // the agent deregisters; the pool (and its context) stay alive
-    let mut out = [0u8; 6];
-    pool.read(9, &mut out).unwrap();
-    assert_eq!(out, [0, 9, 9, 9, 9, 9]);
-    let _ = reg;
-    assert_eq!(Arc::strong_count(&pool), 1);
+fn metadata_of_another_backend_is_incompatible_and_bytes_after_it_are_invalid() {
+    let agent = UcxAgent::new("ucx-loader").unwrap();
+    let peer = UcxAgent::new("ucx-peer").unwrap();
+    let fabric = kvx_loopback::Fabric::new();
+    let loopback = fabric.agent("loopback-peer").unwrap();
+    let e = agent.load_remote(&loopback.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("ucx")), "{e}");
+    let e = loopback.load_remote(&peer.local_metadata().unwrap()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::Incompatible, Some("loopback")), "{e}");
+    let nixl = agent_metadata::seal("nixl", peer.name(), &()).unwrap();
+    assert_eq!(agent.load_remote(&nixl).unwrap_err().kind(), ErrorKind::Incompatible);
+
+    let md = peer.local_metadata().unwrap();
+    let e = agent.load_remote(&[&md[..], &[0]].concat()).unwrap_err();
+    assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidPeerData, Some("ucx")), "{e}");
+    assert_eq!(agent.load_remote(&md).unwrap(), *peer.name(), "nothing was half-loaded");
+    for bad in ["n".repeat(agent_metadata::MAX_AGENT_NAME + 1), "a\0".to_owned()] {
+        assert_eq!(UcxAgent::new(bad).err().map(|e| e.kind()), Some(ErrorKind::InvalidArgument));
+    }
 }

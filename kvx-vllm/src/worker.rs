@@ -152,7 +152,10 @@ pub struct Worker {
     /// Stops the pump thread when dropped.
     pump_stop: Option<mpsc::Sender<()>>,
     pump: Option<JoinHandle<()>>,
-    agent: Arc<dyn TransferAgent>,
+    /// `None` once closed: the agent goes with the last reference.
+    agent: Option<Arc<dyn TransferAgent>>,
+    /// The backend's name (kept past close).
+    backend: &'static str,
     runtime: Option<Runtime>,
 }
 
@@ -241,16 +244,50 @@ impl Worker {
             std::thread::Builder::new().name("kvx-vllm-pump".into()).spawn(move || run_pump(&weak, &stopped))
         })?
         .map_err(|e| PyRuntimeError::new_err(format!("starting kvx's pump thread: {e}")))?;
-        Ok(Worker { state, pump_stop: Some(pump_stop), pump: Some(pump), agent, runtime: Some(runtime) })
+        let backend = agent.capabilities().backend;
+        Ok(Worker {
+            state,
+            pump_stop: Some(pump_stop),
+            pump: Some(pump),
+            agent: Some(agent),
+            backend,
+            runtime: Some(runtime),
+        })
     }
 
     fn with_state<T>(&self, f: impl FnOnce(&mut State) -> PyResult<T>) -> PyResult<T> {
         let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match guard.as_mut() {
             Some(state) => f(state),
-            None => Err(PyRuntimeError::new_err("the kvx worker is closed")),
+            None => Err(closed()),
         }
     }
+
+    /// Stops the pump thread, closes the connector worker (its READs cancelled or released, and
+    /// every registration, descriptor list and peer given back to the agent), drops this
+    /// object's reference to the agent (the agent's own teardown ends whatever the worker could
+    /// not give back) and stops the side channel. Afterwards nothing of kvx keeps the tensors
+    /// registered, though this object lives on. Idempotent.
+    fn shut_down(&mut self) {
+        drop(self.pump_stop.take());
+        if let Some(pump) = self.pump.take() {
+            let _ = pump.join();
+        }
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(mut state) = state {
+            if let Err(e) = state.driver.worker_mut().close() {
+                tracing::warn!(error = %e, "closing kvx's worker: the agent ends the rest when it goes");
+            }
+        }
+        self.agent = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+fn closed() -> PyErr {
+    PyRuntimeError::new_err("the kvx worker is closed")
 }
 
 /// What [`Worker::get_finished`] returns: released holds, completed loads, and failed loads as
@@ -261,8 +298,8 @@ type FinishedLists = (Vec<String>, Vec<String>, Vec<(String, Vec<BlockId>, Strin
 impl Worker {
     /// The backend's name.
     #[getter]
-    fn backend(&self) -> String {
-        self.agent.capabilities().backend.to_string()
+    fn backend(&self) -> &'static str {
+        self.backend
     }
 
     /// This worker's instance (drawn at start, published in its handshake payload): the engine's
@@ -321,7 +358,7 @@ impl Worker {
 
     /// Progresses the agent (for backends without a progress thread, between steps).
     fn progress(&self) -> PyResult<()> {
-        self.agent.progress().map_err(py_err)
+        self.agent.as_ref().ok_or_else(closed)?.progress().map_err(py_err)
     }
 
     /// Whether nothing is in flight or held.
@@ -360,8 +397,12 @@ impl Worker {
             for (name, value) in counters {
                 d.set_item(name, value)?;
             }
-            let sampled = [("transfer", &st.transfer_latencies), ("handshake", &st.handshake_times)]
-                .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
+            let sampled = [
+                ("read", &st.read_latencies),
+                ("transfer", &st.transfer_latencies),
+                ("handshake", &st.handshake_times),
+            ]
+            .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
             for (name, count, max, sum) in sampled {
                 d.set_item(format!("{name}_count"), count)?;
                 d.set_item(format!("{name}_seconds"), sum)?;
@@ -373,24 +414,18 @@ impl Worker {
         Ok(d)
     }
 
-    /// Stops the pump thread, deregisters everything and stops the side channel. Afterwards the
-    /// caller may free the tensors. Idempotent.
-    fn close(&mut self) {
-        drop(self.pump_stop.take());
-        if let Some(pump) = self.pump.take() {
-            let _ = pump.join();
-        }
-        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner).take();
-        drop(state);
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_timeout(Duration::from_secs(1));
-        }
+    /// Stops the pump thread, closes the connector (every READ cancelled or released, every
+    /// registration given back) and drops the agent, then stops the side channel; without the
+    /// GIL, since an agent's teardown may wait for its transfers (bounded). Afterwards the caller
+    /// may free the tensors. Idempotent.
+    fn close(&mut self, py: Python<'_>) {
+        py.allow_threads(|| self.shut_down());
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.close();
+        self.shut_down();
     }
 }
 
@@ -403,5 +438,61 @@ fn sum_estimate(samples: &Samples) -> f64 {
         sum
     } else {
         sum / kept.len() as f64 * samples.count() as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+    use super::*;
+    use kvx_core::{BlockList, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind};
+    use kvx_loopback::Fabric;
+
+    /// Closing gives the agent back every registration of the tensors, while the worker (the
+    /// Python object) still lives: a list over them is refused, and only the test still holds
+    /// the agent.
+    #[test]
+    fn close_deregisters_the_tensors_while_the_worker_lives() {
+        let agent = Arc::new(Fabric::new().agent("vllm-worker").unwrap());
+        let options = WorkerOptions::new(
+            "engine".into(),
+            4,
+            "127.0.0.1".into(),
+            0,
+            0,
+            1,
+            String::new(),
+            5.0,
+            30.0,
+            1,
+            None,
+        );
+        let mut worker = Worker::create(&options, agent.clone()).unwrap();
+        // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
+        let shape = vec![8, 2, 4, 8];
+        let tensors: Vec<HostMemory> = (0..2).map(|_| HostMemory::new(8 * 2 * 4 * 8).unwrap()).collect();
+        let layers = tensors.iter().map(|t| (t.region().addr, t.region().len, shape.clone(), 1)).collect();
+        assert_eq!(worker.register_kv_caches(layers).unwrap(), "Packed");
+        let over = |t: &HostMemory| BlockList {
+            kind: MemKind::Dram,
+            device: 0,
+            bases: vec![t.region().addr],
+            num_blocks: 8,
+            block_len: 64,
+        };
+        for t in &tensors {
+            agent.prep_dlist(&DlistOwner::Local, &over(t)).unwrap();
+        }
+
+        worker.shut_down();
+        for t in &tensors {
+            let e = agent.prep_dlist(&DlistOwner::Local, &over(t)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "still registered: {e}");
+        }
+        assert_eq!(Arc::strong_count(&agent), 1, "the worker let its agent go");
+        assert!(worker.instance().is_err() && worker.progress().is_err(), "closed");
+        assert_eq!(worker.backend(), "loopback");
+        worker.shut_down();
     }
 }

@@ -353,10 +353,9 @@ mod tests {
         assert_eq!(r1.gather_finished(rep("after")).unwrap(), None);
         assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("before"));
         assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("after"));
-        let start = Instant::now();
+        // `Incompatible`, not the `Timeout` of a join retried until `T`: refused at once.
         let e = TcpGroup::join(1, 3, "127.0.0.1", port, T).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Incompatible, "{e}");
-        assert!(start.elapsed() < T, "refused, not retried until the timeout");
     }
 
     #[test]

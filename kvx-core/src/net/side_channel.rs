@@ -121,7 +121,6 @@ impl MetadataExchange for SideChannel {
 mod tests {
     use super::*;
     use crate::auth::AuthKey;
-    use std::time::Instant;
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
@@ -151,14 +150,9 @@ mod tests {
         let free_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         runtime().block_on(async {
             let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
-            let start = Instant::now();
+            // `Handshake`, not the `Timeout` its 30 s bound would give: refused, not waited for.
             let e = client.fetch("127.0.0.1", free_port, Duration::from_secs(30)).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "refused, not waited for: {:?}",
-                start.elapsed()
-            );
         });
     }
 
@@ -169,10 +163,10 @@ mod tests {
         let port = silent.local_addr().unwrap().port();
         runtime().block_on(async {
             let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
-            let start = Instant::now();
-            let e = client.fetch("127.0.0.1", port, Duration::from_millis(300)).await.unwrap_err();
+            let fetch = client.fetch("127.0.0.1", port, Duration::from_millis(300));
+            let e = tokio::time::timeout(T, fetch).await.expect("the fetch hung").unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
-            assert!(start.elapsed() < Duration::from_secs(3), "bounded by the timeout");
+            assert!(e.to_string().contains("within 300ms"), "its own timeout ended it: {e}");
         });
         drop(silent);
     }

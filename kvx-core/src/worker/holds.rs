@@ -152,6 +152,15 @@ impl ConnectorWorker {
         }
     }
 
+    /// At close: every hold ends (nobody can read its blocks any more) and the buffers of
+    /// early releases and ended holds are emptied.
+    pub(super) fn close_holds(&mut self) {
+        let mut ended: Vec<RequestId> = self.holds.live.drain().map(|(id, _)| id).collect();
+        ended.sort();
+        self.finished.sending.extend(ended);
+        self.holds = Holds::new(&self.config);
+    }
+
     /// Frees the holds whose lease ran out.
     pub(super) fn expire_holds(&mut self, now: Instant) {
         let expired: Vec<RequestId> =

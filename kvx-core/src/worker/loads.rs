@@ -151,11 +151,8 @@ impl ConnectorWorker {
 
     /// Tells the prefill engine to free the hold of `req` (no answer wanted).
     fn release_hold(&mut self, now: Instant, req: &RecvRequest) {
-        let Some(nonce) = req.nonce else { return };
-        let release = HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to: None };
-        match wire::encode(&release) {
-            Ok(msg) => self.send_to(now, &req.remote, msg),
-            Err(e) => debug!(error = %e, "encoding a release failed"),
+        if let Some(msg) = free_at_once(req) {
+            self.send_to(now, &req.remote, msg);
         }
     }
 
@@ -320,10 +317,7 @@ impl ConnectorWorker {
                     self.release_hold(now, &load.req);
                     return None;
                 }
-                let nonce = load.req.nonce?;
-                let release =
-                    HoldRelease { request_id: load.req.prefill_request_id().clone(), nonce, reply_to: None };
-                wire::encode(&release).ok()
+                free_at_once(&load.req)
             }
         }
     }
@@ -363,6 +357,7 @@ impl ConnectorWorker {
             let remote = load.req.remote.clone();
             match outcome {
                 Ok(()) => {
+                    self.stats.read_latencies.push(now.saturating_duration_since(read.posted));
                     read.deadline = now + self.config.confirm_timeout;
                     load.stage = Stage::Confirming(read);
                     if let Some(held) = answer {
@@ -471,6 +466,37 @@ impl ConnectorWorker {
         }
     }
 
+    /// At close: fails every load; collects the READs in flight into `transfers` (to be
+    /// cancelled or released), and tells each prefill engine whose peer is ready to free the hold
+    /// of a load whose READ has not completed (a completed READ's release went with it).
+    pub(super) fn close_loads(&mut self, transfers: &mut Vec<XferId>) {
+        let mut loads: Vec<(RequestId, Load)> = self.loads.drain().collect();
+        loads.sort_by(|a, b| a.0.cmp(&b.0));
+        self.offers.clear();
+        for (id, load) in loads {
+            match load.stage {
+                Stage::Reading { xfer, .. } => {
+                    transfers.push(xfer);
+                    self.release_if_ready(&load.req);
+                }
+                Stage::Waiting { .. } => self.release_if_ready(&load.req),
+                Stage::Confirming(_) => {}
+            }
+            self.fail(&id, super::close::closed());
+        }
+    }
+
+    /// Tells the prefill engine of `req` to free its hold (no answer wanted), if its peer is
+    /// ready: nothing is handshaken for it.
+    fn release_if_ready(&mut self, req: &RecvRequest) {
+        let engine_id = &req.remote.engine_id;
+        if matches!(self.peers.get(engine_id), Some(Peer::Ready(_))) {
+            if let Some(msg) = free_at_once(req) {
+                self.notify_peer(engine_id, &msg);
+            }
+        }
+    }
+
     /// Renews the leases of requests still waiting for their KV on the matching prefill rank.
     pub(super) fn send_heartbeat(&mut self, now: Instant, beat: &Heartbeat) {
         if beat.remote.check().is_err() || beat.remote.engine_id == self.config.engine_id {
@@ -486,6 +512,14 @@ impl ConnectorWorker {
             }
         }
     }
+}
+
+/// The release that frees the hold of `req` at once (no answer wanted), encoded; `None` for a
+/// request without a nonce.
+fn free_at_once(req: &RecvRequest) -> Option<Vec<u8>> {
+    let nonce = req.nonce?;
+    let release = HoldRelease { request_id: req.prefill_request_id().clone(), nonce, reply_to: None };
+    wire::encode(&release).map_err(|e| debug!(error = %e, "encoding a release failed")).ok()
 }
 
 /// The offered blocks the READ takes: `local_block_ids.len()` from `remote_read_from`.

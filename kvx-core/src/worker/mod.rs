@@ -8,6 +8,7 @@
 //! - `loads`: the decode side (admit, READ, lease confirmation, heartbeats).
 //! - `holds`: the prefill side (leases, releases, their answers).
 //! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
+//! - `close`: the teardown that gives the agent back every registration, list and peer.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, Transfe
 use crate::wire::{self, HandshakePayload, MessageKind};
 
 mod aggregator;
+mod close;
 mod holds;
 mod loads;
 mod peers;
@@ -35,6 +37,7 @@ pub use samples::Samples;
 
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
+use close::Leftovers;
 use holds::Holds;
 use loads::Load;
 use peers::Peer;
@@ -146,7 +149,12 @@ pub struct WorkerStats {
     pub lease_failures: u64,
     /// Notify-only requests (full local prefix hit).
     pub notify_only: u64,
-    /// From posting a READ to the prefill engine's confirmation, for each completed load.
+    /// From posting a READ to the poll that found it done, for each READ that completed: the
+    /// transfer itself, plus at most the interval between the caller's steps (the worker polls
+    /// its transfers once per step).
+    pub read_latencies: Samples,
+    /// From posting a READ to the prefill engine's confirmation, for each completed load: the
+    /// READ, the release's round trip to the prefill engine, and the steps between.
     pub transfer_latencies: Samples,
     /// Heartbeats (lease renewals) sent, one per hold.
     pub renewals_sent: u64,
@@ -173,7 +181,7 @@ struct Registered {
     layout: KvCacheLayout,
     local_dlist: DlistId,
     payload: Vec<u8>,
-    _registrations: Vec<RegistrationId>,
+    registrations: Vec<RegistrationId>,
 }
 
 /// The worker side of the connector, one per tensor-parallel rank. See `docs/CONTRACT.md`.
@@ -184,6 +192,7 @@ struct Registered {
 ///    [`poll_command`](Self::poll_command) until `None` (the driver runs the fetches and feeds
 ///    results to [`handle_handshake`](Self::handle_handshake) whenever they arrive), then
 ///    [`get_finished`](Self::get_finished).
+/// 3. [`close`](Self::close) before the KV memory is freed.
 #[derive(Debug)]
 pub struct ConnectorWorker {
     config: WorkerConfig,
@@ -210,6 +219,8 @@ pub struct ConnectorWorker {
     descs_local: Vec<u32>,
     descs_remote: Vec<u32>,
     stats: WorkerStats,
+    /// Once closed: what the agent has not yet given back (retried by the next `close`).
+    closed: Option<Leftovers>,
 }
 
 impl ConnectorWorker {
@@ -251,6 +262,7 @@ impl ConnectorWorker {
             descs_local: Vec::new(),
             descs_remote: Vec::new(),
             stats: WorkerStats::default(),
+            closed: None,
         })
     }
 
@@ -279,10 +291,14 @@ impl ConnectorWorker {
         &self.stats
     }
 
-    /// Takes the latency samples collected so far (the counters stay): transfer latencies and
-    /// handshake times.
-    pub fn take_latencies(&mut self) -> (Vec<Duration>, Vec<Duration>) {
-        (self.stats.transfer_latencies.take(), self.stats.handshake_times.take())
+    /// Takes the latency samples collected so far (the counters stay): READ, transfer (READ
+    /// confirmed) and handshake times, in that order.
+    pub fn take_latencies(&mut self) -> [Vec<Duration>; 3] {
+        [
+            self.stats.read_latencies.take(),
+            self.stats.transfer_latencies.take(),
+            self.stats.handshake_times.take(),
+        ]
     }
 
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
@@ -303,6 +319,7 @@ impl ConnectorWorker {
     /// descriptor list, and returns the encoded handshake payload to publish on the side channel
     /// (at `base_port + rank`).
     pub fn register_kv_caches(&mut self, caches: &[LayerCache]) -> Result<Vec<u8>> {
+        self.check_open()?;
         if self.registered.is_some() {
             return Err(Error::new(ErrorKind::State, "KV caches are already registered"));
         }
@@ -331,8 +348,7 @@ impl ConnectorWorker {
             compat_hash: layout.compat_hash(&self.config.compat_tag),
             instance: self.instance,
         })?;
-        self.registered =
-            Some(Registered { layout, local_dlist, payload: payload.clone(), _registrations: registrations });
+        self.registered = Some(Registered { layout, local_dlist, payload: payload.clone(), registrations });
         Ok(payload)
     }
 
@@ -343,8 +359,11 @@ impl ConnectorWorker {
 
     /// Starts this step's holds, loads and heartbeats. Never blocks: requests for a peer not yet
     /// handshaken wait for it (and a [`WorkerCommand::FetchHandshake`] is queued); invalid
-    /// requests fail.
+    /// requests fail. Once [closed](Self::close), holds end at once and loads fail (`State`).
     pub fn start_load_kv(&mut self, now: Instant, meta: &ConnectorMetadata) {
+        if self.closed.is_some() {
+            return self.refuse(meta);
+        }
         for held in &meta.reqs_to_send {
             self.hold(now, held);
         }
@@ -363,8 +382,12 @@ impl ConnectorWorker {
 
     /// What finished since the last call: held requests whose reader released them (or whose
     /// lease ran out), confirmed loads, and failed loads. Also times out handshakes, transfers
-    /// and confirmations.
+    /// and confirmations. Once [closed](Self::close), only hands out what ended without calling
+    /// the agent.
     pub fn get_finished(&mut self, now: Instant) -> Finished {
+        if self.closed.is_some() {
+            return std::mem::take(&mut self.finished);
+        }
         self.expire_handshakes(now);
         self.collect_notifications(now);
         self.collect_transfers(now);

@@ -95,7 +95,7 @@ impl ConnectorWorker {
     }
 
     /// Sends to a ready peer; a failed send invalidates it.
-    fn notify_peer(&mut self, engine_id: &EngineId, msg: &[u8]) {
+    pub(super) fn notify_peer(&mut self, engine_id: &EngineId, msg: &[u8]) {
         let Some(Peer::Ready(conn)) = self.peers.get(engine_id) else { return };
         if let Err(e) = self.agent.notify(&conn.agent, msg) {
             debug!(%engine_id, error = %e, "notification not sent: the peer is dropped");
@@ -125,6 +125,22 @@ impl ConnectorWorker {
                 self.forget(&conn);
             }
         }
+    }
+
+    /// At close: takes every connection, ready or dropped, for the agent to release; messages
+    /// still waiting for a handshake are dropped (counted unsent).
+    pub(super) fn take_connections(&mut self) -> Vec<Connected> {
+        let mut conns = std::mem::take(&mut self.retired);
+        for (_, peer) in self.peers.drain() {
+            match peer {
+                Peer::Ready(conn) => conns.push(conn),
+                Peer::Handshaking(h) => {
+                    let messages = h.waiting.iter().filter(|w| matches!(w, Waiter::Message(_))).count();
+                    self.stats.unsent_messages += messages as u64;
+                }
+            }
+        }
+        conns
     }
 
     fn forget(&self, conn: &Connected) {

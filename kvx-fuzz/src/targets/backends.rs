@@ -1,5 +1,7 @@
 //! Each backend's agent metadata, through its public entry point `TransferAgent::load_remote`
-//! (the decoders themselves are private to their crates).
+//! (the body decoders are private to their crates): kvx-core's envelope
+//! (`kvx_core::wire::agent_metadata`), then the backend's body, which the engine also mutates
+//! inside the envelope (`seeds::AGENT_METADATA_BODY`).
 //!
 //! Each target keeps, per thread, an agent that loads and a peer whose metadata the seeds are,
 //! so mutations of live metadata get past the checks that need a live peer. After a load that
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use kvx_core::{BlockList, DlistOwner, HostMemory, KvMemory, MemKind, TransferAgent};
 
 use super::fixture::must;
-use crate::seeds::{Seed, msgpack_hostile};
+use crate::seeds::{Seed, agent_metadata_hostile};
 
 /// An agent that loads peers, and the metadata of the peers it may load.
 struct LoadFixture {
@@ -66,7 +68,7 @@ fn load(fixture: &LoadFixture, data: &[u8]) {
 fn seeds_of(fixture: &LoadFixture) -> Vec<Seed> {
     let mut seeds = fixture.seeds.clone();
     if let Some(first) = fixture.seeds.first() {
-        seeds.extend(msgpack_hostile(&first.bytes));
+        seeds.extend(agent_metadata_hostile(&first.bytes));
     }
     seeds
 }
@@ -133,6 +135,7 @@ pub(crate) fn loopback_metadata_seeds() -> Vec<Seed> {
 #[cfg(feature = "ucx")]
 mod ucx {
     use super::*;
+    use kvx_core::wire::agent_metadata;
     use kvx_ucx::{UcxAgent, UcxConfig};
     use serde::Deserialize;
 
@@ -148,19 +151,14 @@ mod ucx {
         rkeys: Vec<Vec<u8>>,
     }
 
-    /// The shape of kvx-ucx's metadata (`kvx_ucx::wire::AgentMetadata`, private), the same serde
-    /// derive so that it decodes exactly what kvx-ucx decodes. Used only to keep foreign worker
-    /// addresses and rkeys away from UCX: `ucp_ep_create` and `ucp_ep_rkey_unpack` take no length
-    /// and abort the process on malformed bytes (UCX 1.13's `ucp_address_unpack` calls
-    /// `ucs_fatal_error`). Fuzzing them is fuzzing UCX; kvx's part is everything around them.
+    /// The blobs of kvx-ucx's metadata body (`kvx_ucx::wire::AgentMetadata`, private), opened
+    /// as kvx-ucx opens it, its other keys skipped: whatever kvx-ucx decodes has this shape. Used
+    /// only to keep foreign worker addresses and rkeys away from UCX: `ucp_ep_create` and
+    /// `ucp_ep_rkey_unpack` take no length and abort the process on malformed bytes (UCX 1.13's
+    /// `ucp_address_unpack` calls `ucs_fatal_error`). Fuzzing them is fuzzing UCX; kvx's part is
+    /// everything around them.
     #[derive(Deserialize)]
     struct Shape {
-        #[allow(dead_code)]
-        format: String,
-        #[allow(dead_code)]
-        version: u32,
-        #[allow(dead_code)]
-        name: String,
         #[serde(with = "serde_bytes")]
         worker_address: Vec<u8>,
         regions: Vec<RegionShape>,
@@ -168,18 +166,12 @@ mod ucx {
 
     #[derive(Deserialize)]
     struct RegionShape {
-        #[allow(dead_code)]
-        addr: u64,
-        #[allow(dead_code)]
-        len: u64,
         #[serde(with = "serde_bytes")]
         rkey: Vec<u8>,
     }
 
-    fn shape(data: &[u8]) -> Result<Shape, rmp_serde::decode::Error> {
-        let mut de = rmp_serde::Deserializer::from_read_ref(data);
-        de.set_max_depth(kvx_core::wire::MAX_NESTING);
-        Shape::deserialize(&mut de)
+    fn shape(data: &[u8]) -> kvx_core::Result<Shape> {
+        agent_metadata::open::<Shape>("ucx", data).map(|opened| opened.body)
     }
 
     impl UcxFixture {
@@ -286,6 +278,7 @@ pub(crate) fn ucx_available() -> Result<(), String> {
 #[cfg(feature = "nixl")]
 mod nixl {
     use super::*;
+    use kvx_core::wire::agent_metadata;
     use kvx_nixl::{NixlAgent, NixlConfig};
     use serde::Deserialize;
 
@@ -295,28 +288,20 @@ mod nixl {
         live: Vec<Vec<u8>>,
     }
 
-    /// The shape of kvx-nixl's metadata (`kvx_nixl::metadata::Envelope`, private), the same serde
-    /// derive so that it decodes exactly what kvx-nixl decodes. Used only to keep foreign NIXL
-    /// blobs away from NIXL: the blob carries UCX worker addresses, which NIXL hands to its
-    /// bundled UCX, and a malformed one aborts the process there (`address.c: Assertion
-    /// *addr_version == UCP_OBJECT_VERSION_V2 failed`, found by this target).
+    /// NIXL's blob in kvx-nixl's metadata body (`kvx_nixl::metadata::AgentMetadata`, private),
+    /// opened as kvx-nixl opens it, its other keys skipped: whatever kvx-nixl decodes has this
+    /// shape. Used only to keep foreign NIXL blobs away from NIXL: the blob carries UCX worker
+    /// addresses, which NIXL hands to its bundled UCX, and a malformed one aborts the process
+    /// there (`address.c: Assertion *addr_version == UCP_OBJECT_VERSION_V2 failed`, found by this
+    /// target).
     #[derive(Deserialize)]
     struct Shape {
-        #[allow(dead_code)]
-        magic: String,
-        #[allow(dead_code)]
-        version: u32,
-        #[allow(dead_code)]
-        name: String,
-        #[allow(dead_code)]
-        regions: Vec<kvx_core::MemRegion>,
+        #[serde(with = "serde_bytes")]
         nixl: Vec<u8>,
     }
 
-    fn shape(data: &[u8]) -> Result<Shape, rmp_serde::decode::Error> {
-        let mut de = rmp_serde::Deserializer::from_read_ref(data);
-        de.set_max_depth(kvx_core::wire::MAX_NESTING);
-        Shape::deserialize(&mut de)
+    fn shape(data: &[u8]) -> kvx_core::Result<Shape> {
+        agent_metadata::open::<Shape>("nixl", data).map(|opened| opened.body)
     }
 
     impl NixlFixture {
@@ -373,7 +358,7 @@ mod nixl {
     }
 }
 
-/// kvx-nixl's agent metadata (its envelope around NIXL's own blob), loaded by a NIXL agent.
+/// kvx-nixl's agent metadata (NIXL's own blob and the agent's regions), loaded by a NIXL agent.
 /// Inputs whose NIXL blob is not one a live agent made are not loaded (see `Shape`): NIXL's UCX
 /// aborts on malformed addresses inside it.
 pub fn nixl_metadata(data: &[u8]) {

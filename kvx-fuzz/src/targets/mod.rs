@@ -108,13 +108,16 @@ pub fn all() -> Vec<Target> {
             loopback_metadata,
             backends::loopback_metadata_seeds,
         )
-        .with_dict(dict::loopback()),
+        .with_dict(dict::agent_metadata())
+        .with_nest(seeds::AGENT_METADATA_BODY),
         Target::new(
             "ucx_metadata",
             "kvx-ucx agent metadata (UcxAgent::load_remote); feature `ucx`",
             ucx_metadata,
             backends::ucx_metadata_seeds,
         )
+        .with_dict(dict::agent_metadata())
+        .with_nest(seeds::AGENT_METADATA_BODY)
         .with_native(Native::Ucx),
         Target::new(
             "nixl_metadata",
@@ -122,6 +125,8 @@ pub fn all() -> Vec<Target> {
             nixl_metadata,
             backends::nixl_metadata_seeds,
         )
+        .with_dict(dict::agent_metadata())
+        .with_nest(seeds::AGENT_METADATA_BODY)
         .with_native(Native::Nixl),
     ]
 }

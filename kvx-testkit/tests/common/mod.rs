@@ -7,9 +7,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvx_core::{EngineId, RequestId, TransferAgent};
+use kvx_core::{EngineId, ManualClock, RequestId, TransferAgent};
 use kvx_loopback::{Fabric, LoopbackAgent};
-use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, ModelSpec, SimBackend, SimEngine};
+use kvx_testkit::sim::{
+    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, SimBackend, SimEngine, SimTime,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -25,9 +27,21 @@ pub struct Loopback {
     pub fabric: Fabric,
     pub agents: Agents,
     pub net: InProcessSideChannels,
+    /// Simulated time of the engines and clusters, or `None`: the system clock.
+    pub time: Option<SimTime>,
 }
 
 impl Loopback {
+    /// Engines and clusters in simulated time (10 ms a step): the leases and timeouts they wait
+    /// out cost steps, not wall time.
+    pub fn simulated() -> Self {
+        let clock = ManualClock::new();
+        let fabric = Fabric::with_clock(Arc::new(clock.clone()));
+        let net = InProcessSideChannels::new();
+        let time = SimTime::loopback(clock, Duration::from_millis(10), &fabric, &net);
+        Loopback { fabric, agents: Agents::default(), net, time: Some(time) }
+    }
+
     pub fn backend(&self) -> SimBackend {
         let (fabric, agents) = (self.fabric.clone(), self.agents.clone());
         SimBackend::new(move |engine: &EngineId, rank| {
@@ -46,14 +60,27 @@ impl Loopback {
     }
 
     pub fn config(&self, id: &str, model: &ModelSpec) -> EngineConfig {
-        EngineConfig::new(id, 2, 512, model.clone(), &self.net)
+        let config = EngineConfig::new(id, 2, 512, model.clone(), &self.net);
+        match &self.time {
+            Some(time) => time.configure(config),
+            None => config,
+        }
     }
 
     /// One prefill and one decode engine, TP=2.
     pub fn cluster(&self, model: &ModelSpec) -> Cluster {
         let prefill = self.engine(self.config("prefill", model));
         let decode = self.engine(self.config("decode", model));
-        Cluster::new(vec![prefill], decode).unwrap()
+        self.cluster_of(vec![prefill], decode)
+    }
+
+    /// A cluster of these engines (in this simulated time).
+    pub fn cluster_of(&self, prefills: Vec<SimEngine>, decode: SimEngine) -> Cluster {
+        let c = Cluster::new(prefills, decode).unwrap();
+        match &self.time {
+            Some(time) => c.with_sim_time(time.clone()).unwrap(),
+            None => c,
+        }
     }
 }
 

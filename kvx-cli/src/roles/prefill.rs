@@ -1,0 +1,143 @@
+//! `kvx prefill`: the prefill engine behind the request API.
+
+use async_trait::async_trait;
+use clap::Args;
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvx_core::net::{NetConfig, Server, Service};
+use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
+use kvx_testkit::sim::SimEngine;
+
+use crate::backend::Backend;
+use crate::summary::Summary;
+use crate::workload::ModelArgs;
+
+use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+
+/// Options of `kvx prefill`.
+#[derive(Debug, Args)]
+pub(crate) struct PrefillArgs {
+    /// Transfer backend (one that crosses processes).
+    #[arg(long, value_enum, default_value_t = Backend::Ucx)]
+    backend: Backend,
+    /// Host of the side channel and the request API.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port of the request API (0: any free port, printed on start).
+    #[arg(long, default_value_t = 5600)]
+    api_port: u16,
+    /// Port of rank 0's side channel; rank r serves on this port + r (0: free ports, printed on
+    /// start). Give the ports a process had to restart it in its place.
+    #[arg(long, default_value_t = 0)]
+    side_channel_port: u16,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    auth: AuthArgs,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+}
+
+type Pending = (ApiRequest, tokio::sync::oneshot::Sender<ApiReply>);
+
+/// The request API: hands each request to the engine loop and answers with what it replies.
+struct Api {
+    engine: mpsc::Sender<Pending>,
+}
+
+#[async_trait]
+impl Service for Api {
+    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+        let request = serde_json::from_slice::<ApiRequest>(&request)
+            .map_err(|e| Error::new(ErrorKind::Wire, format!("malformed API request: {e}")))?;
+        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+        self.engine
+            .send((request, reply_tx))
+            .map_err(|_| Error::new(ErrorKind::State, "the prefill engine stopped"))?;
+        let reply = reply_rx.await.unwrap_or_else(|_| ApiReply::Error("the prefill engine stopped".into()));
+        serde_json::to_vec(&reply).map_err(|e| api_error("encoding a reply", e))
+    }
+}
+
+/// Runs the prefill engine until the decode process is done with it.
+pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
+    let backend = args.backend.sim_backend(true)?;
+    let key = args.auth.key()?;
+    let config = engine_config("prefill", &args.host, args.side_channel_port, &args.model, key.clone());
+    let mut engine = SimEngine::new(config, &backend)?;
+    let rt = runtime()?;
+    let (tx, rx) = mpsc::channel::<Pending>();
+    let api = NetConfig::with_key(key);
+    let server =
+        rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
+    let base = engine.side_channel_port();
+    let last = u32::from(base) + args.model.tp.saturating_sub(1);
+    let instance = format!("{:016x}", rand::random::<u64>());
+    // The line a launcher waits for (the request API's endpoint comes last).
+    println!(
+        "kvx prefill: {} backend, {}; instance {instance}; side channels on ports {base}-{last}; \
+         request API on tcp://{}",
+        args.backend.name(),
+        args.model.describe(),
+        server.local_addr()
+    );
+
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(args.timeout);
+    let mut waiting: HashMap<RequestId, tokio::sync::oneshot::Sender<ApiReply>> = HashMap::new();
+    let mut done: Option<tokio::sync::oneshot::Sender<ApiReply>> = None;
+    let mut served: usize = 0;
+    loop {
+        if Instant::now() > deadline {
+            return Err(Error::new(ErrorKind::Timeout, "the decode process did not finish in time"));
+        }
+        // With nothing to do, wait for the next API request; otherwise only look.
+        let next = if engine.is_idle() && waiting.is_empty() && done.is_none() {
+            rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).ok()
+        } else {
+            rx.try_recv().ok()
+        };
+        match next {
+            Some((ApiRequest::Prefill { id, prompt }, reply)) => {
+                let id = RequestId::new(id);
+                let params = TransferParams { do_remote_decode: true, ..Default::default() };
+                match engine.add_request(id.clone(), &prompt, 1, Some(params)) {
+                    Ok(()) => {
+                        waiting.insert(id, reply);
+                        served += 1;
+                    }
+                    Err(e) => {
+                        let _ = reply.send(ApiReply::Error(e.to_string()));
+                    }
+                }
+            }
+            Some((ApiRequest::Done, reply)) => done = Some(reply),
+            None => {}
+        }
+        engine.step()?;
+        for (id, params) in engine.take_transfer_params() {
+            if let Some(reply) = waiting.remove(&id) {
+                let _ = reply.send(ApiReply::Params { params, instance: instance.clone() });
+            }
+        }
+        if done.is_some() && waiting.is_empty() && engine.is_idle() {
+            let summary = Summary::of_engine(&engine, served, start.elapsed());
+            if let Some(reply) = done.take() {
+                let (leaked, errors) = (summary.leaked(), summary.errors().to_vec());
+                let _ = reply.send(ApiReply::Finished { leaked, errors, instance: instance.clone() });
+                // Let the server write that reply (and close idle connections) before the
+                // runtime goes with this function; bounded.
+                let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(10));
+                if let Err(e) = rt.block_on(server.shutdown(wait)) {
+                    eprintln!("kvx prefill: {e}");
+                }
+            }
+            println!("kvx prefill: served {served} requests");
+            return Ok(summary);
+        }
+        std::thread::yield_now();
+    }
+}
