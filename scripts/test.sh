@@ -15,30 +15,31 @@ scripts/install-ucx.sh
 scripts/install-nixl.sh
 # shellcheck source=scripts/nixl-env.sh
 source scripts/nixl-env.sh
-export KVX_REQUIRE_NIXL=1
+export KVX_REQUIRE_NIXL=1 KVX_REQUIRE_UCX=1
 
 step "format and lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-# One native backend per kvx binary (see kvx-cli's features): lint and test each build.
-for backend in ucx nixl; do
-    cargo clippy -p kvx-cli --all-targets --features "$backend" -- -D warnings
-    cargo clippy -p kvx-fuzz --all-targets --features "$backend" -- -D warnings
-done
+# One kvx binary (and one kvx-fuzz build) carries both native backends, `--backend` choosing at
+# run time; with the default build above, every feature combination's code is linted.
+cargo clippy -p kvx-cli --all-targets --features ucx,nixl -- -D warnings
+cargo clippy -p kvx-fuzz --all-targets --features ucx,nixl -- -D warnings
 
 step "tests (unit, conformance, end to end, doc; kvx-fuzz's bounded fuzz run)"
 cargo test --workspace
-for backend in ucx nixl; do
-    step "kvx binary with the $backend backend (demo and two processes)"
-    cargo test -p kvx-cli --features "$backend"
-    step "fuzzing $backend agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
-    # The libraries' own error lines for the refused inputs are silenced.
-    KVX_REQUIRE_UCX=1 KVX_FUZZ_TARGETS="${backend}_metadata" UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL \
-        cargo test -p kvx-fuzz --features "$backend" --test fuzz
-done
 
-step "demo smoke run"
-cargo run -q -p kvx-cli -- demo --requests 64
+step "one kvx binary with both native backends (demo, two processes, restarts; ucx and nixl agents in one process)"
+cargo test -p kvx-cli --features ucx,nixl
+
+step "fuzzing ucx and nixl agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
+# The libraries' own error lines for the refused inputs are silenced.
+KVX_FUZZ_TARGETS=ucx_metadata,nixl_metadata UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL \
+    cargo test -p kvx-fuzz --features ucx,nixl --test fuzz
+
+step "demo smoke run (the same binary on each backend)"
+for backend in loopback ucx nixl; do
+    cargo run -q -p kvx-cli --features ucx,nixl -- demo --requests 64 --backend "$backend"
+done
 
 step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl"
 # In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at

@@ -14,7 +14,7 @@ pub(crate) enum Backend {
     Loopback,
     /// UCX one-sided get/put (feature `ucx`), across processes.
     Ucx,
-    /// NIXL (not built into this kvx yet).
+    /// NIXL (feature `nixl`), across processes.
     Nixl,
 }
 

@@ -1,11 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
-// Debian's UCX, linked in for the ucx backend, interposes on the UCX that NIXL's wheel bundles:
-// NIXL then aborts at its first call. One binary carries one native backend.
-#[cfg(all(feature = "ucx", feature = "nixl"))]
-compile_error!("features `ucx` and `nixl` cannot be combined in one kvx binary (two UCX builds clash)");
-
 mod backend;
 mod bench;
 mod demo;

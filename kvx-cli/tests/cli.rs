@@ -57,10 +57,14 @@ fn demo_checks_every_byte_and_leaks_nothing() {
 
 #[test]
 fn backends_that_cannot_run_a_role_say_so() {
-    let missing = if cfg!(feature = "nixl") { "ucx" } else { "nixl" };
-    for args in
-        [&["demo", "--backend", missing][..], &["prefill", "--backend", "loopback", "--api-port", "0"]]
-    {
+    let mut cases = vec![&["prefill", "--backend", "loopback", "--api-port", "0"][..]];
+    if !cfg!(feature = "ucx") {
+        cases.push(&["demo", "--backend", "ucx"]);
+    }
+    if !cfg!(feature = "nixl") {
+        cases.push(&["demo", "--backend", "nixl"]);
+    }
+    for args in cases {
         let out =
             wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -68,34 +72,57 @@ fn backends_that_cannot_run_a_role_say_so() {
     }
 }
 
-/// `kvx demo` on a native backend: two engines in one process, every byte checked.
+/// The tests of a native backend this `kvx` was built with, in a module named after it; a `kvx`
+/// built with both features runs both modules' tests, each backend chosen by `--backend`.
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-#[test]
-fn demo_on_the_native_backend() {
-    demo_checks_every_byte_and_leaks_nothing_on(NATIVE);
+macro_rules! native_backend_tests {
+    ($backend:ident) => {
+        mod $backend {
+            const BACKEND: &str = stringify!($backend);
+
+            /// `kvx demo`: two engines in one process, every byte checked.
+            #[test]
+            fn demo() {
+                super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+            }
+
+            /// `kvx prefill` and `kvx decode` as two processes: the decode process READs every
+            /// block out of the prefill process's memory and checks every byte; both exit 0 and
+            /// leak nothing.
+            #[test]
+            fn prefill_and_decode_processes() {
+                super::prefill_and_decode_processes_with(BACKEND, &[]);
+            }
+
+            #[test]
+            fn prefill_survives_hostile_bytes_on_every_port() {
+                super::prefill_survives_hostile_bytes_on_every_port(BACKEND);
+            }
+
+            #[test]
+            fn prefill_and_decode_with_an_auth_key() {
+                super::prefill_and_decode_with_an_auth_key(BACKEND);
+            }
+
+            #[test]
+            fn bench() {
+                super::bench_runs_on(BACKEND);
+            }
+        }
+    };
 }
 
-/// The native backend this test binary was built with.
 #[cfg(feature = "ucx")]
-const NATIVE: &str = "ucx";
+native_backend_tests!(ucx);
 #[cfg(feature = "nixl")]
-const NATIVE: &str = "nixl";
+native_backend_tests!(nixl);
 
-/// `kvx prefill` and `kvx decode` as two processes over the native backend (UCX or NIXL): the
-/// decode process READs every block out of the prefill process's memory and checks every byte;
-/// both exit 0 and leak nothing.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-#[test]
-fn prefill_and_decode_processes() {
-    prefill_and_decode_processes_with(&[]);
-}
-
-/// The same over UCX's TCP transport only (both processes read `UCX_TLS` when their agents
-/// start): the transport a deployment without shared memory or RDMA gets.
+/// `kvx prefill` and `kvx decode` over UCX's TCP transport only (both processes read `UCX_TLS`
+/// when their agents start): the transport a deployment without shared memory or RDMA gets.
 #[cfg(feature = "ucx")]
 #[test]
 fn prefill_and_decode_processes_over_tcp() {
-    prefill_and_decode_processes_with(&[("UCX_TLS", "tcp")]);
+    prefill_and_decode_processes_with("ucx", &[("UCX_TLS", "tcp")]);
 }
 
 /// A `kvx prefill` process and the ports it listens on.
@@ -109,12 +136,12 @@ struct Prefill {
 }
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn start_prefill(args: &[&str], env: &[(&str, &str)]) -> Prefill {
+fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
         .envs(env.iter().copied())
-        .args(["prefill", "--backend", NATIVE, "--api-port", "0"])
+        .args(["prefill", "--backend", backend, "--api-port", "0"])
         .args(args)
         .args(SIZES)
         .stdout(Stdio::piped())
@@ -135,12 +162,12 @@ fn start_prefill(args: &[&str], env: &[(&str, &str)]) -> Prefill {
 }
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn run_decode(api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
+fn run_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
     let requests = requests.to_string();
     let decode = Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
         .envs(env.iter().copied())
-        .args(["decode", "--backend", NATIVE, "--prefill", api, "--requests", &requests])
+        .args(["decode", "--backend", backend, "--prefill", api, "--requests", &requests])
         .args(["--prompt-len", "1..120"])
         .args(SIZES)
         .stdout(Stdio::piped())
@@ -172,9 +199,9 @@ fn check_pair(decode: Output, prefill: Child, requests: usize) {
 }
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
-    let prefill = start_prefill(&[], env);
-    let decode = run_decode(&prefill.api, 30, env);
+fn prefill_and_decode_processes_with(backend: &str, env: &[(&str, &str)]) {
+    let prefill = start_prefill(backend, &[], env);
+    let decode = run_decode(backend, &prefill.api, 30, env);
     check_pair(decode, prefill.child, 30);
 }
 
@@ -182,15 +209,14 @@ fn prefill_and_decode_processes_with(env: &[(&str, &str)]) {
 /// channel) gets the 73-byte ZMTP frame and a length header claiming u32::MAX bytes; the process
 /// stays up and a following `kvx decode` succeeds.
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-#[test]
-fn prefill_survives_hostile_bytes_on_every_port() {
-    let prefill = start_prefill(&[], &[]);
+fn prefill_survives_hostile_bytes_on_every_port(backend: &str) {
+    let prefill = start_prefill(backend, &[], &[]);
     for &port in &prefill.ports {
         kvx_testkit::hostile::attack(port, &kvx_testkit::hostile::zmtp_73(), false, LIMIT).unwrap();
         kvx_testkit::hostile::attack(port, &[&u32::MAX.to_be_bytes()[..], b"tail"].concat(), false, LIMIT)
             .unwrap();
     }
-    let decode = run_decode(&prefill.api, 10, &[]);
+    let decode = run_decode(backend, &prefill.api, 10, &[]);
     check_pair(decode, prefill.child, 10);
 }
 
@@ -198,17 +224,16 @@ fn prefill_survives_hostile_bytes_on_every_port() {
 /// succeeds; a decode with a wrong key first fails cleanly with an authentication error and the
 /// prefill process goes on.
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-#[test]
-fn prefill_and_decode_with_an_auth_key() {
-    let prefill = start_prefill(&["--auth-key", "the-deployment-key-1"], &[]);
-    let wrong = run_decode(&prefill.api, 3, &[("KVX_AUTH_KEY", "not-the-deployment-key")]);
+fn prefill_and_decode_with_an_auth_key(backend: &str) {
+    let prefill = start_prefill(backend, &["--auth-key", "the-deployment-key-1"], &[]);
+    let wrong = run_decode(backend, &prefill.api, 3, &[("KVX_AUTH_KEY", "not-the-deployment-key")]);
     let stderr = text(&wrong.stderr);
     assert_eq!(wrong.status.code(), Some(2), "{}\n{stderr}", text(&wrong.stdout));
     assert!(stderr.contains("not authenticated"), "{stderr}");
-    let unkeyed = run_decode(&prefill.api, 3, &[]);
+    let unkeyed = run_decode(backend, &prefill.api, 3, &[]);
     assert_eq!(unkeyed.status.code(), Some(2));
     assert!(text(&unkeyed.stderr).contains("not authenticated"), "{}", text(&unkeyed.stderr));
-    let decode = run_decode(&prefill.api, 10, &[("KVX_AUTH_KEY", "the-deployment-key-1")]);
+    let decode = run_decode(backend, &prefill.api, 10, &[("KVX_AUTH_KEY", "the-deployment-key-1")]);
     check_pair(decode, prefill.child, 10);
 }
 
@@ -226,12 +251,6 @@ fn bench_runs_on(backend: &str) {
 #[test]
 fn bench_measures_against_memcpy() {
     bench_runs_on("loopback");
-}
-
-#[cfg(any(feature = "ucx", feature = "nixl"))]
-#[test]
-fn bench_on_the_native_backend() {
-    bench_runs_on(NATIVE);
 }
 
 /// `kvx soak` twice with one seed: the same report, word for word, and a success.

@@ -21,10 +21,6 @@ const KVX: &str = env!("CARGO_BIN_EXE_kvx");
 const LIMIT: Duration = Duration::from_secs(120);
 /// Small sizes: the debug build checks every byte.
 const SIZES: [&str; 8] = ["--layers", "2", "--kv-heads", "4", "--head-dim", "32", "--blocks", "256"];
-#[cfg(feature = "ucx")]
-const NATIVE: &str = "ucx";
-#[cfg(feature = "nixl")]
-const NATIVE: &str = "nixl";
 
 /// Requests of the decode run, and how many go through the first prefill process at least.
 const REQUESTS: usize = 400;
@@ -179,10 +175,10 @@ fn row(summary: &str, name: &str) -> Vec<usize> {
 }
 
 /// Kills the prefill process mid-run, restarts it on the same ports and checks both processes'
-/// accounts, with `--on-load-failure policy` (`fail` or `recompute`).
-fn prefill_restart_mid_run(policy: &str) {
+/// accounts, on `backend` with `--on-load-failure policy` (`fail` or `recompute`).
+fn prefill_restart_mid_run(backend: &str, policy: &str) {
     let mut children = Children::default();
-    let (first, mut first_out) = children.spawn(&["prefill", "--backend", NATIVE, "--api-port", "0"]);
+    let (first, mut first_out) = children.spawn(&["prefill", "--backend", backend, "--api-port", "0"]);
     let banner = first_out.wait_for("the prefill banner", |l| l.contains("request API on tcp://"));
     let (api_port, side_port) = prefill_ports(&banner);
 
@@ -190,7 +186,7 @@ fn prefill_restart_mid_run(policy: &str) {
     let api = format!("tcp://127.0.0.1:{api_port}");
     #[rustfmt::skip]
     let (decode, mut decode_out) = children.spawn(&[
-        "decode", "--backend", NATIVE, "--prefill", &api, "--requests", &requests,
+        "decode", "--backend", backend, "--prefill", &api, "--requests", &requests,
         "--prompt-len", "1..120", "--max-in-flight", &max_in_flight, "--on-load-failure", policy,
         "--reconnect-timeout", "30", "--timeout", "60",
     ]);
@@ -207,7 +203,7 @@ fn prefill_restart_mid_run(policy: &str) {
     let side = side_port.to_string();
     #[rustfmt::skip]
     let (second, mut second_out) = children.spawn(&[
-        "prefill", "--backend", NATIVE, "--api-port", &api_port.to_string(), "--side-channel-port", &side,
+        "prefill", "--backend", backend, "--api-port", &api_port.to_string(), "--side-channel-port", &side,
     ]);
     let again = second_out.wait_for("the new prefill banner", |l| l.contains("request API on tcp://"));
     assert_eq!(prefill_ports(&again), (api_port, side_port), "{again}");
@@ -245,15 +241,28 @@ fn prefill_restart_mid_run(policy: &str) {
     assert_eq!(row(&p, "blocks leaked"), [0], "{p}");
 }
 
-/// With `--on-load-failure recompute`, the decode engine computes the requests whose loads the
-/// kill broke; every request finishes.
-#[test]
-fn prefill_restart_mid_run_recomputes_requests_in_flight() {
-    prefill_restart_mid_run("recompute");
+/// The restart tests on a native backend this `kvx` was built with, in a module named after it.
+macro_rules! restart_tests {
+    ($backend:ident) => {
+        mod $backend {
+            /// With `--on-load-failure recompute`, the decode engine computes the requests whose
+            /// loads the kill broke; every request finishes.
+            #[test]
+            fn prefill_restart_mid_run_recomputes_requests_in_flight() {
+                super::prefill_restart_mid_run(stringify!($backend), "recompute");
+            }
+
+            /// With `--on-load-failure fail`, the requests whose loads the kill broke fail, and
+            /// only they.
+            #[test]
+            fn prefill_restart_mid_run_fails_only_requests_in_flight() {
+                super::prefill_restart_mid_run(stringify!($backend), "fail");
+            }
+        }
+    };
 }
 
-/// With `--on-load-failure fail`, the requests whose loads the kill broke fail, and only they.
-#[test]
-fn prefill_restart_mid_run_fails_only_requests_in_flight() {
-    prefill_restart_mid_run("fail");
-}
+#[cfg(feature = "ucx")]
+restart_tests!(ucx);
+#[cfg(feature = "nixl")]
+restart_tests!(nixl);

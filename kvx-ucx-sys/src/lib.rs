@@ -13,7 +13,10 @@ mod generated {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 
+mod load;
+
 pub use generated::*;
+pub use load::{LIBDIR_VAR, Lib, LoadError, load};
 
 use std::ffi::c_void;
 
@@ -23,6 +26,9 @@ use std::ffi::c_void;
 /// # Safety
 /// As for `ucp_init`: `params` and `config` must be valid (or `config` null) and `context_p`
 /// writable.
+///
+/// # Panics
+/// As [`ucp_init_version`]: when UCX cannot be loaded.
 pub unsafe fn ucp_init(
     params: *const ucp_params_t,
     config: *const ucp_config_t,
@@ -99,6 +105,27 @@ mod tests {
             ucp_cleanup(ctx);
             let msg = std::ffi::CStr::from_ptr(ucs_status_string(UCS_ERR_NO_MEMORY));
             assert!(!msg.to_bytes().is_empty());
+        }
+    }
+
+    /// UCX parses its configuration with `<ctype.h>` functions of the namespace's C library, whose
+    /// per-thread tables a thread started after the load has only once a wrapper set them up.
+    #[test]
+    fn threads_started_after_the_load_read_the_configuration() {
+        assert!(load().is_ok());
+        for _ in 0..2 {
+            let read = std::thread::spawn(|| {
+                let mut config: *mut ucp_config_t = std::ptr::null_mut();
+                // SAFETY: defaults for the prefix and file; a valid out-pointer; released once.
+                unsafe {
+                    let status = ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config);
+                    if status == UCS_OK {
+                        ucp_config_release(config);
+                    }
+                    status
+                }
+            });
+            assert_eq!(read.join().ok(), Some(UCS_OK));
         }
     }
 }

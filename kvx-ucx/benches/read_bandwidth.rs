@@ -80,7 +80,7 @@ fn main() {
         return;
     }
     let rounds: usize = std::env::var("KVX_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
-    let (major, minor, release) = kvx_ucx::ucx_version();
+    let (major, minor, release) = kvx_ucx::ucx_version().expect("UCX loads");
     println!(
         "kvx-ucx read bandwidth: UCX {major}.{minor}.{release}, {READS} scattered READs of {} KiB \
               out of {REMOTE_BLOCKS} remote blocks, median of {rounds} rounds, every byte verified; GB/s = 1e9 B/s",

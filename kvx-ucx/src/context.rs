@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvx_core::{ErrorKind, Result};
 use kvx_ucx_sys as sys;
 
-use crate::status::{check, check_as, error};
+use crate::status::{check, check_as, error, load};
 
 /// How a [`UcxAgent`](crate::UcxAgent) sets up UCX.
 ///
@@ -122,9 +122,12 @@ impl Drop for ConfigGuard {
 }
 
 impl Context {
-    /// Reads UCX's configuration (environment), applies `config`'s options and initialises a
-    /// context with RMA and active messages.
+    /// Loads UCX (once per process, see [`kvx_ucx_sys::load`]), reads its configuration
+    /// (environment), applies `config`'s options and initialises a context with RMA and active
+    /// messages.
     pub(crate) fn new(config: &UcxConfig, name: &str) -> Result<Self> {
+        // UCX reads the environment through a copy of its own: bring it up to date.
+        load()?.refresh_environment();
         let mut raw_config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: null env prefix and file name mean the defaults; the out-pointer is valid.
         check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw_config) }, "ucp_config_read")?;

@@ -10,10 +10,8 @@ pub use agent::UcxAgent;
 pub use context::{ProgressThreadConfig, UcxConfig};
 pub use memory::UcxMemory;
 
-/// The UCX library version this process runs (`ucp_get_version`), e.g. `(1, 13, 1)`.
-pub fn ucx_version() -> (u32, u32, u32) {
-    let (mut major, mut minor, mut release) = (0, 0, 0);
-    // SAFETY: writes three integers through valid pointers.
-    unsafe { kvx_ucx_sys::ucp_get_version(&mut major, &mut minor, &mut release) };
-    (major, minor, release)
+/// The UCX library version this process runs (`ucp_get_version`), e.g. `(1, 13, 1)`; loads UCX
+/// first ([`ErrorKind::NotAvailable`](kvx_core::ErrorKind::NotAvailable) when it cannot be loaded).
+pub fn ucx_version() -> kvx_core::Result<(u32, u32, u32)> {
+    status::load().map(kvx_ucx_sys::Lib::version)
 }

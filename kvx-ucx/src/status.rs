@@ -33,6 +33,12 @@ pub(crate) fn check(status: sys::ucs_status_t, what: &str) -> Result<()> {
     check_as(ErrorKind::Backend, status, what)
 }
 
+/// Loads UCX (see [`sys::load`]): [`ErrorKind::NotAvailable`] with the reason when it cannot be
+/// loaded. Every other call into UCX comes after one that succeeded.
+pub(crate) fn load() -> Result<&'static sys::Lib> {
+    sys::load().map_err(|e| error(ErrorKind::NotAvailable, e.to_string()))
+}
+
 /// An error raised by this crate itself (not by a UCX call).
 pub(crate) fn error(kind: ErrorKind, message: impl Into<String>) -> Error {
     Error::new(kind, message).with_backend(BACKEND)

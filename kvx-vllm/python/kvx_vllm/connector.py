@@ -3,10 +3,10 @@
 The scheduler side (EngineCore process) wraps ``kvx_core::ConnectorScheduler``; the worker side
 (each worker process) wraps ``kvx_core::WorkerDriver`` over a kvx transfer agent. The per-step
 metadata crosses from EngineCore to the workers as kvx's wire bytes inside
-``KvxConnectorMetadata`` (which vLLM pickles). Each process loads exactly one native module,
-``kvx_vllm_ucx`` or ``kvx_vllm_nixl``, named by ``kv_connector_extra_config["backend"]``, and only
-when the connector is constructed: Debian's UCX (kvx-ucx) and the UCX inside NIXL's wheel must
-never meet in one process.
+``KvxConnectorMetadata`` (which vLLM pickles). The native module ``kvx_vllm_native`` carries both
+backends; it is imported when the connector is constructed, and
+``kv_connector_extra_config["backend"]`` chooses the agent. Debian's UCX (kvx-ucx) and the UCX
+inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuration
 
-_BACKENDS = {"ucx": "kvx_vllm_ucx", "nixl": "kvx_vllm_nixl"}
+_BACKENDS = ("ucx", "nixl")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
 
@@ -90,19 +90,12 @@ class KvxHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 def _native(backend: str):
-    """Imports the one native module for ``backend`` (in this process, never both)."""
+    """Imports the native module, ready for ``backend`` (NIXL's library found for ``nixl``)."""
     if backend not in _BACKENDS:
-        raise ValueError(f"kvx: unknown backend {backend!r}; expected one of {sorted(_BACKENDS)}")
-    other = _BACKENDS["nixl" if backend == "ucx" else "ucx"]
-    import sys
-
-    if other in sys.modules:
-        raise RuntimeError(f"kvx: {other} is already loaded in this process; cannot also load {backend}")
+        raise ValueError(f"kvx: unknown backend {backend!r}; expected one of {list(_BACKENDS)}")
     if backend == "nixl":
         _preload_nixl()
-    elif "nixl_cu12" in sys.modules or "nixl._api" in sys.modules:
-        raise RuntimeError("kvx: NIXL is loaded in this process; the ucx backend cannot share it")
-    return importlib.import_module(_BACKENDS[backend])
+    return importlib.import_module("kvx_vllm_native")
 
 
 def _preload_nixl() -> None:
@@ -215,13 +208,16 @@ class KvxConnector(KVConnectorBase_V1):
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
         progress = bool(extra.get("progress_thread", default_progress))
         if self._backend == "ucx":
-            self._worker = native.create_worker(options, progress, extra.get("ucx_transports"))
+            self._worker = native.create_worker(
+                options, "ucx", progress_thread=progress, transports=extra.get("ucx_transports")
+            )
         else:
             self._worker = native.create_worker(
                 options,
-                progress,
-                int(extra.get("progress_delay_us", 0)),
-                int(extra.get("num_threads", 4)),
+                "nixl",
+                progress_thread=progress,
+                progress_delay_us=int(extra.get("progress_delay_us", 0)),
+                num_threads=int(extra.get("num_threads", 4)),
             )
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
