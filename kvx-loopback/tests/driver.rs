@@ -142,11 +142,8 @@ impl MetadataExchange for Silent {
     }
 }
 
-#[test]
-fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
-    let rt = runtime();
-    let fabric = Fabric::new();
-    let clock = ManualClock::new();
+/// A decode rank on `clock` whose side channel never answers (`Silent`), its KV registered.
+fn silent_decode_driver(rt: &tokio::runtime::Runtime, fabric: &Fabric, clock: &ManualClock) -> WorkerDriver {
     let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 5700 };
     let worker = ConnectorWorker::new(
         WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 0, 1, 4) },
@@ -154,9 +151,13 @@ fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
     )
     .unwrap();
     let mut driver = WorkerDriver::new(worker, Arc::new(Silent), Arc::new(SingleRank), rt.handle().clone())
-        .with_clock(Arc::new(clock.clone()))
-        .with_handshakes(Handshakes::OnStepThread);
+        .with_clock(Arc::new(clock.clone()));
     driver.register_kv_caches(&layer()).unwrap();
+    driver
+}
+
+/// One load from a prefill engine that has not been handshaken yet.
+fn one_load() -> ConnectorMetadata {
     let req = RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
@@ -168,7 +169,14 @@ fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
         mac: None,
         remote_instance: None,
     };
-    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() });
+    ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() }
+}
+
+#[test]
+fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
+    let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
+    let mut driver = silent_decode_driver(&rt, &fabric, &clock).with_handshakes(Handshakes::OnStepThread);
+    driver.start_load_kv(&one_load());
     // The fetch never answers; the step thread is never held up by it.
     driver.wait_for_handshakes(Duration::from_secs(3600));
     for _ in 0..3 {
@@ -186,31 +194,10 @@ fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
 /// timeout: a handshake that never answers is failed when it is due.
 #[test]
 fn waiting_for_handshakes_ends_at_the_next_deadline() {
-    let rt = runtime();
-    let fabric = Fabric::new();
-    let clock = ManualClock::new();
-    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 5700 };
-    let worker = ConnectorWorker::new(
-        WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 0, 1, 4) },
-        Arc::new(fabric.agent("decode-0").unwrap()),
-    )
-    .unwrap();
-    let mut driver = WorkerDriver::new(worker, Arc::new(Silent), Arc::new(SingleRank), rt.handle().clone())
-        .with_clock(Arc::new(clock.clone()));
-    driver.register_kv_caches(&layer()).unwrap();
+    let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
+    let mut driver = silent_decode_driver(&rt, &fabric, &clock);
     assert_eq!(driver.next_deadline(), None, "nothing is due before a load");
-    let req = RecvRequest {
-        request_id: "r".into(),
-        remote_request_id: None,
-        local_block_ids: vec![2],
-        remote_block_ids: vec![5],
-        remote_read_from: 0,
-        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
-        nonce: Some(HexBytes([1; 16])),
-        mac: None,
-        remote_instance: None,
-    };
-    driver.start_load_kv(&ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() });
+    driver.start_load_kv(&one_load());
     let timeout = driver.worker().config().handshake_timeout;
     assert_eq!(driver.next_deadline(), Some(clock.now() + timeout));
     clock.advance(timeout);
