@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
+use kvx_core::Error;
+
 use super::SoakConfig;
 use super::report::{Aborts, InjectedFaults, Lost, ProtocolCounts, SoakReport};
 use crate::sim::{SimEngine, mix};
@@ -110,13 +112,13 @@ impl Tally {
         }
     }
 
-    /// Counts why a request failed (or its load did, for a recomputed one).
-    pub(super) fn reason(&mut self, outcome: Outcome, reason: &str) {
+    /// Counts why a request failed (or its load did, for a recomputed one), by the error's text.
+    pub(super) fn reason(&mut self, outcome: Outcome, error: &Error) {
         let reasons = match outcome {
             Outcome::Recomputed => &mut self.recompute_reasons,
             _ => &mut self.failure_reasons,
         };
-        *reasons.entry(without_numbers(reason)).or_insert(0) += 1;
+        *reasons.entry(without_numbers(&error.to_string())).or_insert(0) += 1;
     }
 
     pub(super) fn error(&mut self, e: String) {
