@@ -416,6 +416,7 @@ mod tests {
         let back = TransferParams::from_json(&json.to_json()).unwrap();
         assert_eq!((back.kvx_hold_nonce, back.kvx_offer_mac), (Some(nonce), Some(mac)));
         let e = TransferParams::from_json(r#"{"kvx_hold_nonce": "zz"}"#).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Wire, "{e}");
         assert!(e.to_string().contains("not 32 hex digits"), "{e}");
     }
 }

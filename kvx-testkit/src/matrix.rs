@@ -35,7 +35,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use kvx_core::{FinishReason, RequestId, TransferParams, WorkerStats};
+use kvx_core::{Error, ErrorKind, FinishReason, RequestId, TransferParams, WorkerStats};
 
 use crate::sim::{
     ClientRequest, Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SideChannel,
@@ -203,20 +203,21 @@ pub fn assert_finished(engine: &SimEngine, ids: &[RequestId]) {
     }
 }
 
-/// Why `id` failed on `engine` (panics if it did not fail).
+/// The error `id` failed with on `engine` (panics if it did not fail).
 #[track_caller]
-pub fn failure(engine: &SimEngine, id: &RequestId) -> String {
+pub fn failure(engine: &SimEngine, id: &RequestId) -> Error {
     match engine.state(id) {
-        Some(RequestState::Failed(reason)) => reason.clone(),
+        Some(RequestState::Failed(error)) => error.clone(),
         other => panic!("{id} did not fail: {other:?}"),
     }
 }
 
-/// Asserts that `id` failed on `engine` for a reason that contains one of `any`.
+/// Asserts that `id` failed on `engine` with an error of one of `kinds`; returns the error.
 #[track_caller]
-pub fn assert_failed(engine: &SimEngine, id: &RequestId, any: &[&str]) {
-    let reason = failure(engine, id);
-    assert!(any.iter().any(|s| reason.contains(s)), "{id} failed for another reason: {reason}");
+pub fn assert_failed(engine: &SimEngine, id: &RequestId, kinds: &[ErrorKind]) -> Error {
+    let error = failure(engine, id);
+    assert!(kinds.contains(&error.kind()), "{id} failed with another kind than {kinds:?}: {error}");
+    error
 }
 
 /// Nothing went wrong in any engine (no wrong byte, no pool misuse), every engine is idle and
@@ -287,11 +288,11 @@ pub fn add_to_decode(c: &mut Cluster, (rid, prompt, max_new_tokens, params): Cli
 // The cases.
 
 /// A reader too late for its lease: the prefill engine's lease is zero, so every hold ends at the
-/// step that records it, before any READ. Every load fails, "lease expired" (the prefill worker
-/// answered "not held") or "timed out" (no answer: with a zero lease the worker forgets ended
-/// holds at once, so a late release waits as an early one and is never answered); no byte of it
-/// is used, nothing leaks, the prefill holds all expired. Then a prefill engine with a normal
-/// lease serves the same decode engine.
+/// step that records it, before any READ. Every load fails, [`ErrorKind::Expired`] (the prefill
+/// worker answered "not held") or [`ErrorKind::Timeout`] (no answer: with a zero lease the worker
+/// forgets ended holds at once, so a late release waits as an early one and is never answered); no
+/// byte of it is used, nothing leaks, the prefill holds all expired. Then a prefill engine with a
+/// normal lease serves the same decode engine.
 pub fn late_reader(m: &Matrix) {
     let net = InProcessSideChannels::new();
     let late = m.engine(EngineConfig { lease_duration: Duration::ZERO, ..m.config("late-prefill", &net) });
@@ -300,7 +301,7 @@ pub fn late_reader(m: &Matrix) {
     let ids = submit(&mut c, "late", 1, 4);
     run(&mut c);
     for rid in &ids {
-        assert_failed(&c.decode, rid, &["lease expired", "timed out"]);
+        assert_failed(&c.decode, rid, &[ErrorKind::Expired, ErrorKind::Timeout]);
     }
     let s = c.decode.stats().clone();
     assert_eq!((s.finished, s.failed, s.blocks_verified, s.tokens_loaded), (0, 4, 0, 0), "{s:?}");
@@ -405,9 +406,9 @@ fn tcp(port: u16) -> SideChannel {
 /// What every backend must keep when the prefill engine restarts, even one whose READs of the
 /// dropped engine's agent are not seen to fail, and with params that name no instance (so that
 /// those READs happen): no wrong byte is used. The requests sent to the restarted engine (whose
-/// lease is 3 s here) either succeed or fail ("timed out", "transfer failed", "lease expired");
-/// every hold of the new engine ends, released or expired; nothing leaks; and once the decode
-/// workers have found the new instance, every request succeeds.
+/// lease is 3 s here) either succeed or fail ([`ErrorKind::Timeout`], [`ErrorKind::Transfer`] or
+/// [`ErrorKind::Expired`]); every hold of the new engine ends, released or expired; nothing leaks;
+/// and once the decode workers have found the new instance, every request succeeds.
 pub fn prefill_restart_is_safe(m: &Matrix) {
     let (c, _net) = m.cluster("safe-restart");
     let mut c = c.with_client(without_instance);
@@ -425,7 +426,7 @@ pub fn prefill_restart_is_safe(m: &Matrix) {
         if finished(&c.decode, rid) {
             loads += 1;
         } else {
-            assert_failed(&c.decode, rid, &["timed out", "transfer failed", "lease expired"]);
+            assert_failed(&c.decode, rid, &[ErrorKind::Timeout, ErrorKind::Transfer, ErrorKind::Expired]);
         }
     }
     assert_clean(&c);
@@ -491,7 +492,10 @@ pub fn out_of_range_read(m: &Matrix) {
     let (good, later) = (submit(&mut c, "good", 2, 1), submit(&mut c, "oob-later", 3, 1));
     run(&mut c);
     for rid in first.iter().chain(&later) {
-        assert_failed(&c.decode, rid, &[&format!("remote block id {NUM_BLOCKS} out of range")]);
+        // Every check of peer data fails with this kind; the message says it was this one.
+        let e = assert_failed(&c.decode, rid, &[ErrorKind::InvalidPeerData]);
+        let out_of_range = format!("remote block id {NUM_BLOCKS} out of range");
+        assert!(e.message().contains(&out_of_range), "{rid}: {e}");
     }
     assert_finished(&c.decode, &good);
     assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
@@ -514,7 +518,7 @@ pub fn layout_refusal(m: &Matrix) {
     let ids = submit(&mut c, "layout", 1, 2);
     run(&mut c);
     for rid in &ids {
-        assert_failed(&c.decode, rid, &["incompatible"]);
+        assert_failed(&c.decode, rid, &[ErrorKind::Incompatible]);
     }
     m.assert_per_rank(&c.decode, "handshake_failures", |w| w.handshake_failures, 1);
     m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 0);
@@ -661,7 +665,9 @@ pub fn duplicate_offer(m: &Matrix) {
     let (a, b) = (id("dup-0"), id("dup-0-copy"));
     let (read, refused) = if finished(&c.decode, &a) { (a, b) } else { (b, a) };
     assert_finished(&c.decode, std::slice::from_ref(&read));
-    assert_failed(&c.decode, &refused, &["already in flight"]);
+    // Any misuse of the connector fails with this kind; the message says it was the duplicate.
+    let e = assert_failed(&c.decode, &refused, &[ErrorKind::InvalidArgument]);
+    assert!(e.message().contains("already in flight"), "{refused}: {e}");
     assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
     m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
@@ -670,10 +676,10 @@ pub fn duplicate_offer(m: &Matrix) {
     assert_clean(&c);
 }
 
-/// A client submits an offer again, with another prompt, after its load completed: the READ
-/// happens (the decode engine cannot know), but the prefill worker answers its release "not
-/// held", so the load fails "lease expired" and its bytes are not used; nothing leaks. (With the
-/// same prompt the decode engine's prefix cache would serve it: a notify-only release, no READ.)
+/// A client submits an offer again, with another prompt, after its load completed: the READ happens
+/// (the decode engine cannot know), but the prefill worker answers its release "not held", so the
+/// load fails [`ErrorKind::Expired`] and its bytes are not used; nothing leaks. (With the same
+/// prompt the decode engine's prefix cache would serve it: a notify-only release, no READ.)
 pub fn replayed_offer(m: &Matrix) {
     let (c, _net) = m.cluster("replay");
     let kept: Held = Arc::default();
@@ -689,7 +695,7 @@ pub fn replayed_offer(m: &Matrix) {
     let replay = id("replay");
     add_to_decode(&mut c, (replay.clone(), prompt(2, PROMPT_LEN), n, params));
     run(&mut c);
-    assert_failed(&c.decode, &replay, &["lease expired"]);
+    assert_failed(&c.decode, &replay, &[ErrorKind::Expired]);
     assert_eq!(
         c.decode.stats().blocks_verified,
         m.verified_per_load(PROMPT_BLOCKS),

@@ -9,8 +9,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvx_core::{FinishReason, RequestId};
+use kvx_core::{ErrorKind, FinishReason, RequestId};
 use kvx_loopback::Faults;
+use kvx_testkit::matrix::assert_failed;
 use kvx_testkit::sim::{Cluster, EngineConfig, ModelSpec, RequestState, SideChannel, SimEngine};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -194,7 +195,10 @@ fn a_failed_transfer_fails_exactly_that_request() {
     lb.agent("decode", 1).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
     c.submit(id("victim"), prompt(2, 3 * BS), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    assert!(matches!(c.decode.state(&id("victim")), Some(RequestState::Failed(r)) if r.contains("injected")));
+    let e = assert_failed(&c.decode, &id("victim"), &[ErrorKind::Transfer]);
+    // Every failed READ is a `Transfer` failure; the message says it is the injected one.
+    assert_eq!(e.backend(), Some("loopback"), "{e}");
+    assert!(e.message().contains("injected"), "{e}");
 
     c.submit(id("after"), prompt(3, 3 * BS), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
@@ -224,7 +228,7 @@ fn a_refused_handshake_fails_the_waiting_requests() {
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
     for rid in &ids {
-        assert!(matches!(c.decode.state(rid), Some(RequestState::Failed(_))), "{rid}");
+        assert_failed(&c.decode, rid, &[ErrorKind::Handshake]);
     }
     assert_eq!(c.decode.stats().failed, 3);
     assert!(c.decode.worker_stats().iter().all(|w| w.handshake_failures >= 1 && w.handshakes == 0));

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use kvx_core::{AuthKey, FinishReason, RequestId, TransferAgent};
+use kvx_core::{AuthKey, ErrorKind, FinishReason, RequestId, TransferAgent};
 use kvx_loopback::Fabric;
 use kvx_testkit::hostile::zmtp_73;
 use kvx_testkit::sim::{
@@ -99,7 +99,9 @@ fn keyed_engines_read_and_a_wrong_key_or_none_reads_nothing() {
         let ids = run(&mut c, 3);
         for id in &ids {
             match c.decode.state(id) {
-                Some(RequestState::Failed(why)) => assert!(why.contains("authenticat"), "{id}: {why}"),
+                Some(RequestState::Failed(e)) => {
+                    assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{id}: {e}")
+                }
                 other => panic!("{id}: {other:?}"),
             }
         }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use kvx_core::{EngineId, ManualClock, TransferAgent};
+use kvx_core::{EngineId, ErrorKind, ManualClock, TransferAgent};
 use kvx_loopback::{Fabric, Faults, LoopbackAgent};
 use kvx_testkit::matrix::{
     self, Matrix, PROMPT_BLOCKS, assert_clean, assert_failed, assert_finished, run, submit,
@@ -93,7 +93,7 @@ fn a_lost_answer_fails_the_load_after_its_confirmation_timeout() {
     lb.agent("lost-answer-prefill", 1).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
-    assert_failed(&c.decode, &lost[0], &["timed out"]);
+    assert_failed(&c.decode, &lost[0], &[ErrorKind::Timeout]);
     let w = c.decode.worker_stats();
     assert_eq!(
         w.iter().map(|w| (w.lease_failures, w.peers_invalidated)).collect::<Vec<_>>(),
@@ -124,7 +124,7 @@ fn a_lost_release_fails_the_load_and_the_hold_expires() {
     lb.agent("lost-release-decode", 0).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
-    assert_failed(&c.decode, &lost[0], &["timed out"]);
+    assert_failed(&c.decode, &lost[0], &[ErrorKind::Timeout]);
     let w = c.decode.worker_stats();
     assert_eq!(w.iter().map(|w| w.lease_failures).collect::<Vec<_>>(), [1, 0]);
     let p = c.prefills[0].worker_stats();
@@ -179,7 +179,7 @@ fn an_unreachable_answer_path_fails_the_load_and_nothing_leaks() {
     })
     .unwrap();
     assert!(refused);
-    assert_failed(&c.decode, &ids[0], &["timed out"]);
+    assert_failed(&c.decode, &ids[0], &[ErrorKind::Timeout]);
     m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "handshake_failures", |w| w.handshake_failures, 1);

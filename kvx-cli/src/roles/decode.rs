@@ -222,7 +222,7 @@ impl Tracker {
                     self.recomputing.insert(again, id);
                 }
                 Err(e) => {
-                    self.report(&again, &e.to_string());
+                    self.report(&again, &e);
                     self.failed += 1;
                     self.recomputes_failed += 1;
                 }
@@ -244,7 +244,7 @@ impl Tracker {
     }
 
     /// Says why a request failed, on stderr: the first [`FAILURES_SHOWN`]; the summary counts all.
-    fn report(&self, id: &RequestId, why: &str) {
+    fn report(&self, id: &RequestId, why: &Error) {
         let shown = self.failed_loads.len() + self.recomputes_failed;
         if shown < FAILURES_SHOWN {
             eprintln!("kvx decode: request {id} failed: {why}");

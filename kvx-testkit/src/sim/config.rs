@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{
-    AuthKey, Clock, EngineId, FinishReason, Handshakes, RequestId, Result, SystemClock, TransferAgent,
+    AuthKey, Clock, EngineId, Error, FinishReason, Handshakes, RequestId, Result, SystemClock, TransferAgent,
 };
 
 use super::model::ModelSpec;
@@ -163,8 +163,8 @@ pub enum RequestState {
     Running,
     /// Finished (its blocks may still be held for a remote reader).
     Finished(FinishReason),
-    /// Failed (its KV load failed, or its received KV was wrong).
-    Failed(String),
+    /// Failed (its KV load failed, or its received KV was wrong), with the error that says why.
+    Failed(Error),
 }
 
 /// A request that finished or failed, as [`SimEngine::take_ended`](super::SimEngine::take_ended)
@@ -177,7 +177,7 @@ pub struct EndedRequest {
     pub state: RequestState,
     /// Why its KV load failed, when it computed its prompt instead
     /// ([`LoadFailurePolicy::Recompute`]).
-    pub load_failure: Option<String>,
+    pub load_failure: Option<Error>,
 }
 
 /// Counters of one engine.

@@ -46,7 +46,7 @@ struct Request {
     /// Blocks marked in flight in the pool for this request.
     in_flight: Vec<BlockId>,
     /// Why its load failed, when it computes its prompt instead.
-    load_failure: Option<String>,
+    load_failure: Option<Error>,
 }
 
 impl Request {
@@ -463,7 +463,7 @@ impl SimEngine {
             self.waiting.pop_front();
             if let Err(e) = self.admit(&id, hit, new, hashes) {
                 self.error(format!("admitting request {id}: {e}"));
-                self.fail(&id, e.to_string());
+                self.fail(&id, e);
             }
         }
     }
@@ -566,9 +566,9 @@ impl SimEngine {
         }
     }
 
-    fn fail(&mut self, id: &RequestId, reason: String) {
+    fn fail(&mut self, id: &RequestId, error: Error) {
         if let Some(r) = self.requests.get_mut(id) {
-            r.state = RequestState::Failed(reason);
+            r.state = RequestState::Failed(error);
         }
         self.finish(id, FinishReason::Error);
     }
@@ -583,7 +583,7 @@ impl SimEngine {
         for id in finished.sending {
             self.release_delayed(&id, "a finished send");
         }
-        let failed = finished.failed_recving.into_iter().map(|f| (f.request_id, Some(f.error.to_string())));
+        let failed = finished.failed_recving.into_iter().map(|f| (f.request_id, Some(f.error)));
         for (id, failure) in finished.recving.into_iter().map(|id| (id, None)).chain(failed) {
             if self.delayed.contains_key(&id) {
                 // Aborted while its READ was in flight: only now may its blocks go.
@@ -603,10 +603,10 @@ impl SimEngine {
             let ended = self.pool.end_transfer(&in_flight);
             self.pool_result("ending the load", &id, ended);
             match failure {
-                Some(reason) if self.config.load_failure == LoadFailurePolicy::Recompute => {
-                    self.recompute(&id, reason)
+                Some(error) if self.config.load_failure == LoadFailurePolicy::Recompute => {
+                    self.recompute(&id, error)
                 }
-                Some(reason) => self.fail(&id, reason),
+                Some(error) => self.fail(&id, error),
                 None => self.complete_load(&id),
             }
         }
@@ -614,10 +614,10 @@ impl SimEngine {
 
     /// A load failed: the request computes its prompt itself, from what its prefix cache held,
     /// into the blocks the load was to fill.
-    fn recompute(&mut self, id: &RequestId, reason: String) {
+    fn recompute(&mut self, id: &RequestId, error: Error) {
         let Some(r) = self.requests.get_mut(id) else { return };
         r.load = None;
-        r.load_failure = Some(reason);
+        r.load_failure = Some(error);
         r.state = RequestState::Running;
         self.stats.recomputed += 1;
         self.running.push(id.clone());
@@ -649,7 +649,7 @@ impl SimEngine {
                 "request {id}: {} received blocks are wrong, first: {first}",
                 mismatches.len()
             ));
-            self.fail(id, format!("received KV is wrong: {first}"));
+            self.fail(id, Error::new(ErrorKind::Transfer, format!("received KV is wrong: {first}")));
             return;
         }
         let Some(r) = self.requests.get_mut(id) else { return };

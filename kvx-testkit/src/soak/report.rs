@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use kvx_core::WorkerStats;
+use kvx_core::{ErrorKind, WorkerStats};
 use kvx_loopback::FaultCounts;
 
 use crate::sim::{HandshakeFaultCounts, SimEngine};
@@ -141,10 +141,13 @@ pub struct SoakReport {
     pub faults: InjectedFaults,
     /// What the connector did.
     pub protocol: ProtocolCounts,
-    /// Why requests failed, most frequent first, with numbers as `#`.
+    /// Why requests failed (the errors' `Display` form), most frequent first, with numbers as `#`.
     pub failure_reasons: Vec<(String, u64)>,
-    /// Why the loads of recomputed requests failed, most frequent first.
+    /// Why the loads of recomputed requests failed, as [`failure_reasons`](Self::failure_reasons).
     pub recompute_reasons: Vec<(String, u64)>,
+    /// The kinds of those errors (of failed requests and of recomputed requests' loads), each
+    /// with its count, in the order first seen.
+    pub failure_kinds: Vec<(ErrorKind, u64)>,
     /// Simulated time from arrival to the end of finished and recomputed requests: median, 99th
     /// percentile, maximum.
     pub finish_times: [Duration; 3],

@@ -387,14 +387,14 @@ impl<'c> Soak<'c> {
                 }
             },
             (Role::Decode, RequestState::Finished(_)) => match &e.load_failure {
-                Some(reason) => {
-                    self.tally.reason(Outcome::Recomputed, reason);
+                Some(error) => {
+                    self.tally.reason(Outcome::Recomputed, error);
                     Outcome::Recomputed
                 }
                 None => Outcome::Finished,
             },
-            (_, RequestState::Failed(reason)) => {
-                self.tally.reason(Outcome::Failed, reason);
+            (_, RequestState::Failed(error)) => {
+                self.tally.reason(Outcome::Failed, error);
                 Outcome::Failed
             }
             (Role::Prefill, RequestState::Finished(_)) => Outcome::Failed,

@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
+use kvx_core::{Error, ErrorKind};
+
 use super::SoakConfig;
 use super::report::{Aborts, InjectedFaults, Lost, ProtocolCounts, SoakReport};
 use crate::sim::{SimEngine, mix};
@@ -68,6 +70,8 @@ pub(super) struct Tally {
     /// Why requests failed, and why the loads of recomputed ones failed (numbers as `#`).
     failure_reasons: BTreeMap<String, u64>,
     recompute_reasons: BTreeMap<String, u64>,
+    /// The kinds of both, in the order first seen.
+    failure_kinds: Vec<(ErrorKind, u64)>,
     pub(super) faults: InjectedFaults,
     protocol: ProtocolCounts,
     mismatched: u64,
@@ -88,6 +92,7 @@ impl Tally {
             finish_times: Vec::new(),
             failure_reasons: BTreeMap::new(),
             recompute_reasons: BTreeMap::new(),
+            failure_kinds: Vec::new(),
             faults: InjectedFaults::default(),
             protocol: ProtocolCounts::default(),
             mismatched: 0,
@@ -110,13 +115,18 @@ impl Tally {
         }
     }
 
-    /// Counts why a request failed (or its load did, for a recomputed one).
-    pub(super) fn reason(&mut self, outcome: Outcome, reason: &str) {
+    /// Counts why a request failed (or its load did, for a recomputed one), by the error's text
+    /// and by its kind.
+    pub(super) fn reason(&mut self, outcome: Outcome, error: &Error) {
         let reasons = match outcome {
             Outcome::Recomputed => &mut self.recompute_reasons,
             _ => &mut self.failure_reasons,
         };
-        *reasons.entry(without_numbers(reason)).or_insert(0) += 1;
+        *reasons.entry(without_numbers(&error.to_string())).or_insert(0) += 1;
+        match self.failure_kinds.iter_mut().find(|(kind, _)| *kind == error.kind()) {
+            Some((_, n)) => *n += 1,
+            None => self.failure_kinds.push((error.kind(), 1)),
+        }
     }
 
     pub(super) fn error(&mut self, e: String) {
@@ -177,6 +187,7 @@ impl Tally {
             protocol: self.protocol,
             failure_reasons: by_count(self.failure_reasons),
             recompute_reasons: by_count(self.recompute_reasons),
+            failure_kinds: self.failure_kinds,
             finish_times: percentiles(self.finish_times),
             virtual_time,
             rounds: self.rounds,
