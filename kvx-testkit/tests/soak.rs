@@ -14,19 +14,11 @@ use kvx_testkit::soak::{FaultRates, SoakConfig, SoakReport, run_soak};
 const FAULT_KINDS: [ErrorKind; 4] =
     [ErrorKind::Transfer, ErrorKind::Handshake, ErrorKind::Expired, ErrorKind::Timeout];
 
-/// Whether a failure of `kind` is explained by the faults. Besides [`FAULT_KINDS`], `State`: when
-/// a handshake completes, the decode worker posts its waiting loads one by one, and once one of
-/// them drops the peer again (its offer names a newer instance, or its post is refused), the
-/// rest fail "peer not ready" instead of waiting for the next handshake.
-fn explained(kind: ErrorKind) -> bool {
-    FAULT_KINDS.contains(&kind) || kind == ErrorKind::State
-}
-
 fn clean(config: &SoakConfig) -> SoakReport {
     let r = run_soak(config).unwrap();
     assert!(r.is_clean(), "{} not 0:\n{r}", r.violations().join(", "));
     for (kind, n) in &r.failure_kinds {
-        assert!(explained(*kind), "{n} failures of kind {kind:?}, which no fault explains:\n{r}");
+        assert!(FAULT_KINDS.contains(kind), "{n} failures of kind {kind:?}, which no fault explains:\n{r}");
     }
     let a = &r.aborted;
     let ended = r.finished + r.recomputed + r.failed + a.total() + r.lost.prefill + r.lost.decode;

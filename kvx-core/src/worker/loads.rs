@@ -161,8 +161,10 @@ impl ConnectorWorker {
         let Some(mut load) = self.loads.remove(id) else { return };
         let engine_id = load.req.remote.engine_id.clone();
         let Some(Peer::Ready(conn)) = self.peers.get(&engine_id) else {
+            // Another load waiting on the same handshake dropped the peer again (its offer named
+            // a newer instance, or its post was refused): wait for the next handshake.
             self.loads.insert(id.clone(), load);
-            self.end_load(now, id, Err(Error::new(ErrorKind::State, "peer not ready")), true);
+            self.requeue(now, id);
             return;
         };
         let instance = conn.instance;

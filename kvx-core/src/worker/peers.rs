@@ -96,7 +96,11 @@ impl ConnectorWorker {
 
     /// Sends to a ready peer; a failed send invalidates it.
     pub(super) fn notify_peer(&mut self, engine_id: &EngineId, msg: &[u8]) {
-        let Some(Peer::Ready(conn)) = self.peers.get(engine_id) else { return };
+        let Some(Peer::Ready(conn)) = self.peers.get(engine_id) else {
+            debug!(%engine_id, "notification not sent: the peer was dropped");
+            self.stats.unsent_messages += 1;
+            return;
+        };
         if let Err(e) = self.agent.notify(&conn.agent, msg) {
             debug!(%engine_id, error = %e, "notification not sent: the peer is dropped");
             self.stats.unsent_messages += 1;
@@ -191,7 +195,11 @@ impl ConnectorWorker {
         debug!(%engine_id, ?took, "handshake done");
         self.stats.handshakes += 1;
         self.stats.handshake_times.push(took);
-        for waiter in h.waiting {
+        // Messages first: a load may drop the peer again (an offer of a newer instance, a refused
+        // post), and the loads after it wait for the next handshake, but a message would be lost.
+        let (loads, messages): (Vec<Waiter>, Vec<Waiter>) =
+            h.waiting.into_iter().partition(|w| matches!(w, Waiter::Load(_)));
+        for waiter in messages.into_iter().chain(loads) {
             match waiter {
                 Waiter::Load(id) => self.issue(now, &id),
                 Waiter::Message(msg) => self.notify_peer(engine_id, &msg),

@@ -995,6 +995,35 @@ fn an_offer_of_another_instance_is_never_read_through_the_old_connection() {
     assert_eq!(w.stats().peer_restarts, 1);
 }
 
+/// Loads waiting on one handshake are issued one by one; when one of them drops the peer again
+/// (its offer names a newer instance), the others wait for the next handshake instead of failing.
+#[test]
+fn a_load_that_drops_its_peer_does_not_fail_the_others_waiting_on_the_handshake() {
+    let posts = Arc::new(Mutex::new(vec![]));
+    let inbox = Inbox::default();
+    let a = agent_with_inbox(posts.clone(), inbox.clone(), |a| {
+        a.expect_poll().returning(|_| Ok(XferState::Pending));
+    });
+    let mut w = worker_with(a, 0, &[None, None]);
+    let now = Instant::now();
+    let loads = vec![recv_from("newer", vec![1], vec![1], 2), recv("any", vec![2], vec![2])];
+    w.start_load_kv(now, &meta(loads));
+    // The first handshake finds instance 1 (the engine restarted since it made the offer).
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { .. })));
+    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |p| p.instance = 1)));
+    let f = w.get_finished(now);
+    assert!(
+        f.failed_recving.is_empty(),
+        "nothing fails while a handshake is pending: {:?}",
+        f.failed_recving
+    );
+    assert!(posts.lock().unwrap().is_empty(), "nothing read through instance 1");
+    answer_handshakes(&mut w, now, 2);
+    assert!(w.get_finished(now).is_empty());
+    assert_eq!(posts.lock().unwrap().len(), 2, "both read from instance 2");
+    assert_eq!(w.num_in_flight(), 2);
+}
+
 #[test]
 fn a_post_the_transport_refuses_is_retried_on_a_new_connection() {
     let mut a = MockTransferAgent::new();
