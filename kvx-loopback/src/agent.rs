@@ -7,7 +7,7 @@
 //! never while holding a peer's lock: no lock-order cycle, so no deadlock, also with two agents
 //! transferring to each other from two threads.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -36,15 +36,16 @@ pub struct AgentOptions {
 }
 
 impl AgentOptions {
-    /// Explicit progress (the default): transfers move only inside `progress`, `poll` and
-    /// `drain_notifications`, one pass per call. Deterministic.
+    /// Explicit progress (the default): transfers move only inside `progress`,
+    /// `drain_completions` and `drain_notifications`, one pass per call (`poll` is a lookup).
+    /// Deterministic.
     pub fn explicit() -> Self {
         AgentOptions { progress_thread: None }
     }
 
     /// A background thread performs the transfers: it runs a pass as soon as a transfer is posted
     /// and, while delayed transfers wait, every `retry` (bounded below by 10 µs). `progress`,
-    /// `poll` and `drain_notifications` then only wake it. The thread is stopped and joined when the
+    /// `drain_completions` and `drain_notifications` then only wake it. The thread is stopped and joined when the
     /// agent is dropped.
     pub fn progress_thread(retry: Duration) -> Self {
         AgentOptions { progress_thread: Some(retry.max(Duration::from_micros(10))) }
@@ -86,8 +87,13 @@ struct AgentState {
     registrations: HashMap<u64, Registration>,
     remotes: HashMap<AgentName, Remote>,
     dlists: HashMap<u64, Dlist>,
-    /// Ordered by id, so a pass runs transfers (and sends their notifications) in post order.
-    xfers: BTreeMap<u64, Xfer>,
+    xfers: HashMap<u64, Xfer>,
+    /// The transfers in [`Stage::Queued`], ordered by id: what a pass looks at, in post order (so
+    /// it runs transfers, and sends their notifications, in post order).
+    queued: BTreeSet<u64>,
+    /// The transfers that became `Done` or `Failed` and that `drain_completions` has not reported
+    /// yet, in the order they did. A released one is skipped when they are drained.
+    completed: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -173,28 +179,32 @@ impl AgentShared {
         Ok(lock(&self.faults, "agent faults")?.refuses_handshakes())
     }
 
-    /// One progress pass: runs every queued transfer whose delay is over. Returns how many
-    /// transfers are still queued (delayed) afterwards.
+    /// One progress pass: runs every queued transfer whose delay is over, and queues the ids of
+    /// those that ended for `drain_completions`. Looks at the queued transfers only, so its cost
+    /// is linear in them. Returns how many transfers are still queued (delayed) afterwards.
     fn pass(&self) -> Result<usize> {
         let (jobs, still_queued) = {
             let now = self.fabric.clock.now();
             let mut st = self.state()?;
+            let AgentState { xfers, queued, .. } = &mut *st;
             let mut jobs = Vec::new();
-            let mut still_queued = 0;
-            for (&id, xfer) in st.xfers.iter_mut() {
-                if let Stage::Queued { passes_left, not_before } = &mut xfer.stage {
-                    if *passes_left > 0 {
-                        *passes_left -= 1;
-                        still_queued += 1;
-                    } else if not_before.is_some_and(|t| t > now) {
-                        still_queued += 1;
-                    } else if let Some(job) = xfer.job.take() {
-                        xfer.stage = Stage::Copying;
-                        jobs.push((id, job));
-                    }
+            queued.retain(|id| {
+                let Some(xfer) = xfers.get_mut(id) else { return false };
+                let Stage::Queued { passes_left, not_before } = &mut xfer.stage else { return false };
+                if *passes_left > 0 {
+                    *passes_left -= 1;
+                    true
+                } else if not_before.is_some_and(|t| t > now) {
+                    true
+                } else if let Some(job) = xfer.job.take() {
+                    xfer.stage = Stage::Copying;
+                    jobs.push((*id, job));
+                    false
+                } else {
+                    false
                 }
-            }
-            (jobs, still_queued)
+            });
+            (jobs, queued.len())
         };
         if jobs.is_empty() {
             return Ok(still_queued);
@@ -206,7 +216,14 @@ impl AgentShared {
             // A transfer released while it was copying is simply gone.
             if let Some(xfer) = st.xfers.get_mut(&id) {
                 xfer.stage = stage;
+                st.completed.push(id);
             }
+        }
+        // A caller that releases without draining leaves released ids behind: drop them once
+        // they outnumber the live transfers (amortised constant time per transfer).
+        if st.completed.len() > 2 * st.xfers.len() + 64 {
+            let AgentState { xfers, completed, .. } = &mut *st;
+            completed.retain(|id| xfers.contains_key(id));
         }
         Ok(still_queued)
     }
@@ -285,16 +302,18 @@ impl AgentShared {
     /// When this agent next has something to do: `now` for a transfer a pass would run or a
     /// notification to drain, else the earliest time a delayed one is due.
     pub(crate) fn next_event(&self, now: Instant) -> Result<Option<Instant>> {
-        let transfers = self
-            .state()?
-            .xfers
-            .values()
+        let st = self.state()?;
+        let transfers = st
+            .queued
+            .iter()
+            .filter_map(|id| st.xfers.get(id))
             .filter_map(|x| match x.stage {
                 Stage::Queued { passes_left: 0, not_before } => Some(not_before.unwrap_or(now).max(now)),
                 Stage::Queued { .. } => Some(now),
                 _ => None,
             })
             .min();
+        drop(st);
         let inbox = lock(&self.inbox, "agent inbox")?;
         let notifications = if inbox.ready.is_empty() {
             inbox.delayed.iter().map(|(due, ..)| (*due).max(now)).min()
@@ -568,6 +587,7 @@ impl TransferAgent for LoopbackAgent {
             id,
             Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
         );
+        st.queued.insert(id);
         drop(st);
         if let Some(t) = &self.thread {
             t.wake()?;
@@ -575,8 +595,8 @@ impl TransferAgent for LoopbackAgent {
         Ok(XferId(id))
     }
 
+    /// A lookup: moves nothing (see [`drain_completions`](TransferAgent::drain_completions)).
     fn poll(&self, xfer: XferId) -> Result<XferState> {
-        self.drive()?;
         let st = self.shared.state()?;
         let x =
             st.xfers.get(&xfer.0).ok_or_else(|| err(ErrorKind::NotFound, format!("no transfer {xfer}")))?;
@@ -588,10 +608,25 @@ impl TransferAgent for LoopbackAgent {
     }
 
     fn release(&self, xfer: XferId) -> Result<()> {
-        match self.shared.state()?.xfers.remove(&xfer.0) {
-            Some(_) => Ok(()),
+        let mut st = self.shared.state()?;
+        match st.xfers.remove(&xfer.0) {
+            Some(_) => {
+                // Still queued: cancelled. Its id in `completed`, if any, is skipped when drained.
+                st.queued.remove(&xfer.0);
+                Ok(())
+            }
             None => Err(err(ErrorKind::NotFound, format!("no transfer {xfer}"))),
         }
+    }
+
+    /// One pass (or a wake-up of the progress thread), then the ids of the transfers that ended
+    /// since the last call: linear in the transfers that ran and those that ended.
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
+        self.drive()?;
+        let mut st = self.shared.state()?;
+        let AgentState { xfers, completed, .. } = &mut *st;
+        out.extend(completed.drain(..).filter(|id| xfers.contains_key(id)).map(XferId));
+        Ok(())
     }
 
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {

@@ -479,7 +479,8 @@ impl TransferAgent for NixlAgent {
             agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
         let uses = Uses { registrations, remote: plan.peer().clone() };
         state.take_uses(&uses);
-        let mut xfer = Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses) };
+        let mut xfer =
+            Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses), reported: false };
         if !in_flight {
             xfer.state = XferState::Done;
             if let Some(uses) = xfer.settle() {
@@ -526,6 +527,22 @@ impl TransferAgent for NixlAgent {
         state.refresh_pending();
         out.append(&mut state.received);
         fetch_notifications(&state.nixl.agent, out)
+    }
+
+    /// NIXL has no completion queue: one status check per transfer still pending (as
+    /// `progress`), then the settled transfers not yet reported. Linear in the transfers posted
+    /// and not yet released.
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        state.refresh_pending();
+        for (&id, xfer) in &mut state.xfers {
+            if xfer.state != XferState::Pending && !xfer.reported {
+                xfer.reported = true;
+                out.push(id);
+            }
+        }
+        fetch_notifications(&state.nixl.agent, &mut state.received)
     }
 
     fn progress(&self) -> Result<()> {
@@ -756,6 +773,8 @@ struct Xfer {
     request: Option<nixl::XferRequest>,
     /// Until the transfer settles.
     uses: Option<Uses>,
+    /// `drain_completions` has reported it (once settled).
+    reported: bool,
 }
 
 impl Xfer {

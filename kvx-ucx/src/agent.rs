@@ -13,7 +13,7 @@
 //! destroyed; endpoints closed (bounded); worker destroyed; memory unmapped (UCX-allocated pools
 //! last, when their last `Arc` goes); context cleaned up when its last `Arc` goes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -391,6 +391,11 @@ struct Inner {
     peer_ids: HashMap<AgentName, u64>,
     dlists: HashMap<u64, Dlist>,
     xfers: HashMap<u64, Xfer>,
+    /// The posted transfers not yet `Done` or `Failed`: what a progress pass advances.
+    pending: HashSet<u64>,
+    /// The posted transfers that became `Done` or `Failed` and that `drain_completions` has not
+    /// reported yet. A released one is skipped when they are drained.
+    completed: Vec<u64>,
     /// Transfers released while still running: progressed until UCX is done with them.
     orphans: Vec<Xfer>,
     sends: Vec<PendingSend>,
@@ -522,6 +527,8 @@ impl Inner {
             peer_ids: HashMap::new(),
             dlists: HashMap::new(),
             xfers: HashMap::new(),
+            pending: HashSet::new(),
+            completed: Vec::new(),
             orphans: Vec::new(),
             sends: Vec::new(),
             closing: Vec::new(),
@@ -584,13 +591,26 @@ impl Inner {
         let events = self.progress_worker();
         self.settle_failed_endpoints();
         // Posted transfers move on too (their flushes and notifications go out) even when the
-        // owner only calls progress().
-        if self.xfers.values().any(|x| !x.is_terminal()) {
+        // owner only calls progress(). One pass over those not yet final.
+        if !self.pending.is_empty() {
             let mut xfers = std::mem::take(&mut self.xfers);
-            for xfer in xfers.values_mut().filter(|x| !x.is_terminal()) {
+            let mut pending = std::mem::take(&mut self.pending);
+            pending.retain(|&id| {
+                let Some(xfer) = xfers.get_mut(&id) else { return false };
                 self.advance(xfer);
-            }
+                if xfer.is_terminal() {
+                    self.completed.push(id);
+                }
+                !xfer.is_terminal()
+            });
             self.xfers = xfers;
+            self.pending = pending;
+            // A caller that releases without draining leaves released ids behind: drop them once
+            // they outnumber the live transfers (amortised constant time per transfer).
+            if self.completed.len() > 2 * self.xfers.len() + 64 {
+                let xfers = &self.xfers;
+                self.completed.retain(|id| xfers.contains_key(id));
+            }
         }
         if !self.orphans.is_empty() {
             let mut orphans = std::mem::take(&mut self.orphans);
@@ -1184,23 +1204,34 @@ impl TransferAgent for UcxAgent {
         }
         inner.advance(&mut xfer);
         let id = inner.next_id();
+        if xfer.is_terminal() {
+            inner.completed.push(id);
+        } else {
+            inner.pending.insert(id);
+        }
         inner.xfers.insert(id, xfer);
         Ok(XferId(id))
     }
 
+    /// Drives the worker and advances every transfer not yet final (as `progress`) unless this
+    /// one is final already.
     fn poll(&self, xfer: XferId) -> Result<XferState> {
         let mut inner = self.shared.lock()?;
-        let mut x = inner
-            .xfers
-            .remove(&xfer.0)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} unknown")))?;
-        if !x.is_terminal() {
+        let unknown = || error(ErrorKind::NotFound, format!("{xfer} unknown"));
+        if !inner.xfers.get(&xfer.0).ok_or_else(unknown)?.is_terminal() {
             inner.progress_all();
-            inner.advance(&mut x);
         }
-        let state = x.state();
-        inner.xfers.insert(xfer.0, x);
-        Ok(state)
+        Ok(inner.xfers.get(&xfer.0).ok_or_else(unknown)?.state())
+    }
+
+    /// Drives the worker once and advances the transfers not yet final (one pass over them),
+    /// then reports those that became final: linear in the transfers in flight.
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
+        let mut inner = self.shared.lock()?;
+        inner.progress_all();
+        let Inner { xfers, completed, .. } = &mut *inner;
+        out.extend(completed.drain(..).filter(|id| xfers.contains_key(id)).map(XferId));
+        Ok(())
     }
 
     fn release(&self, xfer: XferId) -> Result<()> {
@@ -1209,6 +1240,7 @@ impl TransferAgent for UcxAgent {
             .xfers
             .remove(&xfer.0)
             .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} unknown")))?;
+        inner.pending.remove(&xfer.0);
         if !x.is_terminal() {
             // UCX cannot cancel RMA: let it finish in the background, but send no notification.
             x.notify = None;
