@@ -52,7 +52,9 @@ impl Inbox {
     }
 }
 
-/// The active-message handler of [`AM_NOTIFY`](super::AM_NOTIFY): header = sender's name, data = payload.
+/// The active-message handler of [`AM_NOTIFY`]: header = sender's name, data = payload.
+///
+/// [`AM_NOTIFY`]: super::AM_NOTIFY
 pub(super) unsafe extern "C" fn on_notification(
     arg: *mut c_void,
     header: *const c_void,

@@ -1,4 +1,4 @@
-//! [`UcxAgent`]: a [`TransferAgent`](kvx_core::TransferAgent) over one UCP context and worker.
+//! [`UcxAgent`]: a [`TransferAgent`] over one UCP context and worker.
 //!
 //! # Threading
 //! The worker is created with `UCS_THREAD_MODE_SERIALIZED`: UCX may be called from any thread, one
@@ -12,6 +12,8 @@
 //! Progress thread stopped and joined; outstanding requests drained (bounded) and freed; rkeys
 //! destroyed; endpoints closed (bounded); worker destroyed; memory unmapped (UCX-allocated pools
 //! last, when their last `Arc` goes); context cleaned up when its last `Arc` goes.
+//!
+//! [`TransferAgent`]: kvx_core::TransferAgent
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -42,11 +44,14 @@ const PROGRESS_BURST: usize = 64;
 /// How long teardown waits for outstanding requests and endpoint closes.
 const TEARDOWN_BOUND: Duration = Duration::from_secs(2);
 
-/// A [`TransferAgent`](kvx_core::TransferAgent) over UCX's UCP API: one-sided `ucp_get_nbx`/`ucp_put_nbx` of scattered
+/// A [`TransferAgent`] over UCX's UCP API: one-sided `ucp_get_nbx`/`ucp_put_nbx` of scattered
 /// blocks, notifications as active messages.
 ///
-/// See the crate documentation for an example, and [`ProgressThreadConfig`](crate::ProgressThreadConfig) for when a target
+/// See the crate documentation for an example, and [`ProgressThreadConfig`] for when a target
 /// needs progress.
+///
+/// [`TransferAgent`]: kvx_core::TransferAgent
+/// [`ProgressThreadConfig`]: crate::ProgressThreadConfig
 pub struct UcxAgent {
     shared: Arc<Shared>,
     progress_thread: Option<ProgressThread>,
@@ -80,8 +85,10 @@ impl UcxAgent {
     }
 
     /// Allocates `len` bytes of zeroed host memory through UCX (`UCP_MEM_MAP_ALLOCATE`), to be
-    /// [registered](kvx_core::TransferAgent::register) with this agent: peers on this machine then read and
+    /// [registered][`TransferAgent::register`] with this agent: peers on this machine then read and
     /// write it truly one-sidedly over shared memory, without this agent progressing.
+    ///
+    /// [`TransferAgent::register`]: kvx_core::TransferAgent::register
     pub fn alloc_memory(&self, len: usize) -> Result<Arc<UcxMemory>> {
         let mut inner = self.shared.lock()?;
         let mapping = Arc::new(PoolMapping::allocate(Arc::clone(&inner.context), len)?);

@@ -20,7 +20,9 @@ use super::request::{PendingSend, Request, reap};
 use super::xfer::Xfer;
 use super::{AM_NOTIFY, PROGRESS_BURST, TEARDOWN_BOUND};
 
-/// All worker state; only touched with [`Shared::inner`](super::Shared::inner) locked.
+/// All worker state; only touched with [`Shared::inner`] locked.
+///
+/// [`Shared::inner`]: super::Shared::inner
 pub(super) struct Inner {
     pub(super) name: AgentName,
     pub(super) context: Arc<Context>,
