@@ -133,19 +133,24 @@ pub(crate) fn run(args: &BenchArgs) -> Result<BenchReport> {
     })
 }
 
-/// Polls until the transfer ends, progressing the target too (a target in the same process must
-/// be serviced, e.g. by UCX without UCX-allocated memory); bounded.
+/// Drains the reader's completions until the transfer ends, progressing the target too (a target
+/// in the same process must be serviced, e.g. by UCX without UCX-allocated memory); bounded.
 fn wait(reader: &dyn TransferAgent, target: &dyn TransferAgent, xfer: kvx_core::XferId) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut done = Vec::new();
     loop {
-        match reader.poll(xfer)? {
-            XferState::Done => return Ok(()),
-            XferState::Failed(e) => return Err(e),
-            XferState::Pending if Instant::now() > deadline => {
-                return Err(Error::new(ErrorKind::Timeout, "transfer not done within 60 s"));
-            }
-            XferState::Pending => target.progress()?,
+        reader.drain_completions(&mut done)?;
+        if done.contains(&xfer) {
+            return match reader.poll(xfer)? {
+                XferState::Done => Ok(()),
+                XferState::Failed(e) => Err(e),
+                XferState::Pending => Err(Error::new(ErrorKind::Backend, "reported complete, yet pending")),
+            };
         }
+        if Instant::now() > deadline {
+            return Err(Error::new(ErrorKind::Timeout, "transfer not done within 60 s"));
+        }
+        target.progress()?;
     }
 }
 

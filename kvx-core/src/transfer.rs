@@ -178,14 +178,15 @@ pub struct Notification {
 ///    it to peers.
 /// 2. [`load_remote`](Self::load_remote) each peer's metadata; [`prep_dlist`](Self::prep_dlist) one
 ///    local list and one list per remote.
-/// 3. [`post`](Self::post) transfers, [`poll`](Self::poll) them until `Done` or `Failed`, then
-///    [`release`](Self::release) them.
+/// 3. [`post`](Self::post) transfers; each step, [`drain_completions`](Self::drain_completions)
+///    names those that reached `Done` or `Failed`: [`poll`](Self::poll) each for its state, then
+///    [`release`](Self::release) it.
 /// 4. [`drain_notifications`](Self::drain_notifications) every step.
 ///
 /// # Transfers in flight
 /// A posted transfer is *in flight* until it *settles*: until its state is `Done` or `Failed`, or,
 /// released while `Pending`, until the transport is done with it (the agent completes it in the
-/// background, in `poll`, `progress` and `drain_notifications`). While in flight it keeps what it
+/// background, in `drain_completions`, `progress` and `drain_notifications`). While in flight it keeps what it
 /// uses: the registrations of its local blocks (the agent's `Arc<dyn KvMemory>` and the
 /// transport's mapping) and its peer (connection and keys). So:
 /// - [`deregister`](Self::deregister) and [`forget_remote`](Self::forget_remote) succeed at once,
@@ -285,10 +286,29 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
         notify: Option<&'a [u8]>,
     ) -> Result<XferId>;
 
-    /// Where a transfer stands; drives the transport's progress. `Done` and `Failed` are final:
-    /// the transfer has settled and later polls return the same state until it is released.
-    /// An unknown (or released) id is `NotFound`.
+    /// Where a transfer stands. `Done` and `Failed` are final: the transfer has settled and later
+    /// polls return the same state until it is released. An unknown (or released) id is
+    /// `NotFound`. Whether it drives the transport's progress is the backend's choice (the
+    /// loopback agent's does not: it is a lookup); a caller with many transfers in flight waits
+    /// for them with [`drain_completions`](Self::drain_completions), not by polling each.
     fn poll(&self, xfer: XferId) -> Result<XferState>;
+
+    /// Moves into `out` (appending) the ids of this agent's transfers that reached `Done` or
+    /// `Failed` since the last call; drives the transport's progress.
+    ///
+    /// # Behavior
+    /// - Each posted transfer is reported at most once, after its state became final; `poll`
+    ///   of a reported id returns that final state until the id is released.
+    /// - A released transfer is never reported, also one released while `Pending` that then
+    ///   settles in the background.
+    /// - A transfer that is `Done` or `Failed` is reported by this call or the next: a caller
+    ///   that calls it every step sees every transfer end, without polling those still pending.
+    ///
+    /// The cost of a call is the backend's (each documents it): the loopback agent's is linear
+    /// in the transfers that ran or completed, UCX's in the transfers not yet final, NIXL's in
+    /// the transfers not yet released (NIXL has no completion queue: one status check for each
+    /// still pending).
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()>;
 
     /// Forgets a transfer: its id is `NotFound` from now on. A transfer still `Pending` is
     /// cancelled where the backend can, otherwise completed in the background; either way its

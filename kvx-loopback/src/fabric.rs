@@ -59,7 +59,7 @@ impl Fabric {
         }
     }
 
-    /// A new agent named `name`, progressed explicitly (by `progress`, `poll` and
+    /// A new agent named `name`, progressed explicitly (by `progress`, `drain_completions` and
     /// `drain_notifications`): deterministic, for tests.
     ///
     /// A name that a live agent of this fabric has is a `State` error; once that agent is dropped

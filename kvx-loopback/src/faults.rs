@@ -84,8 +84,8 @@ impl Faults {
     }
 
     /// Every transfer stays `Pending` through `passes` progress passes and completes on the next.
-    /// A pass is one call of `progress`, `poll` or `drain_notifications` (or one round of the
-    /// progress thread).
+    /// A pass is one call of `progress`, `drain_completions` or `drain_notifications` (or one
+    /// round of the progress thread).
     pub fn delay_completion(mut self, passes: u32) -> Self {
         self.delay_passes = passes;
         self

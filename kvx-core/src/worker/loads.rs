@@ -203,6 +203,7 @@ impl ConnectorWorker {
                 let read = Read { peer, instance, token, posted: now, deadline, bytes };
                 load.stage = Stage::Reading { xfer, read, answer: None };
                 self.loads.insert(id.clone(), load);
+                self.reading.insert(xfer, id.clone());
             }
             Err(e)
                 if load.retried
@@ -299,6 +300,9 @@ impl ConnectorWorker {
         release: bool,
     ) -> Option<Vec<u8>> {
         let load = self.loads.remove(id)?;
+        if let Stage::Reading { xfer, .. } = &load.stage {
+            self.reading.remove(xfer);
+        }
         if let Some(nonce) = load.req.nonce {
             self.offers.remove(&nonce);
         }
@@ -330,20 +334,31 @@ impl ConnectorWorker {
         self.finished.failed_recving.push(FailedRecv { request_id: request_id.clone(), error });
     }
 
-    /// Polls the READs in flight: a done READ waits for its confirmation; a failed one fails its
-    /// load, tells the prefill engine to free, and drops the peer (it may have restarted).
+    /// Collects the READs that ended since the last step (the agent's completions: the step
+    /// costs what completed, not what is in flight): a done READ waits for its confirmation; a
+    /// failed one fails its load, tells the prefill engine to free, and drops the peer (it may
+    /// have restarted).
     pub(super) fn collect_transfers(&mut self, now: Instant) {
-        let mut ended = Vec::new();
-        for (id, load) in &self.loads {
-            if let Stage::Reading { xfer, .. } = &load.stage {
-                match self.agent.poll(*xfer) {
-                    Ok(XferState::Pending) => {}
-                    Ok(XferState::Done) => ended.push((id.clone(), Ok(()))),
-                    Ok(XferState::Failed(e)) => ended.push((id.clone(), Err(e))),
-                    Err(e) => ended.push((id.clone(), Err(e))),
-                }
-            }
+        let mut completions = std::mem::take(&mut self.completions);
+        completions.clear();
+        if let Err(e) = self.agent.drain_completions(&mut completions) {
+            warn!(error = %e, "draining transfer completions failed");
         }
+        let mut ended = Vec::with_capacity(completions.len());
+        for &xfer in &completions {
+            // Not a READ of a load (the agent reports whatever was posted on it).
+            let Some(id) = self.reading.remove(&xfer) else { continue };
+            let outcome = match self.agent.poll(xfer) {
+                Ok(XferState::Done) => Ok(()),
+                Ok(XferState::Failed(e)) | Err(e) => Err(e),
+                Ok(XferState::Pending) => Err(Error::new(
+                    ErrorKind::Backend,
+                    format!("the agent reported transfer {xfer} complete, but it is pending"),
+                )),
+            };
+            ended.push((id, outcome));
+        }
+        self.completions = completions;
         for (id, outcome) in ended {
             let Some(load) = self.loads.get_mut(&id) else { continue };
             let Stage::Reading { xfer, read, answer } = &load.stage else { continue };
@@ -471,6 +486,7 @@ impl ConnectorWorker {
         let mut loads: Vec<(RequestId, Load)> = self.loads.drain().collect();
         loads.sort_by(|a, b| a.0.cmp(&b.0));
         self.offers.clear();
+        self.reading.clear();
         for (id, load) in loads {
             match load.stage {
                 Stage::Reading { xfer, .. } => {

@@ -2,8 +2,10 @@
 //! handshakes with peers, posts the READs, keeps the prefill engine's holds under leases, and
 //! reports what finished. Sans-IO: time comes in as `now`, network work goes out as
 //! [`WorkerCommand`]s and comes back through [`ConnectorWorker::handle_handshake`]; the engine's
-//! step never waits on the network. The transfer agent is called inline (register, post, poll,
-//! notify): those calls never block.
+//! step never waits on the network. The transfer agent is called inline (register, post,
+//! drain_completions, poll, notify): those calls never block. Each step drains the agent's
+//! completions once and polls only the READs that ended, so it costs what completed, not what is
+//! in flight.
 //!
 //! - `loads`: the decode side (admit, READ, lease confirmation, heartbeats).
 //! - `holds`: the prefill side (leases, releases, their answers).
@@ -21,7 +23,7 @@ use crate::ids::{EngineId, RequestId};
 use crate::layout::{KvCacheLayout, LayerCache};
 use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases};
 use crate::params::RemoteCoordinates;
-use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, TransferAgent};
+use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
 use crate::wire::{self, HandshakePayload, MessageKind};
 
 mod aggregator;
@@ -149,9 +151,9 @@ pub struct WorkerStats {
     pub lease_failures: u64,
     /// Notify-only requests (full local prefix hit).
     pub notify_only: u64,
-    /// From posting a READ to the poll that found it done, for each READ that completed: the
-    /// transfer itself, plus at most the interval between the caller's steps (the worker polls
-    /// its transfers once per step).
+    /// From posting a READ to the step that found it done, for each READ that completed: the
+    /// transfer itself, plus at most the interval between the caller's steps (the worker drains
+    /// the agent's completions once per step).
     pub read_latencies: Samples,
     /// From posting a READ to the prefill engine's confirmation, for each completed load: the
     /// READ, the release's round trip to the prefill engine, and the steps between.
@@ -209,6 +211,11 @@ pub struct ConnectorWorker {
     instances: HashMap<EngineId, u64>,
     /// Decode side: every load not yet reported, by request.
     loads: HashMap<RequestId, Load>,
+    /// Decode side: the load of each READ in flight (in `Stage::Reading`), by transfer: what the
+    /// agent's completions are matched to.
+    reading: HashMap<XferId, RequestId>,
+    /// Decode side: the buffer `drain_completions` fills each step.
+    completions: Vec<XferId>,
     /// Decode side: the nonce of each load's offer, to its request (one load per offer).
     offers: HashMap<crate::auth::Nonce, RequestId>,
     /// Prefill side: holds, early releases and ended holds.
@@ -224,7 +231,8 @@ pub struct ConnectorWorker {
 }
 
 impl ConnectorWorker {
-    /// A worker over `agent`, which must support READ and notifications.
+    /// A worker over `agent`, which must support READ and notifications. The worker takes the
+    /// agent's completions and notifications: no one else drains them.
     pub fn new(config: WorkerConfig, agent: Arc<dyn TransferAgent>) -> Result<Self> {
         let caps = agent.capabilities();
         if !caps.read || !caps.notifications {
@@ -254,6 +262,8 @@ impl ConnectorWorker {
             retired: Vec::new(),
             instances: HashMap::new(),
             loads: HashMap::new(),
+            reading: HashMap::new(),
+            completions: Vec::new(),
             offers: HashMap::new(),
             holds,
             finished: Finished::default(),

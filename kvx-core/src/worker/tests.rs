@@ -43,6 +43,7 @@ fn agent_with_inbox(
 ) -> MockTransferAgent {
     let mut a = MockTransferAgent::new();
     configure(&mut a);
+    report_completions(&mut a, posts.clone(), &[]);
     a.expect_capabilities().return_const(caps());
     a.expect_name().return_const(AgentName::new("me"));
     a.expect_register().returning(|_| Ok(RegistrationId(1)));
@@ -74,6 +75,18 @@ fn agent_with_inbox(
         Ok(())
     });
     a
+}
+
+/// Has the mock report each transfer posted so far (ids 1, 2, ... in post order) once, at the next
+/// `drain_completions`, except those in `pending`, which never complete.
+fn report_completions(a: &mut MockTransferAgent, posts: Arc<Mutex<Vec<Posted>>>, pending: &'static [u64]) {
+    let mut reported = 0;
+    a.expect_drain_completions().returning(move |out| {
+        let posted = posts.lock().unwrap().len() as u64;
+        out.extend((reported + 1..=posted).filter(|id| !pending.contains(id)).map(XferId));
+        reported = posted;
+        Ok(())
+    });
 }
 
 fn caches(windows: &[Option<u32>]) -> Vec<LayerCache> {
@@ -366,7 +379,8 @@ fn completed_and_failed_transfers_are_reported_per_request() {
             .returning(|_, _| Ok(()));
         a.expect_poll().with(eq(XferId(1))).returning(|_| Ok(XferState::Done));
         a.expect_poll().with(eq(XferId(2))).returning(|_| Ok(XferState::Failed(link_down())));
-        a.expect_poll().with(eq(XferId(3))).returning(|_| Ok(XferState::Pending));
+        // The third READ never completes: never reported, never polled.
+        report_completions(a, posts.clone(), &[3]);
     });
     let mut w = worker_with(a, 0, &[None, None]);
     let now = Instant::now();
@@ -1095,7 +1109,8 @@ fn closing_agent(
             *n += 1;
             Ok(RegistrationId(*n))
         });
-        a.expect_poll().returning(|_| Ok(XferState::Pending));
+        // No transfer completes.
+        a.expect_drain_completions().returning(|_| Ok(()));
         let c = calls.clone();
         let refused = refusing.clone();
         a.expect_deregister().returning(move |r| {

@@ -197,6 +197,9 @@ impl TransferAgent for Recorder {
     fn poll(&self, xfer: XferId) -> kvx_core::Result<XferState> {
         self.inner.poll(xfer)
     }
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> kvx_core::Result<()> {
+        self.inner.drain_completions(out)
+    }
     fn release(&self, xfer: XferId) -> kvx_core::Result<()> {
         self.inner.release(xfer)
     }

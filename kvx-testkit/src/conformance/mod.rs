@@ -19,6 +19,8 @@
 //! - [`checks::lifetimes`]: deregistering, forgetting and releasing, also while transfers are in
 //!   flight.
 //! - [`checks::failures`]: a transfer that fails in its transport reports a typed error.
+//! - [`checks::completions`]: `drain_completions` reports each transfer once, done or failed,
+//!   and never a released one.
 //!
 //! [`TransferAgent`]: kvx_core::TransferAgent
 //! [`TransferAgent::capabilities`]: kvx_core::TransferAgent::capabilities
@@ -31,6 +33,10 @@ mod support;
 pub use checks::agents::{
     check_capabilities, check_dlist_outside_registration, check_garbage_metadata, check_metadata_round_trip,
     check_registration, check_unsupported_operations,
+};
+pub use checks::completions::{
+    check_completions_reported_once, check_failed_completion_reported_once,
+    check_released_transfers_not_reported,
 };
 pub use checks::data::{
     check_many_in_flight, check_notification_with_read, check_notification_with_write, check_read_scattered,
@@ -92,6 +98,9 @@ macro_rules! conformance_tests {
             check_release_in_flight,
             check_forget_remote_in_flight,
             check_failed_transfer_is_typed,
+            check_completions_reported_once,
+            check_failed_completion_reported_once,
+            check_released_transfers_not_reported,
         );
     };
     (@each $setup:expr; $($check:ident),* $(,)?) => {

@@ -1,0 +1,302 @@
+//! The [`TransferAgent`] implementation of [`LoopbackAgent`].
+//!
+//! [`TransferAgent`]: kvx_core::TransferAgent
+
+use std::sync::Arc;
+
+use kvx_core::post::check_notification;
+use kvx_core::wire::agent_metadata;
+use kvx_core::{
+    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+};
+
+use crate::copy::{Pinned, PinnedSet};
+use crate::faults::{TransferFate, message_key};
+use crate::metadata::{AgentMetadata, RemoteRegion};
+use crate::{BACKEND, lock};
+
+use super::shared::{AgentState, Dlist, Job, Registration, Remote, Stage, Xfer};
+use super::{CAPABILITIES, LoopbackAgent, err};
+
+impl TransferAgent for LoopbackAgent {
+    fn name(&self) -> &AgentName {
+        &self.shared.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
+        let region = memory.region();
+        if region.kind != MemKind::Dram {
+            return Err(err(
+                ErrorKind::Unsupported,
+                format!("loopback registers host memory only, not {region:?}"),
+            ));
+        }
+        if region.len == 0 || region.end().is_none() {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("invalid region {:#x}+{}", region.addr, region.len),
+            ));
+        }
+        let mut st = self.shared.state()?;
+        let id = Self::next_id(&mut st);
+        st.registrations.insert(id, Registration { region, memory });
+        Ok(RegistrationId(id))
+    }
+
+    fn deregister(&self, registration: RegistrationId) -> Result<()> {
+        let mut st = self.shared.state()?;
+        let removed = st.registrations.remove(&registration.0);
+        if removed.is_some() {
+            st.dlists.retain(|_, d| !d.registrations.contains(&registration.0));
+        }
+        drop(st);
+        // The memory's Arc drops here, outside the lock: transfers in flight hold their own.
+        match removed {
+            Some(_) => Ok(()),
+            None => Err(err(ErrorKind::NotFound, format!("no registration {registration}"))),
+        }
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>> {
+        let mut regions: Vec<RemoteRegion> = self
+            .shared
+            .state()?
+            .registrations
+            .iter()
+            .map(|(&id, r)| RemoteRegion { id, addr: r.region.addr, len: r.region.len })
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        let md = AgentMetadata { fabric: self.shared.fabric.id, instance: self.shared.instance, regions };
+        agent_metadata::seal(BACKEND, &self.shared.name, &md)
+    }
+
+    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
+        let handshake = |msg: String| err(ErrorKind::Handshake, msg);
+        if self.shared.refuses_handshakes()?
+            || lock(&self.shared.fabric.faults, "fabric faults")?.refuses_handshakes()
+        {
+            return Err(handshake(format!("injected fault: {} refuses handshakes", self.shared.name)));
+        }
+        let (name, md) = AgentMetadata::open(metadata)?;
+        if md.fabric != self.shared.fabric.id {
+            return Err(handshake(format!("agent {name} lives on another fabric: unreachable")));
+        }
+        let peer = self.shared.fabric.lookup(&name, md.instance)?.ok_or_else(|| {
+            handshake(format!("agent {name} is gone (dropped or restarted): stale metadata"))
+        })?;
+        if peer.refuses_handshakes()? {
+            return Err(handshake(format!("injected fault: {name} refuses handshakes")));
+        }
+        drop(peer);
+        let mut st = self.shared.state()?;
+        if st.remotes.contains_key(&name) {
+            return Err(err(ErrorKind::State, format!("agent {name} is already loaded: forget it first")));
+        }
+        st.remotes.insert(name.clone(), Remote { instance: md.instance, regions: md.regions });
+        Ok(name)
+    }
+
+    fn forget_remote(&self, agent: &AgentName) -> Result<()> {
+        let mut st = self.shared.state()?;
+        if st.remotes.remove(agent).is_none() {
+            return Err(err(ErrorKind::NotFound, format!("agent {agent} is not loaded")));
+        }
+        // Transfers posted to it keep its name and instance: they run as if it were still loaded.
+        st.dlists.retain(|_, d| !matches!(&d.owner, DlistOwner::Remote(a) if a == agent));
+        Ok(())
+    }
+
+    fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
+        let bad_kind = match owner {
+            DlistOwner::Local => ErrorKind::InvalidArgument,
+            DlistOwner::Remote(_) => ErrorKind::InvalidPeerData,
+        };
+        if blocks.block_len == 0 {
+            return Err(err(bad_kind, "descriptor list with zero-length blocks"));
+        }
+        let mut st = self.shared.state()?;
+        // (registration id, region); remote regions carry no id of this agent.
+        let registered: Vec<(Option<u64>, MemRegion)> = match owner {
+            DlistOwner::Local => st.registrations.iter().map(|(&id, r)| (Some(id), r.region)).collect(),
+            DlistOwner::Remote(agent) => st
+                .remotes
+                .get(agent)
+                .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
+                .regions
+                .iter()
+                .map(|r| (None, r.region()))
+                .collect(),
+        };
+        let mut registrations = Vec::new();
+        for (i, region) in blocks.regions().enumerate() {
+            // The oldest registration that holds the region, for a deterministic choice.
+            let holder = region.and_then(|region| {
+                registered.iter().filter(|(_, r)| r.contains(&region)).map(|(id, _)| *id).min()
+            });
+            let Some(holder) = holder else {
+                return Err(err(
+                    bad_kind,
+                    format!(
+                        "region {i} of the list ({:?} {:#x}, {} blocks of {} bytes) is not inside one registration of {}",
+                        blocks.kind,
+                        blocks.bases.get(i).copied().unwrap_or_default(),
+                        blocks.num_blocks,
+                        blocks.block_len,
+                        match owner {
+                            DlistOwner::Local => "this agent".to_owned(),
+                            DlistOwner::Remote(a) => format!("agent {a}"),
+                        }
+                    ),
+                ));
+            };
+            registrations.extend(holder);
+        }
+        let id = Self::next_id(&mut st);
+        st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone(), registrations });
+        Ok(DlistId(id))
+    }
+
+    fn release_dlist(&self, dlist: DlistId) -> Result<()> {
+        match self.shared.state()?.dlists.remove(&dlist.0) {
+            Some(_) => Ok(()),
+            None => Err(err(ErrorKind::NotFound, format!("no descriptor list {dlist}"))),
+        }
+    }
+
+    fn post(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        local_descs: &[u32],
+        remote: DlistId,
+        remote_descs: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        let mut st = self.shared.state()?;
+        let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
+        let plan = request.check(&CAPABILITIES, |id| st.dlists.get(&id.0).map(Dlist::view))?;
+        let peer = plan.peer().clone();
+        // Lists of a forgotten peer are released with it, so a remote list's peer is loaded.
+        let peer_instance = st
+            .remotes
+            .get(&peer)
+            .ok_or_else(|| err(ErrorKind::State, format!("a list of agent {peer}, which is not loaded")))?
+            .instance;
+        // The registrations the local blocks lie in, once each. Deregistering releases the lists
+        // over the memory, so all of them are registered (a bug would fail the copy, see `run`).
+        let list_regs = st.dlists.get(&local.0).map(|d| d.registrations.as_slice()).unwrap_or_default();
+        let mut used: Vec<u64> =
+            plan.pairs().iter().filter_map(|(l, _)| list_regs.get(l.region).copied()).collect();
+        used.sort_unstable();
+        used.dedup();
+        let pinned = used
+            .iter()
+            .filter_map(|id| st.registrations.get(id))
+            .map(|r| Pinned { region: r.region, memory: r.memory.clone() })
+            .collect();
+        let spans: Vec<(u64, u64)> = plan.pairs().iter().map(|(l, r)| (l.addr, r.addr)).collect();
+        // Everything is valid: count the transfer for the faults and queue it. Its notification
+        // names it for the seeded faults.
+        let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
+        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
+        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
+        let fate = mine.combine(fabric);
+        lock(&self.shared.fabric.injected, "fabric fault counts")?.count_transfer(&fate);
+        let TransferFate { fail, delay_passes, delay } = fate;
+        let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
+        let job = Job {
+            op,
+            peer,
+            peer_instance,
+            local: PinnedSet::new(pinned),
+            spans,
+            block_len: plan.block_len(),
+            notify: notify.map(<[u8]>::to_vec),
+            fail,
+        };
+        let id = Self::next_id(&mut st);
+        st.xfers.insert(
+            id,
+            Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
+        );
+        st.queued.insert(id);
+        drop(st);
+        if let Some(t) = &self.thread {
+            t.wake()?;
+        }
+        Ok(XferId(id))
+    }
+
+    /// A lookup: moves nothing (see [`drain_completions`](TransferAgent::drain_completions)).
+    fn poll(&self, xfer: XferId) -> Result<XferState> {
+        let st = self.shared.state()?;
+        let x =
+            st.xfers.get(&xfer.0).ok_or_else(|| err(ErrorKind::NotFound, format!("no transfer {xfer}")))?;
+        Ok(match &x.stage {
+            Stage::Queued { .. } | Stage::Copying => XferState::Pending,
+            Stage::Done => XferState::Done,
+            Stage::Failed(e) => XferState::Failed(e.clone()),
+        })
+    }
+
+    fn release(&self, xfer: XferId) -> Result<()> {
+        let mut st = self.shared.state()?;
+        match st.xfers.remove(&xfer.0) {
+            Some(_) => {
+                // Still queued: cancelled. Its id in `completed`, if any, is skipped when drained.
+                st.queued.remove(&xfer.0);
+                Ok(())
+            }
+            None => Err(err(ErrorKind::NotFound, format!("no transfer {xfer}"))),
+        }
+    }
+
+    /// One pass (or a wake-up of the progress thread), then the ids of the transfers that ended
+    /// since the last call: linear in the transfers that ran and those that ended.
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
+        self.drive()?;
+        let mut st = self.shared.state()?;
+        let AgentState { xfers, completed, .. } = &mut *st;
+        out.extend(completed.drain(..).filter(|id| xfers.contains_key(id)).map(XferId));
+        Ok(())
+    }
+
+    fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
+        check_notification(&CAPABILITIES, msg)?;
+        let instance = self
+            .shared
+            .state()?
+            .remotes
+            .get(agent)
+            .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
+            .instance;
+        let peer = self.shared.fabric.lookup(agent, instance)?.ok_or_else(|| {
+            err(ErrorKind::Transfer, format!("agent {agent} is gone (dropped or restarted)"))
+        })?;
+        self.shared.deliver(&peer, msg.to_vec())
+    }
+
+    fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
+        self.drive()?;
+        let mut inbox = lock(&self.shared.inbox, "agent inbox")?;
+        out.append(&mut inbox.ready);
+        if !inbox.delayed.is_empty() {
+            let now = self.shared.fabric.clock.now();
+            let (mut due, later): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut inbox.delayed).into_iter().partition(|(t, ..)| *t <= now);
+            inbox.delayed = later;
+            due.sort_by_key(|(t, key, _)| (*t, *key));
+            out.extend(due.into_iter().map(|(.., n)| n));
+        }
+        Ok(())
+    }
+
+    fn progress(&self) -> Result<()> {
+        self.drive()
+    }
+}

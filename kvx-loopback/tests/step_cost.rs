@@ -1,0 +1,168 @@
+//! What one step of a decode worker costs its agent: with 20 000 READs in flight, a step drains
+//! the agent's completions once and polls only the READs that completed, so its cost is linear in
+//! what completed, not in what is in flight (polling every transfer each step, each poll a
+//! progress pass over all of them, made a step of 20 000 quadratic).
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvx_core::{
+    AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, HexBytes,
+    HostMemory, KvMemory, LayerCache, Notification, RecvRequest, RegistrationId, RemoteCoordinates, Result,
+    TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
+};
+use kvx_loopback::{Fabric, Faults, LoopbackAgent};
+
+const LOADS: usize = 20_000;
+const BLOCKS: u64 = 8;
+
+/// A loopback agent that counts the calls that poll a transfer or drive progress.
+#[derive(Debug)]
+struct Counting {
+    inner: LoopbackAgent,
+    polls: AtomicU64,
+    /// `progress`, `drain_completions` and `drain_notifications`: one loopback pass each.
+    passes: AtomicU64,
+}
+
+impl Counting {
+    fn counts(&self) -> (u64, u64) {
+        (self.polls.load(Ordering::Relaxed), self.passes.load(Ordering::Relaxed))
+    }
+
+    fn pass(&self) {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl TransferAgent for Counting {
+    fn name(&self) -> &AgentName {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
+        self.inner.register(memory)
+    }
+    fn deregister(&self, registration: RegistrationId) -> Result<()> {
+        self.inner.deregister(registration)
+    }
+    fn local_metadata(&self) -> Result<Vec<u8>> {
+        self.inner.local_metadata()
+    }
+    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
+        self.inner.load_remote(metadata)
+    }
+    fn forget_remote(&self, agent: &AgentName) -> Result<()> {
+        self.inner.forget_remote(agent)
+    }
+    fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
+        self.inner.prep_dlist(owner, blocks)
+    }
+    fn release_dlist(&self, dlist: DlistId) -> Result<()> {
+        self.inner.release_dlist(dlist)
+    }
+    fn post(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        local_descs: &[u32],
+        remote: DlistId,
+        remote_descs: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        self.inner.post(op, local, local_descs, remote, remote_descs, notify)
+    }
+    fn poll(&self, xfer: XferId) -> Result<XferState> {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        self.inner.poll(xfer)
+    }
+    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
+        self.pass();
+        self.inner.drain_completions(out)
+    }
+    fn release(&self, xfer: XferId) -> Result<()> {
+        self.inner.release(xfer)
+    }
+    fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
+        self.inner.notify(agent, msg)
+    }
+    fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
+        self.pass();
+        self.inner.drain_notifications(out)
+    }
+    fn progress(&self) -> Result<()> {
+        self.pass();
+        self.inner.progress()
+    }
+}
+
+fn coordinates(engine: &str) -> RemoteCoordinates {
+    RemoteCoordinates { engine_id: engine.into(), host: "in-process".into(), port: 5600 }
+}
+
+/// A worker of `engine` (rank 0 of 1) over `agent`, with one layer registered; and its payload.
+fn worker(engine: &str, agent: Arc<dyn TransferAgent>) -> (ConnectorWorker, Vec<u8>) {
+    let config =
+        WorkerConfig { side_channel: Some(coordinates(engine)), ..WorkerConfig::new(engine.into(), 0, 1, 4) };
+    let mut w = ConnectorWorker::new(config, agent).unwrap();
+    let memory = Arc::new(HostMemory::new(2 * BLOCKS as usize * 64).unwrap());
+    let layer = LayerCache { memory, shape: vec![2, BLOCKS, 4, 2, 8], elem_size: 1, window: None };
+    let payload = w.register_kv_caches(&[layer]).unwrap();
+    (w, payload)
+}
+
+/// Load `i`: one prefill block into one decode block, under its own nonce.
+fn load(i: usize) -> RecvRequest {
+    let mut nonce = [0u8; 16];
+    nonce[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    RecvRequest {
+        request_id: format!("r{i}").into(),
+        remote_request_id: None,
+        local_block_ids: vec![(i as u64 % BLOCKS) as u32],
+        remote_block_ids: vec![((i as u64 + 1) % BLOCKS) as u32],
+        remote_read_from: 0,
+        remote: coordinates("prefill"),
+        nonce: Some(HexBytes(nonce)),
+        mac: None,
+        remote_instance: None,
+    }
+}
+
+#[test]
+fn a_step_costs_what_completed() {
+    let fabric = Fabric::new();
+    let (_prefill, prefill_payload) = worker("prefill", Arc::new(fabric.agent("prefill-0").unwrap()));
+    let inner = fabric.agent("decode-0").unwrap();
+    // Every READ stays pending through 4 passes: two steps of the worker (each drains the
+    // notifications and the completions once).
+    inner.set_faults(Faults::none().delay_completion(4)).unwrap();
+    let agent = Arc::new(Counting { inner, polls: AtomicU64::new(0), passes: AtomicU64::new(0) });
+    let (mut decode, _) = worker("decode", agent.clone());
+    let now = Instant::now();
+    let reqs_to_recv = (0..LOADS).map(load).collect();
+    decode.start_load_kv(now, &ConnectorMetadata { reqs_to_recv, ..Default::default() });
+    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = decode.poll_command() {
+        decode.handle_handshake(now, &engine_id, Ok(prefill_payload.clone()));
+    }
+    assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (LOADS as u64, LOADS));
+
+    let step = |decode: &mut ConnectorWorker| {
+        let before = agent.counts();
+        let f = decode.get_finished(now);
+        assert!(f.failed_recving.is_empty(), "{:?}", f.failed_recving.first());
+        let after = agent.counts();
+        (after.0 - before.0, after.1 - before.1)
+    };
+    // (polls, passes) of each step: nothing is polled while nothing completed, all 20 000 READs
+    // once in the step they complete, none after; every step two passes, whatever is in flight.
+    assert_eq!(step(&mut decode), (0, 2), "first step: all READs pending");
+    assert_eq!(step(&mut decode), (0, 2), "second step: all READs pending");
+    assert_eq!(step(&mut decode), (LOADS as u64, 2), "third step: all READs complete");
+    assert_eq!(step(&mut decode), (0, 2), "fourth step: waiting for confirmations only");
+    assert_eq!(decode.num_in_flight(), LOADS, "the loads wait for the prefill engine's confirmation");
+}

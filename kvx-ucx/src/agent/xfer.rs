@@ -1,0 +1,178 @@
+//! A transfer's stages (data, flush, notification), and how a checked post maps to UCX.
+
+use kvx_core::{DlistId, Error, ErrorKind, PostPlan, Result, XferOp, XferState};
+use kvx_ucx_sys as sys;
+
+use crate::status::error;
+
+use super::request::{PendingSend, Request, reap};
+use super::state::{DlistTarget, Inner};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Stage {
+    /// Gets or puts in flight.
+    Data,
+    /// The endpoint flush after puts in flight (a WRITE is complete only when remotely visible).
+    Flush,
+    /// The notification in flight.
+    Notify,
+    Done,
+    Failed(Error),
+}
+
+pub(super) struct Xfer {
+    pub(super) op: XferOp,
+    pub(super) peer: u64,
+    pub(super) regs: Vec<u64>,
+    pub(super) requests: Vec<Request>,
+    pub(super) notify: Option<Vec<u8>>,
+    pub(super) send: Option<PendingSend>,
+    pub(super) stage: Stage,
+    pub(super) failure: Option<Error>,
+    pub(super) holds_refs: bool,
+}
+
+impl Inner {
+    /// Moves a transfer through its stages as far as UCX allows.
+    pub(super) fn advance(&mut self, xfer: &mut Xfer) {
+        loop {
+            if let Some(failure) = reap(&mut xfer.requests) {
+                xfer.failure.get_or_insert(failure);
+            }
+            if !xfer.requests.is_empty() {
+                return;
+            }
+            let next = match (&xfer.stage, &xfer.failure) {
+                (Stage::Done | Stage::Failed(_), _) => break,
+                (Stage::Data | Stage::Flush | Stage::Notify, Some(failure)) => Stage::Failed(failure.clone()),
+                (Stage::Data, None) => {
+                    if xfer.op == XferOp::Write {
+                        self.post_flush(xfer);
+                    }
+                    Stage::Flush
+                }
+                (Stage::Flush, None) => {
+                    if let Some(msg) = xfer.notify.take() {
+                        self.post_notification(xfer, &msg);
+                    }
+                    Stage::Notify
+                }
+                (Stage::Notify, None) => match xfer.send.as_ref().and_then(PendingSend::outcome) {
+                    _ if xfer.send.is_none() => Stage::Done,
+                    None => return,
+                    Some(Ok(())) => {
+                        xfer.send = None;
+                        Stage::Done
+                    }
+                    Some(Err(e)) => {
+                        xfer.send = None;
+                        Stage::Failed(e)
+                    }
+                },
+            };
+            xfer.stage = next;
+        }
+        self.drop_refs(xfer);
+    }
+
+    pub(super) fn post_flush(&mut self, xfer: &mut Xfer) {
+        let Some(peer) = self.peers.get(&xfer.peer) else {
+            xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
+            return;
+        };
+        // SAFETY: all-zero is "no fields set" for this plain C struct.
+        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the endpoint is live (the transfer holds a reference on the peer).
+        let status_ptr = unsafe { sys::ucp_ep_flush_nbx(peer.ep.as_ptr(), &param) };
+        match Request::from_status_ptr(status_ptr, ErrorKind::Transfer, "ucp_ep_flush_nbx") {
+            Ok(request) => xfer.requests.extend(request),
+            Err(e) => xfer.failure = Some(e),
+        }
+    }
+
+    pub(super) fn post_notification(&mut self, xfer: &mut Xfer, msg: &[u8]) {
+        let Some(peer) = self.peers.get(&xfer.peer) else {
+            xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
+            return;
+        };
+        match PendingSend::post(peer.ep, &self.name, msg) {
+            Ok(send) => xfer.send = Some(send),
+            Err(e) => xfer.failure = Some(e),
+        }
+    }
+
+    /// Releases the transfer's hold on its peer and registrations (once, when it is terminal).
+    pub(super) fn drop_refs(&mut self, xfer: &mut Xfer) {
+        if !xfer.holds_refs {
+            return;
+        }
+        xfer.holds_refs = false;
+        if let Some(peer) = self.peers.get_mut(&xfer.peer) {
+            peer.inflight -= 1;
+            if peer.forgotten && peer.inflight == 0 {
+                self.destroy_peer(xfer.peer);
+            }
+        }
+        for id in &xfer.regs {
+            if let Some(reg) = self.regs.get_mut(id) {
+                reg.inflight -= 1;
+                if reg.retired && reg.inflight == 0 {
+                    self.destroy_reg(*id);
+                }
+            }
+        }
+    }
+}
+
+impl Xfer {
+    pub(super) fn is_terminal(&self) -> bool {
+        matches!(self.stage, Stage::Done | Stage::Failed(_))
+    }
+
+    pub(super) fn state(&self) -> XferState {
+        match &self.stage {
+            Stage::Done => XferState::Done,
+            Stage::Failed(e) => XferState::Failed(e.clone()),
+            _ => XferState::Pending,
+        }
+    }
+}
+
+/// A checked transfer mapped to UCX: every descriptor resolved, nothing posted yet.
+pub(super) struct Plan {
+    pub(super) peer: u64,
+    pub(super) len: usize,
+    /// Distinct local registrations used.
+    pub(super) regs: Vec<u64>,
+    /// (local address, local memh, remote address, remote region index) per descriptor.
+    pub(super) descs: Vec<(u64, sys::ucp_mem_h, u64, usize)>,
+}
+
+/// Maps a post that passed kvx-core's checks to this agent's memory handles and rkeys.
+pub(super) fn plan(inner: &Inner, checked: &PostPlan<'_>, local: DlistId, remote: DlistId) -> Result<Plan> {
+    let target = |id: DlistId| inner.dlists.get(&id.0).map(|d| &d.target);
+    let (Some(DlistTarget::Local(lregs)), Some(DlistTarget::Remote { peer, regions })) =
+        (target(local), target(remote))
+    else {
+        return Err(error(ErrorKind::Backend, "a checked list has no UCX target of its kind"));
+    };
+    let len = usize::try_from(checked.block_len())
+        .map_err(|_| error(ErrorKind::InvalidArgument, "block length exceeds the address space"))?;
+    let mut descs = Vec::with_capacity(checked.pairs().len());
+    let mut regs = Vec::new();
+    for (l, r) in checked.pairs() {
+        // The list has one registration per region, and deregistering releases the lists over
+        // it: the registration is live.
+        let (Some(&reg_id), Some(&region)) = (lregs.get(l.region), regions.get(r.region)) else {
+            return Err(error(ErrorKind::Backend, "a descriptor outside its list's regions"));
+        };
+        let reg = inner.regs.get(&reg_id).filter(|r| !r.retired).ok_or_else(|| {
+            error(ErrorKind::Backend, format!("{local} lies in memory that was deregistered"))
+        })?;
+        regs.push(reg_id);
+        descs.push((l.addr, reg.memh.raw(), r.addr, region));
+    }
+    regs.sort_unstable();
+    regs.dedup();
+    Ok(Plan { peer: *peer, len, regs, descs })
+}
