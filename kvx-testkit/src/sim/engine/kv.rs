@@ -1,0 +1,115 @@
+//! The simulated model's KV bytes (written by prefill, checked byte for byte by decode), its
+//! block hashes and its seeds.
+
+use kvx_core::{Error, ErrorKind, Result};
+
+use crate::sim::config::EngineConfig;
+use crate::sim::model;
+use crate::sim::pool::BlockHash;
+
+use super::*;
+
+#[derive(Debug, Default)]
+pub(super) struct Verified {
+    pub(super) blocks: u64,
+    pub(super) bytes: u64,
+    /// A description of each wrong block.
+    pub(super) wrong: Vec<String>,
+}
+
+/// Compares every block the load brought in (for windowed layers, only their last `window`
+/// loaded blocks) with what the model computes.
+pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) -> Verified {
+    let mut out = Verified::default();
+    let Some(load) = r.load else { return out };
+    let model = &config.model;
+    let (bs, tp) = (model.block_size as usize, config.tp);
+    let block_len = model.block_len(tp);
+    let regions = model.kind().regions_per_layer();
+    let region_len = config.num_blocks as usize * block_len;
+    let mut expected = Vec::with_capacity(block_len);
+    let mut actual = vec![0u8; block_len];
+    for (rank, ranked) in ranks.iter().enumerate() {
+        for (layer, buf) in ranked.layers.iter().enumerate() {
+            let skip = model.windows[layer].map_or(0, |w| load.count.saturating_sub(w as usize));
+            for i in load.first + skip..load.first + load.count {
+                let block = r.blocks[i] as usize;
+                for region in 0..regions {
+                    expected.clear();
+                    model.rows(
+                        &r.prefixes[i * bs..(i + 1) * bs],
+                        layer,
+                        region,
+                        rank as u32,
+                        tp,
+                        &mut expected,
+                    );
+                    let offset = region as usize * region_len + block * block_len;
+                    let read = buf.read(offset, &mut actual);
+                    out.blocks += 1;
+                    out.bytes += block_len as u64;
+                    if read.is_err() || actual != expected {
+                        out.wrong.push(format!(
+                            "rank {rank} layer {layer} region {region} block {i} (id {block})"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Writes the KV of positions `from..to` of `r` into its blocks, on every rank, layer and region.
+pub(super) fn write_kv(
+    ranks: &[Rank],
+    config: &EngineConfig,
+    r: &Request,
+    from: usize,
+    to: usize,
+) -> Result<()> {
+    let model = &config.model;
+    let (bs, tp) = (model.block_size as usize, config.tp);
+    let (row_len, block_len) = (model.row_len(tp), model.block_len(tp));
+    let region_len = config.num_blocks as usize * block_len;
+    let mut rows = Vec::new();
+    let mut pos = from;
+    while pos < to {
+        let (i, slot) = (pos / bs, pos % bs);
+        let end = to.min((i + 1) * bs);
+        let block = *r
+            .blocks
+            .get(i)
+            .ok_or_else(|| Error::new(ErrorKind::State, "position beyond the request's blocks"))?;
+        for (rank, ranked) in ranks.iter().enumerate() {
+            for (layer, buf) in ranked.layers.iter().enumerate() {
+                for region in 0..model.kind().regions_per_layer() {
+                    rows.clear();
+                    model.rows(&r.prefixes[pos..end], layer, region, rank as u32, tp, &mut rows);
+                    let offset = region as usize * region_len + block as usize * block_len + slot * row_len;
+                    buf.write(offset, &rows)?;
+                }
+            }
+        }
+        pos = end;
+    }
+    Ok(())
+}
+
+/// The 32-byte nonce seed of a 64-bit one.
+pub(super) fn seed_bytes(seed: u64) -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    for (i, chunk) in bytes.chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&model::mix(seed, i as u64).to_le_bytes());
+    }
+    bytes
+}
+
+/// Chained hashes of the full blocks of `tokens`.
+pub(super) fn full_block_hashes(tokens: &[u32], bs: usize) -> Vec<BlockHash> {
+    let mut out: Vec<BlockHash> = Vec::with_capacity(tokens.len() / bs);
+    for chunk in tokens.chunks_exact(bs) {
+        out.push(model::block_hash(out.last().copied(), chunk));
+    }
+    out
+}
