@@ -9,6 +9,7 @@
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::AgentName;
+use crate::memory::MemRegion;
 use crate::transfer::{BlockList, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, XferOp};
 
 /// A prepared descriptor list, as the checks see it.
@@ -155,6 +156,57 @@ impl<'a> PostRequest<'a> {
             .collect::<Result<Vec<_>>>()?;
         Ok(PostPlan { op: self.op, peer, block_len, notify: self.notify, pairs })
     }
+}
+
+/// The kind of a descriptor list that cannot be prepared: the local caller's mistake for a local
+/// list (`InvalidArgument`), the peer's for a remote one, whose regions came from the peer's
+/// metadata (`InvalidPeerData`).
+pub fn bad_dlist_kind(owner: &DlistOwner) -> ErrorKind {
+    match owner {
+        DlistOwner::Local => ErrorKind::InvalidArgument,
+        DlistOwner::Remote(_) => ErrorKind::InvalidPeerData,
+    }
+}
+
+/// The checks of [`TransferAgent::prep_dlist`](crate::TransferAgent::prep_dlist), written once
+/// for every backend: blocks of zero bytes are refused, and every region of `blocks` must lie
+/// inside one of the owner's registered regions (`held`: each with the backend's key for it).
+/// Returns, per region of the list, the smallest key of a registered region that holds it (the
+/// oldest registration, for a deterministic choice).
+///
+/// A bad list fails with [`bad_dlist_kind`].
+pub fn place_dlist<K: Copy + Ord>(
+    caps: &Capabilities,
+    owner: &DlistOwner,
+    blocks: &BlockList,
+    held: &[(K, MemRegion)],
+) -> Result<Vec<K>> {
+    let bad = |message: String| Error::new(bad_dlist_kind(owner), message).with_backend(caps.backend);
+    if blocks.block_len == 0 {
+        return Err(bad("a descriptor list of blocks of zero bytes".to_owned()));
+    }
+    blocks
+        .regions()
+        .enumerate()
+        .map(|(i, region)| {
+            let holder = region.and_then(|region| {
+                held.iter().filter(|(_, r)| r.contains(&region)).map(|(key, _)| *key).min()
+            });
+            holder.ok_or_else(|| {
+                let whose = match owner {
+                    DlistOwner::Local => "this agent".to_owned(),
+                    DlistOwner::Remote(a) => format!("agent {a}"),
+                };
+                bad(format!(
+                    "region {i} of the list ({:?} {:#x}, {} blocks of {} bytes) is not inside one registration of {whose}",
+                    blocks.kind,
+                    blocks.bases.get(i).copied().unwrap_or_default(),
+                    blocks.num_blocks,
+                    blocks.block_len,
+                ))
+            })
+        })
+        .collect()
 }
 
 /// Checks a notification for [`post`](crate::TransferAgent::post) or
@@ -323,5 +375,27 @@ mod tests {
         lists.local.1.num_blocks = 0;
         let e = request(&[0], &[0]).check(&CAPS, |id| lists.get(id)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn lists_are_placed_in_the_oldest_registration_that_holds_them() {
+        let list = BlockList { bases: vec![100, 1000], ..blocks(0, 10) };
+        let list = BlockList { num_blocks: 4, ..list };
+        let held =
+            [(7, MemRegion::dram(0, 2000)), (3, MemRegion::dram(1000, 40)), (5, MemRegion::dram(90, 60))];
+        assert_eq!(place_dlist(&CAPS, &DlistOwner::Local, &list, &held).unwrap(), [5, 3]);
+
+        let remote = DlistOwner::Remote("peer".into());
+        for (owner, kind) in
+            [(DlistOwner::Local, ErrorKind::InvalidArgument), (remote, ErrorKind::InvalidPeerData)]
+        {
+            let outside = BlockList { bases: vec![1990], ..list.clone() };
+            let e = place_dlist(&CAPS, &owner, &outside, &held).unwrap_err();
+            assert_eq!((e.kind(), e.backend()), (kind, Some("test")), "{e}");
+            let empty = BlockList { block_len: 0, ..list.clone() };
+            assert_eq!(place_dlist(&CAPS, &owner, &empty, &held).unwrap_err().kind(), kind);
+            let wraps = BlockList { bases: vec![u64::MAX - 5], ..list.clone() };
+            assert_eq!(place_dlist(&CAPS, &owner, &wraps, &held).unwrap_err().kind(), kind);
+        }
     }
 }

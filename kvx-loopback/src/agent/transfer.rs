@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvx_core::post::check_notification;
+use kvx_core::post::{check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
@@ -112,13 +112,6 @@ impl TransferAgent for LoopbackAgent {
     }
 
     fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
-        let bad_kind = match owner {
-            DlistOwner::Local => ErrorKind::InvalidArgument,
-            DlistOwner::Remote(_) => ErrorKind::InvalidPeerData,
-        };
-        if blocks.block_len == 0 {
-            return Err(err(bad_kind, "descriptor list with zero-length blocks"));
-        }
         let mut st = self.shared.state()?;
         // (registration id, region); remote regions carry no id of this agent.
         let registered: Vec<(Option<u64>, MemRegion)> = match owner {
@@ -132,30 +125,8 @@ impl TransferAgent for LoopbackAgent {
                 .map(|r| (None, r.region()))
                 .collect(),
         };
-        let mut registrations = Vec::new();
-        for (i, region) in blocks.regions().enumerate() {
-            // The oldest registration that holds the region, for a deterministic choice.
-            let holder = region.and_then(|region| {
-                registered.iter().filter(|(_, r)| r.contains(&region)).map(|(id, _)| *id).min()
-            });
-            let Some(holder) = holder else {
-                return Err(err(
-                    bad_kind,
-                    format!(
-                        "region {i} of the list ({:?} {:#x}, {} blocks of {} bytes) is not inside one registration of {}",
-                        blocks.kind,
-                        blocks.bases.get(i).copied().unwrap_or_default(),
-                        blocks.num_blocks,
-                        blocks.block_len,
-                        match owner {
-                            DlistOwner::Local => "this agent".to_owned(),
-                            DlistOwner::Remote(a) => format!("agent {a}"),
-                        }
-                    ),
-                ));
-            };
-            registrations.extend(holder);
-        }
+        let registrations =
+            place_dlist(&CAPABILITIES, owner, blocks, &registered)?.into_iter().flatten().collect();
         let id = Self::next_id(&mut st);
         st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone(), registrations });
         Ok(DlistId(id))

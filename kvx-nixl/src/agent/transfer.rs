@@ -3,7 +3,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use kvx_core::post::check_notification;
+use kvx_core::post::{bad_dlist_kind, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion, Notification,
@@ -167,17 +167,11 @@ impl TransferAgent for NixlAgent {
     }
 
     fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
-        let bad = match owner {
-            DlistOwner::Local => ErrorKind::InvalidArgument,
-            DlistOwner::Remote(_) => ErrorKind::InvalidPeerData,
-        };
+        let bad = bad_dlist_kind(owner);
         let kind_supported = self.capabilities.supports(blocks.kind);
         self.require(kind_supported, &format!("{:?} memory", blocks.kind))?;
         if u32::try_from(blocks.len()).ok().filter(|&n| i32::try_from(n).is_ok()).is_none() {
             return Err(error(bad, format!("{} descriptors is more than NIXL indexes", blocks.len())));
-        }
-        if blocks.block_len == 0 {
-            return Err(error(bad, "blocks of zero bytes"));
         }
 
         let mut state = self.lock();
@@ -198,16 +192,8 @@ impl TransferAgent for NixlAgent {
             }
         };
         // A local list: the registration holding each region.
-        let mut registrations = Vec::new();
-        for (index, region) in blocks.regions().enumerate() {
-            let region =
-                region.ok_or_else(|| error(bad, format!("region {index} wraps the address space")))?;
-            let (id, _) =
-                owned.iter().find(|(_, registered)| registered.contains(&region)).ok_or_else(|| {
-                    error(bad, format!("region {index} ({region:?}) is not inside registered memory"))
-                })?;
-            registrations.extend(*id);
-        }
+        let registrations =
+            place_dlist(&self.capabilities, owner, blocks, &owned)?.into_iter().flatten().collect();
 
         let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
             .nixl(ErrorKind::Backend, "creating a descriptor list")?;

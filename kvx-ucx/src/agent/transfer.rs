@@ -4,8 +4,8 @@ use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, PoisonError, Weak};
 
-use kvx_core::post::check_notification;
-use kvx_core::wire::agent_metadata::{self};
+use kvx_core::post::{check_notification, place_dlist};
+use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
     Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
@@ -197,25 +197,9 @@ impl TransferAgent for UcxAgent {
         let mut inner = self.shared.lock()?;
         let target = match owner {
             DlistOwner::Local => {
-                let mut regs = Vec::with_capacity(blocks.bases.len());
-                for (i, region) in blocks.regions().enumerate() {
-                    let found = region.and_then(|region| {
-                        inner
-                            .regs
-                            .iter()
-                            .filter(|(_, r)| !r.retired && r.region.contains(&region))
-                            .map(|(id, _)| *id)
-                            .min()
-                    });
-                    let id = found.ok_or_else(|| {
-                        error(
-                            ErrorKind::InvalidArgument,
-                            format!("region {i} of the list is not inside a registration"),
-                        )
-                    })?;
-                    regs.push(id);
-                }
-                DlistTarget::Local(regs)
+                let held: Vec<(u64, MemRegion)> =
+                    inner.regs.iter().filter(|(_, r)| !r.retired).map(|(id, r)| (*id, r.region)).collect();
+                DlistTarget::Local(place_dlist(&self.capabilities(), owner, blocks, &held)?)
             }
             DlistOwner::Remote(agent) => {
                 let key = *inner
@@ -224,18 +208,9 @@ impl TransferAgent for UcxAgent {
                     .ok_or_else(|| error(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?;
                 let peer =
                     inner.peers.get(&key).ok_or_else(|| error(ErrorKind::NotFound, "peer vanished"))?;
-                let mut regions = Vec::with_capacity(blocks.bases.len());
-                for (i, region) in blocks.regions().enumerate() {
-                    let found = region
-                        .and_then(|region| peer.regions.iter().position(|r| r.region.contains(&region)));
-                    let idx = found.ok_or_else(|| {
-                        error(
-                            ErrorKind::InvalidPeerData,
-                            format!("region {i} of the list is not inside a registration of {agent}"),
-                        )
-                    })?;
-                    regions.push(idx);
-                }
+                let held: Vec<(usize, MemRegion)> =
+                    peer.regions.iter().map(|r| r.region).enumerate().collect();
+                let regions = place_dlist(&self.capabilities(), owner, blocks, &held)?;
                 DlistTarget::Remote { peer: key, regions }
             }
         };
