@@ -62,22 +62,7 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
     let mut driver = WorkerDriver::new(worker, Arc::new(exchange), Arc::new(group), rt.handle().clone());
     driver.register_kv_caches(&layer()).unwrap();
 
-    let req = RecvRequest {
-        request_id: "r".into(),
-        remote_request_id: None,
-        local_block_ids: vec![2],
-        remote_block_ids: vec![5],
-        remote_read_from: 0,
-        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 },
-        nonce: Some(HexBytes([1; 16])),
-        mac: None,
-        remote_instance: None,
-    };
-    driver.start_load_kv(&ConnectorMetadata {
-        reqs_to_recv: vec![req],
-        reqs_to_send: vec![],
-        heartbeats: vec![],
-    });
+    driver.start_load_kv(&one_load("10.0.0.1"));
     // The fetch runs on the runtime; the result is fed at a later call.
     driver.wait_for_handshakes(Duration::from_secs(5));
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -156,15 +141,15 @@ fn silent_decode_driver(rt: &tokio::runtime::Runtime, fabric: &Fabric, clock: &M
     driver
 }
 
-/// One load from a prefill engine that has not been handshaken yet.
-fn one_load() -> ConnectorMetadata {
+/// One load from a prefill engine at `host` that has not been handshaken yet.
+fn one_load(host: &str) -> ConnectorMetadata {
     let req = RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
         local_block_ids: vec![2],
         remote_block_ids: vec![5],
         remote_read_from: 0,
-        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+        remote: RemoteCoordinates { engine_id: "prefill".into(), host: host.into(), port: 5600 },
         nonce: Some(HexBytes([1; 16])),
         mac: None,
         remote_instance: None,
@@ -176,7 +161,7 @@ fn one_load() -> ConnectorMetadata {
 fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
     let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
     let mut driver = silent_decode_driver(&rt, &fabric, &clock).with_handshakes(Handshakes::OnStepThread);
-    driver.start_load_kv(&one_load());
+    driver.start_load_kv(&one_load("h"));
     // The fetch never answers; the step thread is never held up by it.
     driver.wait_for_handshakes(Duration::from_secs(3600));
     for _ in 0..3 {
@@ -197,7 +182,7 @@ fn waiting_for_handshakes_ends_at_the_next_deadline() {
     let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
     let mut driver = silent_decode_driver(&rt, &fabric, &clock);
     assert_eq!(driver.next_deadline(), None, "nothing is due before a load");
-    driver.start_load_kv(&one_load());
+    driver.start_load_kv(&one_load("h"));
     let timeout = driver.worker().config().handshake_timeout;
     assert_eq!(driver.next_deadline(), Some(clock.now() + timeout));
     clock.advance(timeout);
