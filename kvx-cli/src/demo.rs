@@ -51,11 +51,11 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
         cluster.submit(id, prompt, args.workload.max_new_tokens)?;
     }
     cluster.run_until_idle_with(Duration::from_secs(args.workload.timeout), |c| {
-        let s = c.decode.stats();
+        let s = c.decodes[0].stats();
         bar.set_position(s.finished + s.failed);
     })?;
     bar.finish_and_clear();
-    let mut summary = Summary::of_engine(&cluster.decode, args.workload.requests, start.elapsed());
+    let mut summary = Summary::of_engine(&cluster.decodes[0], args.workload.requests, start.elapsed());
     for prefill in &cluster.prefills {
         summary.check(prefill);
     }
