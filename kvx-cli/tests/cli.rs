@@ -48,11 +48,71 @@ fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
     assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
     assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
     assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+    assert!(!stdout.contains("requests per engine"), "one engine of each kind: no such row\n{stdout}");
 }
 
 #[test]
 fn demo_checks_every_byte_and_leaks_nothing() {
     demo_checks_every_byte_and_leaks_nothing_on("loopback");
+}
+
+/// `kvx demo` with several prefill and decode engines: every request finishes, every byte
+/// matched, nothing leaked, and the summary says how many requests each engine served. All 40
+/// are submitted before the first step, so the prefill engines share them exactly (ties go round
+/// robin); every decode engine serves some.
+#[test]
+fn demo_runs_several_prefill_and_decode_engines() {
+    for (p, d) in [(2, 2), (4, 1)] {
+        let child = Command::new(KVX)
+            .args(["demo", "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+            .args(["--prefill-engines", &p.to_string(), "--decode-engines", &d.to_string()])
+            .args(SIZES)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait(child);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
+        assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
+        assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
+        assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+        let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
+        let served: Vec<(String, u64)> = row
+            .split(", ")
+            .map(|e| e.trim().split_once(' ').unwrap())
+            .map(|(id, n)| (id.to_owned(), n.parse().unwrap()))
+            .collect();
+        let named = |role: &'static str, n: u32| {
+            (0..n).map(move |i| if n == 1 { role.to_owned() } else { format!("{role}-{i}") })
+        };
+        let ids: Vec<String> = named("prefill", p).chain(named("decode", d)).collect();
+        assert_eq!(served.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "{row}");
+        let (on_prefill, on_decode) = served.split_at(p as usize);
+        assert!(on_prefill.iter().all(|&(_, n)| n == u64::from(40 / p)), "{row}");
+        assert!(on_decode.iter().all(|&(_, n)| n > 0), "{row}");
+        assert_eq!(on_decode.iter().map(|(_, n)| n).sum::<u64>(), 40, "{row}");
+    }
+}
+
+/// `--prefill-engines` and `--decode-engines` take 1 to 16.
+#[test]
+fn demo_refuses_engine_counts_out_of_range() {
+    for flag in ["--prefill-engines", "--decode-engines"] {
+        for n in ["0", "17"] {
+            let out = wait(
+                Command::new(KVX)
+                    .args(["demo", flag, n])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            assert_eq!(out.status.code(), Some(2), "{flag} {n}");
+            assert!(text(&out.stderr).contains(flag), "{}", text(&out.stderr));
+        }
+    }
 }
 
 #[test]
