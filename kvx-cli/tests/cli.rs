@@ -56,44 +56,47 @@ fn demo_checks_every_byte_and_leaks_nothing() {
     demo_checks_every_byte_and_leaks_nothing_on("loopback");
 }
 
-/// `kvx demo` with several prefill and decode engines: every request finishes, every byte
-/// matched, nothing leaked, and the summary says how many requests each engine served. All 40
-/// are submitted before the first step, so the prefill engines share them exactly (ties go round
-/// robin); every decode engine serves some.
+/// `kvx demo` on `backend` with `p` prefill and `d` decode engines: every request finishes, every
+/// byte matched, nothing leaked, and the summary says how many requests each engine served. All
+/// 40 are submitted before the first step, so the prefill engines share them exactly (ties go
+/// round robin); every decode engine serves some.
+fn demo_runs_several_prefill_and_decode_engines_on(backend: &str, p: u32, d: u32) {
+    let child = Command::new(KVX)
+        .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(["--prefill-engines", &p.to_string(), "--decode-engines", &d.to_string()])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
+    assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
+    assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
+    assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+    let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
+    let served: Vec<(String, u64)> = row
+        .split(", ")
+        .map(|e| e.trim().split_once(' ').unwrap())
+        .map(|(id, n)| (id.to_owned(), n.parse().unwrap()))
+        .collect();
+    let named = |role: &'static str, n: u32| {
+        (0..n).map(move |i| if n == 1 { role.to_owned() } else { format!("{role}-{i}") })
+    };
+    let ids: Vec<String> = named("prefill", p).chain(named("decode", d)).collect();
+    assert_eq!(served.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "{row}");
+    let (on_prefill, on_decode) = served.split_at(p as usize);
+    assert!(on_prefill.iter().all(|&(_, n)| n == u64::from(40 / p)), "{row}");
+    assert!(on_decode.iter().all(|&(_, n)| n > 0), "{row}");
+    assert_eq!(on_decode.iter().map(|(_, n)| n).sum::<u64>(), 40, "{row}");
+}
+
 #[test]
 fn demo_runs_several_prefill_and_decode_engines() {
-    for (p, d) in [(2, 2), (4, 1)] {
-        let child = Command::new(KVX)
-            .args(["demo", "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
-            .args(["--prefill-engines", &p.to_string(), "--decode-engines", &d.to_string()])
-            .args(SIZES)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = wait(child);
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-        assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
-        assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
-        assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
-        assert!(stdout.contains("blocks leaked          0"), "{stdout}");
-        let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
-        let served: Vec<(String, u64)> = row
-            .split(", ")
-            .map(|e| e.trim().split_once(' ').unwrap())
-            .map(|(id, n)| (id.to_owned(), n.parse().unwrap()))
-            .collect();
-        let named = |role: &'static str, n: u32| {
-            (0..n).map(move |i| if n == 1 { role.to_owned() } else { format!("{role}-{i}") })
-        };
-        let ids: Vec<String> = named("prefill", p).chain(named("decode", d)).collect();
-        assert_eq!(served.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "{row}");
-        let (on_prefill, on_decode) = served.split_at(p as usize);
-        assert!(on_prefill.iter().all(|&(_, n)| n == u64::from(40 / p)), "{row}");
-        assert!(on_decode.iter().all(|&(_, n)| n > 0), "{row}");
-        assert_eq!(on_decode.iter().map(|(_, n)| n).sum::<u64>(), 40, "{row}");
-    }
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 2, 2);
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 4, 1);
 }
 
 /// `--prefill-engines` and `--decode-engines` take 1 to 16.
@@ -144,6 +147,12 @@ macro_rules! native_backend_tests {
             #[test]
             fn demo() {
                 super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+            }
+
+            /// `kvx demo` with two prefill and two decode engines.
+            #[test]
+            fn demo_2p2d() {
+                super::demo_runs_several_prefill_and_decode_engines_on(BACKEND, 2, 2);
             }
 
             /// `kvx prefill` and `kvx decode` as two processes: the decode process READs every

@@ -52,8 +52,9 @@ fn final_state(c: &Cluster, id: &RequestId) -> RequestState {
 }
 
 /// Random prompts over a few shared prefixes (prefix hits on both sides), submitted in bursts while
-/// the cluster runs, one in ten aborted a few steps later; every request ends, finished or
-/// aborted, every loaded block is checked, nothing leaks, and every engine serves some.
+/// the cluster runs, some aborted at once (on their prefill engine), some a few steps later (on
+/// their decode engine); every request ends, finished or aborted, every loaded block is checked,
+/// nothing leaks, and every engine serves some.
 fn workload(p: usize, d: usize, seed: u64) {
     let lb = Loopback::simulated();
     let mut c = xpyd(&lb, p, d);
@@ -69,7 +70,9 @@ fn workload(p: usize, d: usize, seed: u64) {
         };
         p.extend(prompt(rng.r#gen(), rng.gen_range(1..3 * BS)));
         c.submit(rid.clone(), p, rng.gen_range(1..=6)).unwrap();
-        if rng.gen_bool(0.1) {
+        if rng.gen_bool(0.05) {
+            c.abort(&rid);
+        } else if rng.gen_bool(0.1) {
             aborted.push(rid.clone());
         }
         ids.push(rid);
@@ -81,6 +84,7 @@ fn workload(p: usize, d: usize, seed: u64) {
             for rid in aborted.drain(..) {
                 c.abort(&rid);
             }
+            assert_outstanding_exact(&c, &ids);
         }
     }
     c.run_until_idle_with(LIMIT, |c| assert_outstanding_exact(c, &ids)).unwrap();
@@ -88,15 +92,24 @@ fn workload(p: usize, d: usize, seed: u64) {
     assert_eq!(c.prefill_outstanding(), vec![0; p]);
     assert_eq!(c.decode_outstanding(), vec![0; d]);
 
-    let mut finished = 0;
+    let (mut finished, mut aborted_on_prefill, mut aborted_on_decode) = (0, 0, 0);
     for rid in &ids {
         match final_state(&c, rid) {
             RequestState::Finished(FinishReason::LengthCapped) => finished += 1,
-            RequestState::Finished(FinishReason::Aborted) => {}
+            RequestState::Finished(FinishReason::Aborted)
+                if c.decodes.iter().any(|e| e.state(rid).is_some()) =>
+            {
+                aborted_on_decode += 1
+            }
+            RequestState::Finished(FinishReason::Aborted) => aborted_on_prefill += 1,
             other => panic!("{rid} ended {other:?}"),
         }
     }
     assert!(finished >= ids.len() * 3 / 4, "{finished} of {} finished", ids.len());
+    assert!(
+        aborted_on_prefill > 0 && aborted_on_decode > 0,
+        "{aborted_on_prefill}, {aborted_on_decode} aborted"
+    );
     let (mut loaded, mut verified, mut cached) = (0, 0, 0);
     for e in &c.decodes {
         let s = e.stats();
@@ -126,6 +139,33 @@ fn four_prefill_one_decode() {
 #[test]
 fn one_prefill_four_decode() {
     workload(1, 4, 3);
+}
+
+/// Two requests aborted at prefill-0 leave it with none outstanding and prefill-1 with one: the
+/// next request goes to prefill-0 even where round robin would pick prefill-1.
+#[test]
+fn requests_go_to_the_prefill_engine_with_the_fewest_outstanding_requests() {
+    let lb = Loopback::simulated();
+    let mut c = xpyd(&lb, 2, 1);
+    let ids: Vec<_> = (0..4).map(|i| id(format!("p-{i}"))).collect();
+    for rid in &ids[..3] {
+        c.submit(rid.clone(), prompt(1, 2 * BS), 2).unwrap();
+    }
+    let on = |c: &Cluster, p: usize, rid: &RequestId| c.prefills[p].state(rid).is_some();
+    assert!(on(&c, 0, &ids[0]) && on(&c, 1, &ids[1]) && on(&c, 0, &ids[2]), "round robin on ties");
+    assert_eq!(c.prefill_outstanding(), [2, 1]);
+    c.abort(&ids[0]);
+    c.abort(&ids[2]);
+    assert_eq!(c.prefill_outstanding(), [0, 1], "an abort ends the request at once");
+    c.submit(ids[3].clone(), prompt(4, 2 * BS), 2).unwrap();
+    assert!(on(&c, 0, &ids[3]), "prefill-0 has the fewest outstanding requests");
+    assert_eq!(c.prefill_outstanding(), [1, 1]);
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    assert_eq!((c.prefill_outstanding(), c.decode_outstanding()), (vec![0, 0], vec![0]));
+    let finished = Some(&RequestState::Finished(FinishReason::LengthCapped));
+    assert!(c.decodes[0].state(&ids[1]) == finished && c.decodes[0].state(&ids[3]) == finished);
+    assert!(c.decodes[0].state(&ids[0]).is_none(), "an aborted prefill hands nothing on");
 }
 
 /// One long request keeps decode-0 busy: the next requests go to decode-1 even where round robin

@@ -232,8 +232,8 @@ impl Cluster {
         Ok(())
     }
 
-    /// Aborts a request wherever the router sent it last (as a client disconnect does); a request
-    /// the cluster does not know is left alone.
+    /// Aborts a request wherever the router sent it last (as a client disconnect does): it is no
+    /// longer outstanding there. A request the cluster does not know is left alone.
     pub fn abort(&mut self, id: &RequestId) {
         if let Some(&d) = self.in_decode.get(id) {
             if let Some(e) = self.decodes.get_mut(d) {
@@ -244,6 +244,7 @@ impl Cluster {
                 e.abort(id);
             }
         }
+        self.forget_ended();
     }
 
     /// Hands a request with its params to the decode engine with the fewest outstanding requests.
@@ -290,12 +291,16 @@ impl Cluster {
         for decode in &mut self.decodes {
             decode.step()?;
         }
-        // Requests that ended without params (aborted or failed at the prefill engine), and
-        // requests that ended at their decode engine.
+        self.forget_ended();
+        Ok(())
+    }
+
+    /// Drops from the outstanding requests those that ended without params at their prefill
+    /// engine (aborted or failed there) and those that ended at their decode engine.
+    fn forget_ended(&mut self) {
         let (prefills, decodes) = (&self.prefills, &self.decodes);
         self.in_prefill.retain(|id, (p, ..)| !is_over(prefills.get(*p).and_then(|e| e.state(id))));
         self.in_decode.retain(|id, d| !is_over(decodes.get(*d).and_then(|e| e.state(id))));
-        Ok(())
     }
 
     /// Whether every request went through and every engine is idle.
