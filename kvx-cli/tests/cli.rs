@@ -31,11 +31,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Runs `kvx demo` on `backend` with 40 requests and checks that all finished, every byte
-/// matched and nothing leaked.
-fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+/// Runs `kvx demo` on `backend` with 40 requests and `extra` options, checks that all finished,
+/// every byte matched and nothing leaked, and returns its output.
+fn demo_on(backend: &str, extra: &[&str]) -> String {
     let child = Command::new(KVX)
         .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(extra)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -48,6 +49,12 @@ fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
     assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
     assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
     assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+    stdout
+}
+
+/// `kvx demo` on `backend`: one prefill and one decode engine, every byte checked, nothing leaked.
+fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+    let stdout = demo_on(backend, &[]);
     assert!(!stdout.contains("requests per engine"), "one engine of each kind: no such row\n{stdout}");
 }
 
@@ -61,21 +68,9 @@ fn demo_checks_every_byte_and_leaks_nothing() {
 /// 40 are submitted before the first step, so the prefill engines share them exactly (ties go
 /// round robin); every decode engine serves some.
 fn demo_runs_several_prefill_and_decode_engines_on(backend: &str, p: u32, d: u32) {
-    let child = Command::new(KVX)
-        .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
-        .args(["--prefill-engines", &p.to_string(), "--decode-engines", &d.to_string()])
-        .args(SIZES)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child);
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let (ps, ds) = (p.to_string(), d.to_string());
+    let stdout = demo_on(backend, &["--prefill-engines", &ps, "--decode-engines", &ds]);
     assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
-    assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
-    assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
-    assert!(stdout.contains("blocks leaked          0"), "{stdout}");
     let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
     let served: Vec<(String, u64)> = row
         .split(", ")
