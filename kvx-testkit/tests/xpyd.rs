@@ -11,7 +11,7 @@ use common::*;
 use kvx_core::{ErrorKind, FinishReason, RequestId};
 use kvx_loopback::Faults;
 use kvx_testkit::matrix::assert_failed;
-use kvx_testkit::sim::{Cluster, EngineConfig, RequestState, SimEngine};
+use kvx_testkit::sim::{Cluster, EngineConfig, EngineStats, RequestState, SimEngine};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -54,8 +54,8 @@ fn final_state(c: &Cluster, id: &RequestId) -> RequestState {
 /// Random prompts over a few shared prefixes (prefix hits on both sides), submitted in bursts while
 /// the cluster runs, some aborted at once (on their prefill engine), some a few steps later (on
 /// their decode engine); every request ends, finished or aborted, every loaded block is checked,
-/// nothing leaks, and every engine serves some.
-fn workload(p: usize, d: usize, seed: u64) {
+/// nothing leaks, and every engine serves some. Returns every engine's counters.
+fn workload(p: usize, d: usize, seed: u64) -> Vec<EngineStats> {
     let lb = Loopback::simulated();
     let mut c = xpyd(&lb, p, d);
     let mut rng = StdRng::seed_from_u64(seed);
@@ -124,11 +124,13 @@ fn workload(p: usize, d: usize, seed: u64) {
     for e in c.engines() {
         assert!(e.stats().finished > 10, "{} served {} requests", e.engine_id(), e.stats().finished);
     }
+    c.engines().map(|e| e.stats().clone()).collect()
 }
 
+/// 2P2D; the same seed replays the same run, engine by engine.
 #[test]
 fn two_prefill_two_decode() {
-    workload(2, 2, 1);
+    assert_eq!(workload(2, 2, 1), workload(2, 2, 1));
 }
 
 #[test]
