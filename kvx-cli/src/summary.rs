@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvx_core::{Samples, WorkerStats};
 use kvx_testkit::sim::SimEngine;
 
-/// What a run moved and checked, from the decode engine's point of view, plus leak checks.
+/// What a run moved and checked, from the decode engines' point of view, plus leak checks.
 #[derive(Debug, Default)]
 pub(crate) struct Summary {
     pub(crate) requests: usize,
