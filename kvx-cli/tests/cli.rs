@@ -31,11 +31,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Runs `kvx demo` on `backend` with 40 requests and checks that all finished, every byte
-/// matched and nothing leaked.
-fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+/// Runs `kvx demo` on `backend` with 40 requests and `extra` options, checks that all finished,
+/// every byte matched and nothing leaked, and returns its output.
+fn demo_on(backend: &str, extra: &[&str]) -> String {
     let child = Command::new(KVX)
         .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(extra)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -48,11 +49,68 @@ fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
     assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
     assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
     assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+    stdout
+}
+
+/// `kvx demo` on `backend`: one prefill and one decode engine, every byte checked, nothing leaked.
+fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+    let stdout = demo_on(backend, &[]);
+    assert!(!stdout.contains("requests per engine"), "one engine of each kind: no such row\n{stdout}");
 }
 
 #[test]
 fn demo_checks_every_byte_and_leaks_nothing() {
     demo_checks_every_byte_and_leaks_nothing_on("loopback");
+}
+
+/// `kvx demo` on `backend` with `p` prefill and `d` decode engines: every request finishes, every
+/// byte matched, nothing leaked, and the summary says how many requests each engine served. All
+/// 40 are submitted before the first step, so the prefill engines share them exactly (ties go
+/// round robin); every decode engine serves some.
+fn demo_runs_several_prefill_and_decode_engines_on(backend: &str, p: u32, d: u32) {
+    let (ps, ds) = (p.to_string(), d.to_string());
+    let stdout = demo_on(backend, &["--prefill-engines", &ps, "--decode-engines", &ds]);
+    assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
+    let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
+    let served: Vec<(String, u64)> = row
+        .split(", ")
+        .map(|e| e.trim().split_once(' ').unwrap())
+        .map(|(id, n)| (id.to_owned(), n.parse().unwrap()))
+        .collect();
+    let named = |role: &'static str, n: u32| {
+        (0..n).map(move |i| if n == 1 { role.to_owned() } else { format!("{role}-{i}") })
+    };
+    let ids: Vec<String> = named("prefill", p).chain(named("decode", d)).collect();
+    assert_eq!(served.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "{row}");
+    let (on_prefill, on_decode) = served.split_at(p as usize);
+    assert!(on_prefill.iter().all(|&(_, n)| n == u64::from(40 / p)), "{row}");
+    assert!(on_decode.iter().all(|&(_, n)| n > 0), "{row}");
+    assert_eq!(on_decode.iter().map(|(_, n)| n).sum::<u64>(), 40, "{row}");
+}
+
+#[test]
+fn demo_runs_several_prefill_and_decode_engines() {
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 2, 2);
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 4, 1);
+}
+
+/// `--prefill-engines` and `--decode-engines` take 1 to 16.
+#[test]
+fn demo_refuses_engine_counts_out_of_range() {
+    for flag in ["--prefill-engines", "--decode-engines"] {
+        for n in ["0", "17"] {
+            let out = wait(
+                Command::new(KVX)
+                    .args(["demo", flag, n])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            assert_eq!(out.status.code(), Some(2), "{flag} {n}");
+            assert!(text(&out.stderr).contains(flag), "{}", text(&out.stderr));
+        }
+    }
 }
 
 #[test]
@@ -84,6 +142,12 @@ macro_rules! native_backend_tests {
             #[test]
             fn demo() {
                 super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+            }
+
+            /// `kvx demo` with two prefill and two decode engines.
+            #[test]
+            fn demo_2p2d() {
+                super::demo_runs_several_prefill_and_decode_engines_on(BACKEND, 2, 2);
             }
 
             /// `kvx prefill` and `kvx decode` as two processes: the decode process READs every
