@@ -1,0 +1,254 @@
+//! The servers of one role (prefill or decode): which are in rotation, how many requests each has
+//! outstanding, the choice of the next one, and their health checks.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use kvx_core::{Error, ErrorKind, Result};
+
+use super::metrics::{FailureLabels, Metrics, UpstreamLabels};
+
+/// The role of a server behind the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Why a server was taken out of rotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The connection was refused or could not be opened in time.
+    Unreachable,
+    /// The exchange ran past the request timeout.
+    Timeout,
+    /// The server answered HTTP 5xx.
+    ServerError,
+    /// The connection broke, or the answer was cut or malformed at the HTTP level.
+    Broken,
+    /// `GET /health` failed.
+    HealthCheck,
+}
+
+impl Failure {
+    pub(crate) fn of(e: &reqwest::Error) -> Self {
+        if e.is_connect() {
+            Failure::Unreachable
+        } else if e.is_timeout() {
+            Failure::Timeout
+        } else {
+            Failure::Broken
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Failure::Unreachable => "unreachable",
+            Failure::Timeout => "timeout",
+            Failure::ServerError => "server_error",
+            Failure::Broken => "broken",
+            Failure::HealthCheck => "health_check",
+        }
+    }
+}
+
+/// Validates a server's base URL: plain `http://HOST:PORT` with an optional path prefix; returns
+/// it without a trailing `/`.
+pub(crate) fn base_url(url: &str) -> Result<String> {
+    let invalid =
+        |why: &str| Error::new(ErrorKind::InvalidArgument, format!("router: server {url:?}: {why}"));
+    let parsed = reqwest::Url::parse(url).map_err(|e| invalid(&e.to_string()))?;
+    if parsed.scheme() != "http" {
+        return Err(invalid("only http:// is supported (the router speaks no TLS)"));
+    }
+    if parsed.host_str().is_none() {
+        return Err(invalid("no host"));
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() || !parsed.username().is_empty() {
+        return Err(invalid("a base URL takes no query, fragment or user"));
+    }
+    Ok(parsed.as_str().trim_end_matches('/').to_owned())
+}
+
+#[derive(Debug)]
+struct Slot {
+    outstanding: usize,
+    healthy: bool,
+    outstanding_gauge: Gauge,
+    healthy_gauge: Gauge,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    slots: Vec<Slot>,
+    /// Where the next scan for the least-outstanding server starts: ties go round-robin.
+    next: usize,
+}
+
+/// The servers of one role. All start in rotation; the health loop's first check runs at once.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    role: Role,
+    urls: Vec<String>,
+    state: Mutex<PoolState>,
+    failures: Family<FailureLabels, Counter>,
+}
+
+impl Pool {
+    pub(crate) fn new(role: Role, urls: &[String], metrics: &Metrics) -> Result<Arc<Self>> {
+        if urls.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("router: no {} server", role.name())));
+        }
+        let urls = urls.iter().map(|u| base_url(u)).collect::<Result<Vec<_>>>()?;
+        for (i, url) in urls.iter().enumerate() {
+            if urls[..i].contains(url) {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("router: {} server {url} given twice", role.name()),
+                ));
+            }
+        }
+        let slots = urls
+            .iter()
+            .map(|url| {
+                let labels = UpstreamLabels { role: role.name(), upstream: url.clone() };
+                let healthy_gauge = metrics.healthy.get_or_create(&labels).clone();
+                healthy_gauge.set(1);
+                Slot {
+                    outstanding: 0,
+                    healthy: true,
+                    outstanding_gauge: metrics.outstanding.get_or_create(&labels).clone(),
+                    healthy_gauge,
+                }
+            })
+            .collect();
+        Ok(Arc::new(Self {
+            role,
+            urls,
+            state: Mutex::new(PoolState { slots, next: 0 }),
+            failures: metrics.failures.clone(),
+        }))
+    }
+
+    pub(crate) fn role(&self) -> Role {
+        self.role
+    }
+
+    fn state(&self) -> MutexGuard<'_, PoolState> {
+        // The state stays consistent under every lock: a panicking holder leaves nothing half done.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Leases the healthy server with the fewest outstanding requests that is not in `tried`
+    /// (indices of servers this request already tried); `None` when there is none.
+    pub(crate) fn pick(self: &Arc<Self>, tried: &[usize]) -> Option<Lease> {
+        let mut state = self.state();
+        let n = state.slots.len();
+        let start = state.next;
+        let index = (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|i| state.slots[*i].healthy && !tried.contains(i))
+            .min_by_key(|i| state.slots[*i].outstanding)?;
+        let slot = &mut state.slots[index];
+        slot.outstanding += 1;
+        slot.outstanding_gauge.inc();
+        state.next = (index + 1) % n;
+        Some(Lease { pool: self.clone(), index })
+    }
+
+    /// Takes server `index` out of rotation after `failure`.
+    fn fail(&self, index: usize, failure: Failure) {
+        let mut state = self.state();
+        let slot = &mut state.slots[index];
+        slot.healthy = false;
+        slot.healthy_gauge.set(0);
+        drop(state);
+        self.failures
+            .get_or_create(&FailureLabels {
+                role: self.role.name(),
+                upstream: self.urls[index].clone(),
+                reason: failure.name(),
+            })
+            .inc();
+    }
+
+    fn recover(&self, index: usize) {
+        let mut state = self.state();
+        let slot = &mut state.slots[index];
+        slot.healthy = true;
+        slot.healthy_gauge.set(1);
+    }
+
+    /// How many servers are in rotation.
+    pub(crate) fn healthy(&self) -> usize {
+        self.state().slots.iter().filter(|s| s.healthy).count()
+    }
+
+    /// Whether server `index` is in rotation.
+    #[cfg(test)]
+    pub(crate) fn is_healthy(&self, index: usize) -> bool {
+        self.state().slots[index].healthy
+    }
+
+    /// Checks every server's `GET /health` at once, each within `timeout`: a success (2xx) puts it
+    /// in rotation, anything else takes it out.
+    pub(crate) async fn check(&self, client: &reqwest::Client, timeout: Duration) {
+        let checks = self.urls.iter().map(|url| async move {
+            match client.get(format!("{url}/health")).timeout(timeout).send().await {
+                Ok(response) => response.status().is_success(),
+                Err(_) => false,
+            }
+        });
+        let results = futures_util::future::join_all(checks).await;
+        for (index, passed) in results.into_iter().enumerate() {
+            if passed {
+                self.recover(index);
+            } else {
+                self.fail(index, Failure::HealthCheck);
+            }
+        }
+    }
+}
+
+/// One request's hold on a server: counted outstanding until dropped.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pool: Arc<Pool>,
+    index: usize,
+}
+
+impl Lease {
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
+    pub(crate) fn url(&self) -> &str {
+        &self.pool.urls[self.index]
+    }
+
+    /// Takes this server out of rotation after `failure` of the request.
+    pub(crate) fn fail(&self, failure: Failure) {
+        self.pool.fail(self.index, failure);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut state = self.pool.state();
+        let slot = &mut state.slots[self.index];
+        slot.outstanding -= 1;
+        slot.outstanding_gauge.dec();
+    }
+}
