@@ -429,6 +429,11 @@ async fn client_errors_are_passed_back_and_not_retried() {
     let response = within("an answer", completion_request(&url, &json!([1, 2])).send()).await.unwrap();
     assert_eq!(response.status(), 400);
     assert_eq!(json_of(response).await["error"]["type"], "invalid_request_error");
+    // A body over the limit is refused before it is read whole.
+    let long = json!({"model": "m", "prompt": "x".repeat(1 << 20)});
+    let response = within("an answer", completion_request(&url, &long).send()).await.unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!((prefill[0].requests(), prefill[1].requests()), (1, 0));
 
     let text = metrics(&url).await;
     assert_eq!(
