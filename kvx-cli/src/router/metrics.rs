@@ -53,6 +53,9 @@ pub(crate) struct Metrics {
     pub(crate) requests: Family<RequestLabels, Counter>,
     /// Attempts on a further server after one failed, by stage.
     pub(crate) retries: Family<RoleLabels, Counter>,
+    /// Prefill answers without `kv_transfer_params`: their decode server computes the prompt again
+    /// (many mean a prefill server not configured as a KV producer).
+    pub(crate) prefill_without_params: Counter,
     /// Failed requests and health checks per server, by reason.
     pub(crate) failures: Family<FailureLabels, Counter>,
     /// Requests in flight per server through this router.
@@ -68,12 +71,18 @@ impl Metrics {
         let mut registry = Registry::with_prefix("kvx_router");
         let requests = Family::default();
         let retries = Family::default();
+        let prefill_without_params = Counter::default();
         let failures = Family::default();
         let outstanding = Family::default();
         let healthy = Family::default();
         let duration = Family::new_with_constructor(duration_histogram as fn() -> Histogram);
         registry.register("requests", "Client requests by route and outcome", requests.clone());
         registry.register("retries", "Attempts on a further server after one failed", retries.clone());
+        registry.register(
+            "prefill_without_params",
+            "Prefill answers without kv_transfer_params (the decode server computes the prompt again)",
+            prefill_without_params.clone(),
+        );
         registry.register(
             "upstream_failures",
             "Failed requests and health checks per server, by reason",
@@ -91,7 +100,7 @@ impl Metrics {
             prometheus_client::registry::Unit::Seconds,
             duration.clone(),
         );
-        Self { registry, requests, retries, failures, outstanding, healthy, duration }
+        Self { registry, requests, retries, prefill_without_params, failures, outstanding, healthy, duration }
     }
 
     /// The metrics in the OpenMetrics text format.

@@ -396,6 +396,9 @@ impl Shared {
                 self.prefill_once(lease, route, &headers, prefill.clone(), &request_id)
             })
             .await?;
+        if params.is_none() {
+            self.metrics.prefill_without_params.inc();
+        }
         let decode = decode_body(request, params);
         let relay = self
             .with_retries(&self.decode, |lease| self.decode_once(lease, route, &headers, decode.clone()))

@@ -9,10 +9,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
-use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, Semaphore, mpsc};
@@ -33,6 +32,8 @@ struct Arrival {
     body: Value,
 }
 
+type Chunk = std::io::Result<Bytes>;
+
 /// A stub vLLM server; the test changes how it answers while it runs.
 struct Stub {
     name: String,
@@ -42,14 +43,17 @@ struct Stub {
     status: AtomicU16,
     /// Status of `GET /health`.
     health: AtomicU16,
+    /// Whether a prefill answer carries `kv_transfer_params`.
+    with_params: AtomicBool,
     /// Completion requests received.
     requests: AtomicUsize,
     /// A completion request takes a permit before it answers: none to hold requests open.
     gate: Semaphore,
     arrived: mpsc::UnboundedSender<Arrival>,
     arrivals: Mutex<mpsc::UnboundedReceiver<Arrival>>,
-    /// The chunks of the next streamed decode answer, sent by the test; fixed chunks when unset.
-    chunks: Mutex<Option<mpsc::UnboundedReceiver<Bytes>>>,
+    /// The chunks of the next streamed decode answer, sent by the test (an error breaks the
+    /// connection); fixed chunks when unset.
+    chunks: Mutex<Option<mpsc::UnboundedReceiver<Chunk>>>,
 }
 
 impl Stub {
@@ -74,10 +78,10 @@ impl Stub {
         })
     }
 
-    fn streamed(&self, chunks: Option<mpsc::UnboundedReceiver<Bytes>>) -> Response {
+    fn streamed(&self, chunks: Option<mpsc::UnboundedReceiver<Chunk>>) -> Response {
         let body = match chunks {
             Some(rx) => Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-                rx.recv().await.map(|chunk| (Ok::<_, Infallible>(chunk), rx))
+                rx.recv().await.map(|chunk| (chunk, rx))
             })),
             None => Body::from(FIXED_CHUNKS.concat()),
         };
@@ -103,13 +107,15 @@ async fn stub_completion(State(stub): State<Arc<Stub>>, headers: HeaderMap, body
             .into_response();
     }
     match stub.role {
-        Role::Prefill => axum::Json(json!({
-            "choices": [{"text": "x"}],
-            "kv_transfer_params": stub.params(),
-        }))
-        .into_response(),
-        Role::Decode if body["kv_transfer_params"]["do_remote_prefill"] != json!(true) => {
-            (StatusCode::UNPROCESSABLE_ENTITY, "no kv_transfer_params from a prefill server").into_response()
+        Role::Prefill => {
+            let params = if stub.with_params.load(Ordering::SeqCst) { stub.params() } else { Value::Null };
+            axum::Json(json!({"choices": [{"text": "x"}], "kv_transfer_params": params})).into_response()
+        }
+        // No params: the decode server computes the prompt itself; params must be a prefill's.
+        Role::Decode
+            if body.get("kv_transfer_params").is_some_and(|p| p["do_remote_prefill"] != json!(true)) =>
+        {
+            (StatusCode::UNPROCESSABLE_ENTITY, "kv_transfer_params not from a prefill server").into_response()
         }
         Role::Decode if body["stream"] == json!(true) => {
             let chunks = stub.chunks.lock().await.take();
@@ -139,6 +145,7 @@ async fn stub_on(name: &str, role: Role, listener: TcpListener) -> Arc<Stub> {
         role,
         status: AtomicU16::new(200),
         health: AtomicU16::new(200),
+        with_params: AtomicBool::new(true),
         requests: AtomicUsize::new(0),
         gate: Semaphore::new(Semaphore::MAX_PERMITS),
         arrived,
@@ -248,6 +255,17 @@ async fn a_completion_goes_to_prefill_then_to_decode_with_the_prefill_params() {
     assert_eq!(decoded.body, expected);
     assert_eq!(prefilled.request_id.as_deref(), Some(request_id.as_str()));
     assert_eq!(decoded.request_id.as_deref(), Some(request_id.as_str()));
+}
+
+#[tokio::test]
+async fn a_prefill_answer_without_params_sends_the_client_body_to_decode_as_it_is() {
+    let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
+    p.with_params.store(false, Ordering::SeqCst);
+    let (_router, url) = router(&[&p.url], &[&d.url]).await;
+    let request = json!({"model": "m", "prompt": "hello", "max_tokens": 7});
+    assert_eq!(complete(&url, request.clone()).await.status(), 200);
+    assert_eq!(d.next_arrival().await.body, request);
+    assert_eq!(metric(&metrics(&url).await, "kvx_router_prefill_without_params_total"), 1.0);
 }
 
 #[tokio::test]
@@ -396,7 +414,7 @@ async fn streamed_chunks_reach_the_client_as_the_decode_server_sends_them() {
     let (_router, url) = router(&[&p.url], &[&d.url]).await;
     let chunks = ["data: {\"n\":0}\n\n", "data: {\"n\":1}\n\n", "data: {\"n\":2}\n\n", "data: [DONE]\n\n"];
 
-    tx.send(Bytes::from_static(chunks[0].as_bytes())).unwrap();
+    tx.send(Ok(Bytes::from_static(chunks[0].as_bytes()))).unwrap();
     let body = json!({"model": "m", "prompt": "hello", "max_tokens": 3, "stream": true});
     let mut response = complete(&url, body).await;
     assert_eq!(response.status(), 200);
@@ -405,11 +423,38 @@ async fn streamed_chunks_reach_the_client_as_the_decode_server_sends_them() {
     let first = within("the first chunk", response.chunk()).await.unwrap().unwrap();
     assert_eq!(first, chunks[0]);
     for chunk in &chunks[1..] {
-        tx.send(Bytes::from_static(chunk.as_bytes())).unwrap();
+        tx.send(Ok(Bytes::from_static(chunk.as_bytes()))).unwrap();
     }
     drop(tx);
     let rest = within("the rest of the stream", response.text()).await.unwrap();
     assert_eq!(rest, chunks[1..].concat());
+}
+
+#[tokio::test]
+async fn a_decode_server_breaking_mid_stream_ends_the_answer_and_leaves_rotation() {
+    let p = stub("p0", Role::Prefill).await;
+    let decode = [stub("d0", Role::Decode).await, stub("d1", Role::Decode).await];
+    let (tx, rx) = mpsc::unbounded_channel();
+    *decode[0].chunks.lock().await = Some(rx);
+    let (router, url) = router(&[&p.url], &[&decode[0].url, &decode[1].url]).await;
+    let body = json!({"model": "m", "prompt": "hello", "stream": true});
+
+    tx.send(Ok(Bytes::from_static(b"data: {}\n\n"))).unwrap();
+    let mut response = complete(&url, body.clone()).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(within("the first chunk", response.chunk()).await.unwrap().unwrap(), "data: {}\n\n");
+    tx.send(Err(std::io::Error::other("the decode server dies"))).unwrap();
+    // The byte already went out: no retry, the client's answer breaks off.
+    assert!(within("the broken stream", response.text()).await.is_err());
+    assert!(!router.decode.is_healthy(0) && router.decode.is_healthy(1));
+    assert_eq!(complete(&url, body).await.status(), 200);
+    assert_eq!((decode[0].requests(), decode[1].requests()), (1, 1));
+    let text = metrics(&url).await;
+    let broken = format!(
+        r#"kvx_router_upstream_failures_total{{role="decode",upstream="{}",reason="broken"}}"#,
+        decode[0].url
+    );
+    assert_eq!(metric(&text, &broken), 1.0);
 }
 
 #[tokio::test]
