@@ -135,7 +135,8 @@ fn answer_headers(from: &HeaderMap, request_id: Option<&HeaderValue>) -> HeaderM
     headers
 }
 
-fn answer(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
+/// A response to the client with what a server answered.
+fn client_response(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
     let mut response = Response::new(body);
     *response.status_mut() = status;
     *response.headers_mut() = headers;
@@ -317,6 +318,8 @@ impl Shared {
         })
     }
 
+    /// Posts `body` to `path` on the leased server; a failed exchange or an HTTP 5xx answer takes
+    /// the server out of rotation.
     async fn post(
         &self,
         lease: &Lease,
@@ -347,7 +350,7 @@ impl Shared {
         let answer = read_answer(&lease, &mut response, self.config.max_body_bytes).await?;
         if status.is_client_error() {
             let headers = answer_headers(response.headers(), Some(request_id));
-            return Err(Stop::Refuse(Refusal::Passthrough(self::answer(status, headers, answer.into()))));
+            return Err(Stop::Refuse(Refusal::Passthrough(client_response(status, headers, answer.into()))));
         }
         let bad = |why: &str| Stop::Refuse(Refusal::Failed(format!("prefill server {}: {why}", lease.url())));
         if !status.is_success() {
@@ -406,7 +409,7 @@ impl Shared {
         let status = relay.response.status();
         let headers = answer_headers(relay.response.headers(), Some(&request_id));
         let outcome = if status.is_client_error() { "client_error" } else { "ok" };
-        Ok((outcome, answer(status, headers, relay.body(timer))))
+        Ok((outcome, client_response(status, headers, relay.body(timer))))
     }
 
     async fn completion(&self, route: Route, client: &HeaderMap, body: &[u8]) -> Response {
@@ -428,7 +431,7 @@ impl Shared {
             return Err(failed(&lease, Failure::ServerError, status));
         }
         let answer = read_answer(&lease, &mut response, self.config.max_body_bytes).await?;
-        Ok(self::answer(status, answer_headers(response.headers(), None), answer.into()))
+        Ok(client_response(status, answer_headers(response.headers(), None), answer.into()))
     }
 }
 
