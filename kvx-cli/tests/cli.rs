@@ -421,6 +421,8 @@ mod router {
         assert!(killed.success());
         let out = wait(child);
         assert!(out.status.success(), "{}", text(&out.stderr));
-        assert!(text(&out.stderr).contains("stopping"), "{}", text(&out.stderr));
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("stopping"), "{stderr}");
+        assert!(stderr.contains(&format!("prefill server {prefill} out of rotation")), "{stderr}");
     }
 }

@@ -168,13 +168,21 @@ impl Pool {
         Some(Lease { pool: self.clone(), index })
     }
 
-    /// Takes server `index` out of rotation after `failure`.
+    /// Takes server `index` out of rotation after `failure`; says so on stderr when it was in.
     fn fail(&self, index: usize, failure: Failure) {
         let mut state = self.state();
         let slot = &mut state.slots[index];
-        slot.healthy = false;
+        let was_healthy = std::mem::replace(&mut slot.healthy, false);
         slot.healthy_gauge.set(0);
         drop(state);
+        if was_healthy {
+            eprintln!(
+                "kvx router: {} server {} out of rotation ({})",
+                self.role.name(),
+                self.urls[index],
+                failure.name()
+            );
+        }
         self.failures
             .get_or_create(&FailureLabels {
                 role: self.role.name(),
@@ -184,11 +192,17 @@ impl Pool {
             .inc();
     }
 
+    /// Puts server `index` back in rotation after a passed health check; says so on stderr when it
+    /// was out.
     fn recover(&self, index: usize) {
         let mut state = self.state();
         let slot = &mut state.slots[index];
-        slot.healthy = true;
+        let was_healthy = std::mem::replace(&mut slot.healthy, true);
         slot.healthy_gauge.set(1);
+        drop(state);
+        if !was_healthy {
+            eprintln!("kvx router: {} server {} back in rotation", self.role.name(), self.urls[index]);
+        }
     }
 
     /// How many servers are in rotation.
