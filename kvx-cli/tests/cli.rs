@@ -399,6 +399,7 @@ mod router {
             let rest = line.strip_prefix(prefix).unwrap_or_else(|| panic!("{line:?}"));
             rest.split_whitespace().next().unwrap().to_owned()
         };
+        assert!(lines[0].ends_with("(0/1 prefill and 0/1 decode servers healthy)"), "{lines:?}");
         let api = address("kvx router: serving on ", &lines[0]);
         let metrics = address("kvx router: metrics on ", &lines[1]);
 
@@ -407,9 +408,9 @@ mod router {
             let client = reqwest::Client::builder().no_proxy().timeout(LIMIT).build().unwrap();
             let body = r#"{"model": "m", "prompt": "hello"}"#;
             let post = client.post(format!("{api}/v1/completions")).body(body).send().await.unwrap();
-            // 502 when the router tried the closed port, 503 when its first health check was first.
-            assert!([502, 503].contains(&post.status().as_u16()), "{}", post.status());
-            assert!(post.text().await.unwrap().contains("prefill server"));
+            // The health check before serving found no server: 503 at once.
+            assert_eq!(post.status(), 503);
+            assert!(post.text().await.unwrap().contains("no prefill server is healthy"));
             let scrape = client.get(metrics).send().await.unwrap().text().await.unwrap();
             let series = format!(r#"kvx_router_upstream_healthy{{role="prefill",upstream="{prefill}"}} 0"#);
             assert!(scrape.contains(&series), "{scrape}");

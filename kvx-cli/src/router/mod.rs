@@ -19,9 +19,10 @@
 //! Both requests carry the same `X-Request-Id` (the client's when it sent a valid one) and the
 //! client's `Authorization` header.
 //!
-//! A server that fails a request (connection refused or reset, a timeout, an HTTP 5xx answer) or a
-//! health check (`GET /health` every `--health-interval`, bounded by `--health-timeout`) is taken
-//! out of rotation until a health check passes again. A request whose prefill server failed is
+//! The router checks every server's health (`GET /health`, bounded by `--health-timeout`) before it
+//! serves, then every `--health-interval`. A server that fails a request (connection refused or
+//! reset, a timeout, an HTTP 5xx answer) or a health check is taken out of rotation until a health
+//! check passes again. A request whose prefill server failed is
 //! retried on another prefill server; one whose decode server failed before the first byte of
 //! the answer went to the client is retried on another decode server with the same
 //! `kv_transfer_params`. Each stage tries at most `1 + --retries` servers, none twice; then the
@@ -175,10 +176,13 @@ pub(crate) fn run(args: &RouterArgs) -> Result<()> {
             Some(port) => Some(bind(&args.host, port).await?),
             None => None,
         };
+        shared.check_health().await;
         println!(
-            "kvx router: serving on http://{} ({} prefill, {} decode servers)",
+            "kvx router: serving on http://{} ({}/{} prefill and {}/{} decode servers healthy)",
             local_addr(&api)?,
+            shared.prefill.healthy(),
             args.prefill.len(),
+            shared.decode.healthy(),
             args.decode.len()
         );
         if let Some(listener) = &metrics {

@@ -280,9 +280,10 @@ impl Shared {
         tokio::join!(self.prefill.check(&self.client, timeout), self.decode.check(&self.client, timeout));
     }
 
-    /// Checks every server's health now and then every health interval.
+    /// Checks every server's health every health interval, the first time one interval from now.
     pub(crate) async fn health_loop(self: Arc<Self>) {
-        let mut interval = tokio::time::interval(self.config.health_interval);
+        let period = self.config.health_interval;
+        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             interval.tick().await;

@@ -97,7 +97,7 @@ struct PoolState {
     next: usize,
 }
 
-/// The servers of one role. All start in rotation; the health loop's first check runs at once.
+/// The servers of one role. All start in rotation (`kvx router` checks them before it serves).
 #[derive(Debug)]
 pub(crate) struct Pool {
     role: Role,
