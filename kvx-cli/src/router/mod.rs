@@ -22,7 +22,8 @@
 //! The router checks every server's health (`GET /health`, bounded by `--health-timeout`) before it
 //! serves, then every `--health-interval`. A server that fails a request (connection refused or
 //! reset, a timeout, an HTTP 5xx answer) or a health check is taken out of rotation until a health
-//! check passes again. A request whose prefill server failed is
+//! check passes again; one that answered 5xx is checked at once, as vLLM answers 500 for a single
+//! request's failure too (a KV load that failed under `kv_load_failure_policy` `fail`). A request whose prefill server failed is
 //! retried on another prefill server; one whose decode server failed before the first byte of
 //! the answer went to the client is retried on another decode server with the same
 //! `kv_transfer_params`. Each stage tries at most `1 + --retries` servers, none twice; then the

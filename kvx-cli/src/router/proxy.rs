@@ -319,8 +319,16 @@ impl Shared {
         })
     }
 
+    /// Takes a server that answered HTTP 5xx out of rotation, then checks its health before the
+    /// request moves on: a failure of one request does not keep a healthy server out.
+    async fn server_error(&self, lease: &Lease, status: StatusCode) -> Stop {
+        let stop = failed(lease, Failure::ServerError, status);
+        lease.recheck(&self.client, self.config.health_timeout).await;
+        stop
+    }
+
     /// Posts `body` to `path` on the leased server; a failed exchange or an HTTP 5xx answer takes
-    /// the server out of rotation.
+    /// the server out of rotation (after a 5xx, unless its health check passes).
     async fn post(
         &self,
         lease: &Lease,
@@ -332,7 +340,7 @@ impl Shared {
         let response = self.client.post(url).headers(headers.clone()).body(body).send().await;
         let response = response.map_err(|e| failed(lease, Failure::of(&e), e))?;
         if response.status().is_server_error() {
-            return Err(failed(lease, Failure::ServerError, response.status()));
+            return Err(self.server_error(lease, response.status()).await);
         }
         Ok(response)
     }
@@ -429,7 +437,7 @@ impl Shared {
         let mut response = response.map_err(|e| failed(&lease, Failure::of(&e), e))?;
         let status = response.status();
         if status.is_server_error() {
-            return Err(failed(&lease, Failure::ServerError, status));
+            return Err(self.server_error(&lease, status).await);
         }
         let answer = read_answer(&lease, &mut response, self.config.max_body_bytes).await?;
         Ok(client_response(status, answer_headers(response.headers(), None), answer.into()))

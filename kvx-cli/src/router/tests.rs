@@ -407,6 +407,28 @@ async fn failed_servers_leave_rotation_and_return_after_a_passed_health_check() 
 }
 
 #[tokio::test]
+async fn a_server_error_from_a_server_whose_health_check_passes_keeps_it_in_rotation() {
+    // One decode server, as vLLM answers 500 when one request's KV load failed.
+    let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
+    d.status.store(500, Ordering::SeqCst);
+    let (router, url) = router(&[&p.url], &[&d.url]).await;
+    let body = json!({"model": "m", "prompt": "hello"});
+
+    let response = complete(&url, body.clone()).await;
+    assert_eq!(response.status(), 502);
+    assert!(router.decode.is_healthy(0), "its health check passed before the 502");
+    d.status.store(200, Ordering::SeqCst);
+    assert_eq!(complete(&url, body).await.status(), 200);
+    assert_eq!(d.requests(), 2);
+    let text = metrics(&url).await;
+    let failures = format!(
+        r#"kvx_router_upstream_failures_total{{role="decode",upstream="{}",reason="server_error"}}"#,
+        d.url
+    );
+    assert_eq!(metric(&text, &failures), 1.0);
+}
+
+#[tokio::test]
 async fn streamed_chunks_reach_the_client_as_the_decode_server_sends_them() {
     let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
     let (tx, rx) = mpsc::unbounded_channel();

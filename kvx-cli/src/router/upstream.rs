@@ -216,22 +216,19 @@ impl Pool {
         self.state().slots[index].healthy
     }
 
-    /// Checks every server's `GET /health` at once, each within `timeout`: a success (2xx) puts it
-    /// in rotation, anything else takes it out.
+    /// Checks every server's `GET /health` at once, each within `timeout`.
     pub(crate) async fn check(&self, client: &reqwest::Client, timeout: Duration) {
-        let checks = self.urls.iter().map(|url| async move {
-            match client.get(format!("{url}/health")).timeout(timeout).send().await {
-                Ok(response) => response.status().is_success(),
-                Err(_) => false,
-            }
-        });
-        let results = futures_util::future::join_all(checks).await;
-        for (index, passed) in results.into_iter().enumerate() {
-            if passed {
-                self.recover(index);
-            } else {
-                self.fail(index, Failure::HealthCheck);
-            }
+        let checks = (0..self.urls.len()).map(|index| self.check_one(index, client, timeout));
+        futures_util::future::join_all(checks).await;
+    }
+
+    /// Checks server `index`'s `GET /health` within `timeout`: a success (2xx) puts it in
+    /// rotation, anything else takes it out.
+    async fn check_one(&self, index: usize, client: &reqwest::Client, timeout: Duration) {
+        let url = format!("{}/health", self.urls[index]);
+        match client.get(url).timeout(timeout).send().await {
+            Ok(response) if response.status().is_success() => self.recover(index),
+            _ => self.fail(index, Failure::HealthCheck),
         }
     }
 }
@@ -255,6 +252,13 @@ impl Lease {
     /// Takes this server out of rotation after `failure` of the request.
     pub(crate) fn fail(&self, failure: Failure) {
         self.pool.fail(self.index, failure);
+    }
+
+    /// Checks this server's health now. For a server that answered HTTP 5xx, which vLLM also does
+    /// for one request's failure (a KV load that failed under `kv_load_failure_policy` `fail`),
+    /// the check decides whether it stays out of rotation.
+    pub(crate) async fn recheck(&self, client: &reqwest::Client, timeout: Duration) {
+        self.pool.check_one(self.index, client, timeout).await;
     }
 }
 
