@@ -22,30 +22,33 @@
 //! The router checks every server's health (`GET /health`, bounded by `--health-timeout`) before it
 //! serves, then every `--health-interval`. A server that fails a request (connection refused or
 //! reset, a timeout, an HTTP 5xx answer) or a health check is taken out of rotation until a health
-//! check passes again; one that answered 5xx is checked at once, as vLLM answers 500 for a single
-//! request's failure too (a KV load that failed under `kv_load_failure_policy` `fail`). A request whose prefill server failed is
-//! retried on another prefill server; one whose decode server failed before the first byte of
-//! the answer went to the client is retried on another decode server with the same
-//! `kv_transfer_params`. Each stage tries at most `1 + --retries` servers, none twice; then the
-//! client gets a JSON error: 502 when servers were tried and failed, 503 when none was healthy.
-//! Client errors (HTTP 4xx) from a server go back to the client unchanged and are not retried.
-//! Every upstream exchange is bounded by `--connect-timeout` and `--request-timeout` (the whole
-//! exchange, the streamed answer included), request bodies by `--max-body-bytes` (413 beyond),
-//! prefill and `/v1/models` answers by the same size.
+//! check passes again. One that answered 5xx is checked at once, before the request moves on: vLLM
+//! answers 500 for a single request's failure too (a KV load that failed under
+//! `kv_load_failure_policy` `fail`), which must not take a healthy server out.
+//!
+//! A request whose prefill server failed is retried on another prefill server; one whose decode
+//! server failed before the first byte of the answer went to the client is retried on another
+//! decode server with the same `kv_transfer_params`. Each stage tries at most `1 + --retries`
+//! servers, none twice; then the client gets a JSON error: 502 when servers were tried and failed,
+//! 503 when none was healthy. Client errors (HTTP 4xx) from a server go back to the client
+//! unchanged and are not retried. Every upstream exchange is bounded by `--connect-timeout` and
+//! `--request-timeout` (the whole exchange, the streamed answer included), request bodies by
+//! `--max-body-bytes` (413 beyond), prefill and `/v1/models` answers by the same size.
 //!
 //! `GET /v1/models` is answered by a healthy server (decode first); `GET /health` answers 200 while
 //! at least one prefill and one decode server are healthy, 503 otherwise; `GET /metrics` serves
 //! the router's Prometheus metrics (also on `--metrics-port` when given): requests by route and
-//! outcome, retries and upstream failures, outstanding requests and health per upstream, request
-//! durations.
+//! outcome, retries, upstream failures by reason, prefill answers without `kv_transfer_params`,
+//! outstanding requests and health per upstream, request durations. A line on stderr says when a
+//! server leaves or returns to rotation.
 //!
 //! What it does not do: TLS (plain HTTP only), authentication of its own clients (their
 //! `Authorization` goes to the servers, which check it), prefix- or KV-cache-aware routing, retries
 //! once a byte of the answer went to the client (a decode server failing mid-stream ends the
 //! client's response early), and queueing: with no healthy server of a role a request fails at
 //! once. A retried decode reads the KV that the prefill server still holds for the request; should
-//! the failed decode server have released it already, the new decode server computes the prompt
-//! again (vLLM's `kv_load_failure_policy`).
+//! it be gone already (released after the failed decode server's READ), the new decode server's
+//! load fails and its `kv_load_failure_policy` decides: compute the prompt again, or fail.
 
 mod metrics;
 mod proxy;
