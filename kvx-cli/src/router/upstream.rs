@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kvx_core::{Error, ErrorKind, Result};
 
-use super::metrics::{FailureLabels, Metrics, UpstreamLabels};
+use super::metrics::{FailureLabels, Metrics, RoleLabels, UpstreamLabels};
 
 /// The role of a server behind the router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +120,8 @@ impl Pool {
                 ));
             }
         }
+        // The role's retries show as 0 from the start.
+        let _ = metrics.retries.get_or_create(&RoleLabels { role: role.name() });
         let slots = urls
             .iter()
             .map(|url| {
