@@ -294,44 +294,57 @@ async fn a_chat_completion_prefills_one_token_and_streams_the_decode_answer() {
     assert_eq!(decoded["kv_transfer_params"], p.params());
 }
 
+/// Which of two stubs the next completion request arrives at.
+async fn arrival_at(stubs: &[Arc<Stub>; 2]) -> usize {
+    within("a request at either stub", async {
+        tokio::select! {
+            _ = stubs[0].next_arrival() => 0,
+            _ = stubs[1].next_arrival() => 1,
+        }
+    })
+    .await
+}
+
 #[tokio::test]
 async fn requests_go_to_the_server_with_the_fewest_outstanding() {
     let prefill = [held_stub("p0", Role::Prefill).await, held_stub("p1", Role::Prefill).await];
     let decode = [held_stub("d0", Role::Decode).await, held_stub("d1", Role::Decode).await];
     let (_router, url) = router(&[&prefill[0].url, &prefill[1].url], &[&decode[0].url, &decode[1].url]).await;
     let body = json!({"model": "m", "prompt": "hello", "max_tokens": 4});
+    let request = || tokio::spawn(send(completion_request(&url, &body)));
 
-    // The first request is held at a prefill server: the second must go to the other one.
-    let first = tokio::spawn(send(completion_request(&url, &body)));
-    let held = within("the first prefill", async {
-        tokio::select! {
-            _ = prefill[0].next_arrival() => 0,
-            _ = prefill[1].next_arrival() => 1,
-        }
-    })
-    .await;
-    let second = tokio::spawn(send(completion_request(&url, &body)));
-    prefill[1 - held].next_arrival().await;
-    assert_eq!((prefill[held].requests(), prefill[1 - held].requests()), (1, 1));
+    // Request 1 is held at prefill server h, request 2 goes to the other one, x.
+    let first = request();
+    let h = arrival_at(&prefill).await;
+    let second = request();
+    let x = arrival_at(&prefill).await;
+    assert_ne!(h, x);
+    // Request 2 goes on to decode server a (and is held there): x is free again. Round-robin would
+    // now pick h; the fewest outstanding is x.
+    prefill[x].gate.add_permits(1);
+    let a = arrival_at(&decode).await;
+    let third = request();
+    assert_eq!(arrival_at(&prefill).await, x);
 
-    // Both go on to decode, where they are held in turn: each at its own decode server.
-    prefill[held].gate.add_permits(1);
-    let at = within("the first decode", async {
-        tokio::select! {
-            _ = decode[0].next_arrival() => 0,
-            _ = decode[1].next_arrival() => 1,
-        }
-    })
-    .await;
-    prefill[1 - held].gate.add_permits(1);
-    decode[1 - at].next_arrival().await;
-    assert_eq!((decode[0].requests(), decode[1].requests()), (1, 1));
+    // Request 3 goes to the other decode server, b, and ends there: b is free again. Round-robin
+    // would now pick a, which still holds request 2; the fewest outstanding is b.
+    prefill[x].gate.add_permits(1);
+    let b = arrival_at(&decode).await;
+    assert_ne!(a, b);
+    decode[b].gate.add_permits(1);
+    let third = within("request 3", third).await.unwrap();
+    assert_eq!(third.status(), 200);
+    within("request 3's body", third.text()).await.unwrap();
+    prefill[h].gate.add_permits(1);
+    assert_eq!(arrival_at(&decode).await, b);
 
-    decode[0].gate.add_permits(1);
-    decode[1].gate.add_permits(1);
+    decode[a].gate.add_permits(1);
+    decode[b].gate.add_permits(1);
     for request in [first, second] {
         assert_eq!(within("a held request", request).await.unwrap().status(), 200);
     }
+    assert_eq!((prefill[h].requests(), prefill[x].requests()), (1, 2));
+    assert_eq!((decode[a].requests(), decode[b].requests()), (1, 2));
 }
 
 /// Sends `request` and waits for the head of its answer.
