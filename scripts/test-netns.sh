@@ -47,7 +47,10 @@ children=()
 
 cleanup() {
     local rc=$?
-    trap - EXIT INT TERM
+    # Once: a second Ctrl-C (a terminal, or `timeout`, signals the whole process group as well as
+    # this shell) must not cut the cleanup short. It is bounded: every child runs under `timeout`.
+    trap - EXIT
+    trap '' INT TERM
     for pid in "${children[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
     done
