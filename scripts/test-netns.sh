@@ -186,7 +186,9 @@ transfer() {
     local moved verified
     moved=$(row "$backend-decode.out" 'bytes moved')
     verified=$(row "$backend-decode.out" 'blocks verified' | sed -n 's/.*(\(.*\) checked)/\1/p')
-    [ "$moved" = "$verified" ] && [ "$moved" != "0.0 MB" ] || fail "$backend: moved $moved, verified $verified"
+    if [ "$moved" != "$verified" ] || [ "$moved" = "0.0 MB" ]; then
+        fail "$backend: moved $moved, verified $verified"
+    fi
     # The decode engine READs: the KV leaves A through its end of the pair.
     local moved_bytes
     moved_bytes=$(awk -v mb="${moved% MB}" 'BEGIN { printf "%d", mb * 1e6 * 0.99 }')
