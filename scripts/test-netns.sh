@@ -3,7 +3,8 @@
 # joined by a veth pair with addresses from a /30 drawn per run, `lo` up in each, no default route
 # and nothing else attached (no route out: only the two namespaces and their loopback are ever
 # targets). Checks, each run bounded in time:
-#   - kvx-ucx over UCX's TCP transport, and kvx-nixl (NIXL's UCX backend) over TCP: every request
+#   - kvx-ucx over UCX's TCP transport (prefill bound to its veth address), and kvx-nixl (NIXL's
+#     UCX backend) over TCP (prefill bound to 0.0.0.0, advertising its veth address): every request
 #     finished, every byte verified, 0 blocks leaked on both sides, and the KV bytes crossed the
 #     veth pair (its byte counters), so no shared-memory path (both namespaces share /dev/shm and
 #     the process table) was taken instead;
@@ -151,14 +152,16 @@ ucx_env() {
     echo "UCX_TLS=tcp UCX_NET_DEVICES=$dev UCX_LOG_LEVEL=error NIXL_LOG_LEVEL=WARN"
 }
 
-# kvx-ucx or kvx-nixl across the pair: every request and byte, 0 leaked, bytes on the veth.
+# `transfer BACKEND PREFILL_HOST_ARGS..`: kvx-ucx or kvx-nixl across the pair, the prefill process
+# bound as the arguments say: every request and byte, 0 leaked, bytes on the veth.
 transfer() {
     local backend=$1 requests=32
-    step "$backend: kvx prefill in $ns_a at $ip_a, kvx decode in $ns_b"
+    shift
+    step "$backend: kvx prefill in $ns_a ($*), kvx decode in $ns_b"
     local before
     before=$(tx_bytes)
     # shellcheck disable=SC2046 # ucx_env's words
-    start "$ns_a" "$backend-prefill" $(ucx_env a) -- prefill --backend "$backend" --host "$ip_a" \
+    start "$ns_a" "$backend-prefill" $(ucx_env a) -- prefill --backend "$backend" "$@" \
         --api-port 5600 --timeout 100
     local prefill=$last
     # shellcheck disable=SC2046
@@ -196,18 +199,19 @@ transfer() {
     echo "$backend: $requests requests, $verified verified, 0 leaked; $sent bytes over $veth_a"
 }
 
-transfer ucx
-transfer nixl
+transfer ucx --host "$ip_a"
+# Bound on every interface of A (lo and the veth), advertising the veth's address.
+transfer nixl --host 0.0.0.0 --advertise-host "$ip_a"
 
 step "misconfiguration: prefill binds $ip_a but advertises 127.0.0.1"
 # Leases of 2 s: the holds the decode engine never reads expire soon after the refusals.
 # shellcheck disable=SC2046
-start "$ns_a" loop-prefill $(ucx_env a) -- prefill --host "$ip_a" --advertise-host 127.0.0.1 \
+start "$ns_a" loop-prefill $(ucx_env a) -- prefill --backend ucx --host "$ip_a" --advertise-host 127.0.0.1 \
     --api-port 5600 --lease 2 --timeout 60
 prefill=$last
 # shellcheck disable=SC2046
-start "$ns_b" loop-decode $(ucx_env b) -- decode --host "$ip_b" --prefill "tcp://$ip_a:5600" --requests 4 \
-    --lease 2 --reconnect-timeout 30 --timeout 60
+start "$ns_b" loop-decode $(ucx_env b) -- decode --backend ucx --host "$ip_b" --prefill "tcp://$ip_a:5600" \
+    --requests 4 --lease 2 --reconnect-timeout 30 --timeout 60
 decode=$last
 wait_for "$decode"
 rc_decode=$rc
