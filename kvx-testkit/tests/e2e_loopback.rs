@@ -280,7 +280,7 @@ fn tcp_side_channels() {
     let lb = Loopback::default();
     let m = model();
     let config = |name| EngineConfig {
-        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0, advertise_host: None },
         ..lb.config(name, &m)
     };
     let mut c = Cluster::new(vec![lb.engine(config("prefill"))], lb.engine(config("decode"))).unwrap();

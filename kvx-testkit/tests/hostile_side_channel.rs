@@ -27,7 +27,7 @@ fn engine(fabric: &Fabric, id: &str, auth_key: Option<AuthKey>) -> SimEngine {
     });
     let model = ModelSpec::standard(2, 4, 8, BS as u32);
     let config = EngineConfig {
-        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0, advertise_host: None },
         auth_key,
         lease_duration: Duration::from_millis(300),
         ..EngineConfig::new(id, 2, 512, model, &InProcessSideChannels::new())

@@ -74,22 +74,29 @@ impl AuthArgs {
     }
 }
 
+/// An engine whose side channels bind `host` and are advertised at `advertise_host` (`host` when
+/// `None`), with holds leased for `lease_secs`.
 fn engine_config(
     id: &str,
-    host: &str,
+    (host, advertise_host): (&str, Option<&str>),
     port: u16,
     model: &ModelArgs,
     auth_key: Option<AuthKey>,
+    lease_secs: u64,
 ) -> EngineConfig {
     EngineConfig {
         engine_id: id.into(),
         tp: model.tp,
         num_blocks: model.blocks,
         model: model.model(),
-        side_channel: SideChannel::Tcp { host: host.to_owned(), port },
+        side_channel: SideChannel::Tcp {
+            host: host.to_owned(),
+            port,
+            advertise_host: advertise_host.map(str::to_owned),
+        },
         auth_key,
         handshake_timeout: Duration::from_secs(10),
-        lease_duration: Duration::from_secs(60),
+        lease_duration: Duration::from_secs(lease_secs),
         clock: Arc::new(SystemClock),
         handshakes: Handshakes::Background,
         seed: None,

@@ -124,7 +124,7 @@ fn restart_prefill(m: &Matrix, case: &str, same_ports: bool, unnamed: bool) -> C
 
 /// TCP side channels on 127.0.0.1, rank 0 on `port` (0: a free one).
 fn tcp(port: u16) -> SideChannel {
-    SideChannel::Tcp { host: "127.0.0.1".into(), port }
+    SideChannel::Tcp { host: "127.0.0.1".into(), port, advertise_host: None }
 }
 
 /// What every backend must keep when the prefill engine restarts, even one whose READs of the

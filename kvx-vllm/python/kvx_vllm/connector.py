@@ -14,6 +14,9 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
 - ``side_channel_host`` / ``side_channel_port``: where each worker serves its handshake payload
   (rank ``r`` binds ``port + r``), also advertised to decode engines. Fallbacks: the environment
   variables ``KVX_SIDE_CHANNEL_HOST`` / ``KVX_SIDE_CHANNEL_PORT``, then ``127.0.0.1`` / ``5700``.
+  Decode engines on other hosts need an address of this host: a prefill engine warns at start when
+  the host is unspecified (``0.0.0.0``, ``::``), or loopback while ``VLLM_HOST_IP`` names another
+  address of this node.
 - ``progress_thread``: progress the transfer agent in the background. Default: on for a producer
   with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
   an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
@@ -179,6 +182,11 @@ class KvxConnector(KVConnectorBase_V1):
                 auth_key=self._auth_key,
                 lease_duration_s=self._lease_s,
             )
+            if cfg.is_kv_producer:
+                # Decode engines connect to the host in the params this engine hands out.
+                warning = native.side_channel_host_warning(self._host, os.environ.get("VLLM_HOST_IP") or None)
+                if warning:
+                    logger.warning("kvx: %s", warning)
         else:
             self._create_worker(extra, cfg, vllm_config)
         logger.info(

@@ -129,13 +129,13 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Tcp { host, .. } => host.clone(),
+            SideChannel::Tcp { host, advertise_host, .. } => advertise_host.as_ref().unwrap_or(host).clone(),
         };
         let BoundSideChannels { base_port, ranks: exchanges } =
             match (&config.side_channel, config.side_channel_port) {
                 (SideChannel::InProcess(net), None) => net.bind(&host, config.tp)?,
                 (SideChannel::InProcess(net), Some(base)) => net.bind_at(&host, base, config.tp)?,
-                (SideChannel::Tcp { host, port }, None) => bind_tcp(
+                (SideChannel::Tcp { host, port, .. }, None) => bind_tcp(
                     runtime.handle(),
                     host,
                     *port,
