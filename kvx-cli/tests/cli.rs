@@ -273,3 +273,93 @@ fn soak_replays_a_seed_and_succeeds() {
     assert!(text(&first.stderr).contains("wall time"), "the wall time goes to stderr");
     assert_eq!(stdout, text(&second.stdout), "the same seed, the same report");
 }
+
+/// Reads `child`'s stdout (on a thread, within [`LIMIT`]) until it says its final metrics are
+/// served, scrapes them over HTTP, then reads the rest of its stdout and waits for it: the metrics
+/// text, the whole stdout and whether it succeeded.
+#[cfg(feature = "ucx")]
+fn scrape_final_metrics(mut child: Child) -> (String, String, bool) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut stdout = String::new();
+        let url = loop {
+            let mut line = String::new();
+            if out.read_line(&mut line).unwrap() == 0 {
+                panic!("kvx (pid {pid}) ended without serving its final metrics:\n{stdout}");
+            }
+            stdout.push_str(&line);
+            if let Some(rest) = line.split("final metrics on http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_owned();
+            }
+        };
+        let (addr, path) = url.split_once('/').unwrap();
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        write!(stream, "GET /{path} HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        out.read_to_string(&mut stdout).unwrap();
+        let ok = child.wait().unwrap().success();
+        let _ = tx.send((response, stdout, ok));
+    });
+    match rx.recv_timeout(LIMIT) {
+        Ok((response, stdout, ok)) => {
+            let (head, body) = response.split_once("\r\n\r\n").unwrap();
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            (body.to_owned(), stdout, ok)
+        }
+        Err(_) => {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            panic!("kvx (pid {pid}) did not serve its final metrics within {LIMIT:?}");
+        }
+    }
+}
+
+/// The sum over ranks of a metric's samples, `None` if it has none.
+#[cfg(feature = "ucx")]
+fn metric(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// `kvx prefill` and `kvx decode` with `--metrics-port 0 --metrics-linger`: after the run, each
+/// serves its final metrics until scraped; the scrapes match the run.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_and_decode_serve_their_metrics() {
+    let serve = ["--metrics-port", "0", "--metrics-linger", "60"];
+    let prefill = start_prefill("ucx", &serve, &[]);
+    let decode = Command::new(KVX)
+        .env_remove("KVX_AUTH_KEY")
+        .args(["decode", "--backend", "ucx", "--prefill", &prefill.api, "--requests", "10"])
+        .args(["--prompt-len", "20..120"])
+        .args(serve)
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let (d, stdout, ok) = scrape_final_metrics(decode);
+    assert!(ok && stdout.contains("10 (10 finished, 0 failed)"), "{stdout}");
+    let (p, prefill_stdout, ok) = scrape_final_metrics(prefill.child);
+    assert!(ok, "{prefill_stdout}");
+
+    // Two ranks, one READ each per request (every prompt has a full block), all done.
+    assert_eq!(metric(&d, "kvx_reads_posted_total"), Some(20.0), "{d}");
+    assert_eq!(metric(&d, "kvx_reads_done_total"), Some(20.0));
+    assert_eq!(metric(&d, "kvx_reads_failed_total"), None);
+    assert_eq!(metric(&d, "kvx_loads_failed_total"), None);
+    let bytes = metric(&d, "kvx_read_bytes_total").unwrap();
+    assert!(stdout.contains(&format!("bytes moved            {:.1} MB", bytes / 1e6)), "{bytes}\n{stdout}");
+    assert!(metric(&d, "kvx_handshake_duration_seconds_count") >= Some(2.0));
+    assert!(d.contains("role=\"decode\""), "{d}");
+    assert_eq!(metric(&p, "kvx_holds_released_total"), Some(20.0), "{p}");
+    assert_eq!(metric(&p, "kvx_holds_live"), Some(0.0));
+    assert_eq!(metric(&p, "kvx_holds_expired_total"), None);
+}

@@ -66,12 +66,13 @@ impl RoleMetrics {
         if s.linger.is_zero() {
             return;
         }
+        // Counted before saying so: a scrape that comes at once is the one waited for.
+        let scrapes = s.server.scrapes();
         let addr = s.server.local_addr();
         println!(
             "kvx {role}: final metrics on http://{addr}/metrics (served until scraped, at most {:?})",
             s.linger
         );
-        let scrapes = s.server.scrapes();
         let served = s.rt.block_on(async {
             let scraped = s.server.wait_for_scrape(scrapes, s.linger).await;
             s.server.shutdown(Duration::from_secs(5)).await.and(scraped)

@@ -68,13 +68,15 @@ impl MetricsServer {
         self.addr
     }
 
-    /// How many `/metrics` requests it has answered.
+    /// How many `/metrics` requests it has taken (each is counted before the registry is read:
+    /// one counted after a look at this number sees every update made before that look).
     pub fn scrapes(&self) -> u64 {
         *self.scrapes.borrow()
     }
 
-    /// Waits until it has answered more than `scrapes` `/metrics` requests, at most `timeout`;
-    /// returns how many it has answered.
+    /// Waits until it has taken more than `scrapes` `/metrics` requests, at most `timeout`;
+    /// returns how many it has taken. With [`shutdown`](Self::shutdown) after it, the last one
+    /// still gets its answer.
     pub async fn wait_for_scrape(&self, scrapes: u64, timeout: Duration) -> Result<u64> {
         let mut rx = self.scrapes.clone();
         match tokio::time::timeout(timeout, rx.wait_for(|&n| n > scrapes)).await {
@@ -195,9 +197,11 @@ fn respond(
         response.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return response;
     }
+    // Counted before the registry is read: a scrape counted after a caller looked at the count
+    // reads what the caller had recorded by then.
+    scraped.send_modify(|n| *n += 1);
     let mut response = Response::new(Full::new(Bytes::from(super::encode(registry))));
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
-    scraped.send_modify(|n| *n += 1);
     response
 }
 
