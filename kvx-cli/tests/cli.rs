@@ -163,18 +163,23 @@ fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill 
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 fn run_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
+    wait(spawn_decode(backend, api, requests, env, &[]))
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn spawn_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)], args: &[&str]) -> Child {
     let requests = requests.to_string();
-    let decode = Command::new(KVX)
+    Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
         .envs(env.iter().copied())
         .args(["decode", "--backend", backend, "--prefill", api, "--requests", &requests])
         .args(["--prompt-len", "1..120"])
+        .args(args)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    wait(decode)
+        .unwrap()
 }
 
 /// Both processes succeeded: every request finished, bytes verified, nothing leaked.
@@ -335,31 +340,26 @@ fn metric(text: &str, name: &str) -> Option<f64> {
 fn prefill_and_decode_serve_their_metrics() {
     let serve = ["--metrics-port", "0", "--metrics-linger", "60"];
     let prefill = start_prefill("ucx", &serve, &[]);
-    let decode = Command::new(KVX)
-        .env_remove("KVX_AUTH_KEY")
-        .args(["decode", "--backend", "ucx", "--prefill", &prefill.api, "--requests", "10"])
-        .args(["--prompt-len", "20..120"])
-        .args(serve)
-        .args(SIZES)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let decode = spawn_decode("ucx", &prefill.api, 10, &[], &serve);
     let (d, stdout, ok) = scrape_final_metrics(decode);
     assert!(ok && stdout.contains("10 (10 finished, 0 failed)"), "{stdout}");
     let (p, prefill_stdout, ok) = scrape_final_metrics(prefill.child);
     assert!(ok, "{prefill_stdout}");
 
-    // Two ranks, one READ each per request (every prompt has a full block), all done.
-    assert_eq!(metric(&d, "kvx_reads_posted_total"), Some(20.0), "{d}");
-    assert_eq!(metric(&d, "kvx_reads_done_total"), Some(20.0));
+    // Every READ posted is done (two ranks, one READ each per request with a full block).
+    let reads = metric(&d, "kvx_reads_posted_total").unwrap();
+    assert!(reads > 0.0 && reads <= 20.0 && reads % 2.0 == 0.0, "{d}");
+    assert_eq!(metric(&d, "kvx_reads_done_total"), Some(reads));
+    assert_eq!(metric(&d, "kvx_transfer_duration_seconds_count"), Some(reads));
     assert_eq!(metric(&d, "kvx_reads_failed_total"), None);
     assert_eq!(metric(&d, "kvx_loads_failed_total"), None);
     let bytes = metric(&d, "kvx_read_bytes_total").unwrap();
     assert!(stdout.contains(&format!("bytes moved            {:.1} MB", bytes / 1e6)), "{bytes}\n{stdout}");
     assert!(metric(&d, "kvx_handshake_duration_seconds_count") >= Some(2.0));
     assert!(d.contains("role=\"decode\""), "{d}");
-    assert_eq!(metric(&p, "kvx_holds_released_total"), Some(20.0), "{p}");
+    // Every READ's release reached the prefill engine (a request with nothing to read releases its
+    // hold too).
+    assert!(metric(&p, "kvx_holds_released_total") >= Some(reads), "{p}");
     assert_eq!(metric(&p, "kvx_holds_live"), Some(0.0));
     assert_eq!(metric(&p, "kvx_holds_expired_total"), None);
 }
