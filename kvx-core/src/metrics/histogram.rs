@@ -4,16 +4,17 @@
 
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::{MetricType, TypedMetric};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::worker::Histogram;
 
 const BUCKETS: usize = Histogram::BOUNDS.len() + 1;
 
-/// Bucket counts (not cumulative, the last above every bound), count and sum in seconds.
-#[derive(Debug, Default)]
+/// Bucket counts (not cumulative, the last above every bound), count and sum in seconds. Clones
+/// share them (as prometheus-client's metrics do).
+#[derive(Debug, Clone, Default)]
 pub(super) struct DurationHistogram {
-    inner: Mutex<Totals>,
+    inner: Arc<Mutex<Totals>>,
 }
 
 #[derive(Debug, Default)]

@@ -203,7 +203,7 @@ const REFUSALS: [(&str, ServerCounter); 6] = [
     ("timeout", |s| s.idle + s.slow),
 ];
 
-/// The families, shared by the registry and every handle.
+/// The families, shared with the registry.
 #[derive(Debug, Clone)]
 struct Families {
     counters: Vec<Family<WorkerLabels, Counter>>,
@@ -297,21 +297,26 @@ impl Metrics {
     }
 
     /// A handle that brings the metrics labelled with `engine` and `rank` up to date from a
-    /// worker.
+    /// worker. Their series exist from now on (at zero).
     pub fn worker(&self, engine: &str, rank: u32) -> WorkerMetrics {
+        let labels = WorkerLabels { engine: engine.to_owned(), rank };
+        let f = &self.families;
         WorkerMetrics {
-            families: self.families.clone(),
-            labels: WorkerLabels { engine: engine.to_owned(), rank },
+            counters: f.counters.iter().map(|c| c.get_or_create_owned(&labels)).collect(),
+            gauges: f.gauges.iter().map(|g| g.get_or_create_owned(&labels)).collect(),
+            histograms: f.histograms.iter().map(|h| h.get_or_create_owned(&labels)).collect(),
             last: None,
         }
     }
 
     /// A handle that brings the side-channel metrics labelled with `engine` and `rank` up to date
-    /// from its server's counters.
+    /// from its server's counters. Their series exist from now on (at zero).
     pub fn side_channel(&self, engine: &str, rank: u32) -> SideChannelMetrics {
+        let labels = WorkerLabels { engine: engine.to_owned(), rank };
+        let refused = |reason| RefusalLabels { engine: engine.to_owned(), rank, reason };
         SideChannelMetrics {
-            families: self.families.clone(),
-            labels: WorkerLabels { engine: engine.to_owned(), rank },
+            accepted: self.families.accepted.get_or_create_owned(&labels),
+            refused: REFUSALS.map(|(reason, _)| self.families.refused.get_or_create_owned(&refused(reason))),
             last: ServerStats::default(),
         }
     }
@@ -335,18 +340,20 @@ struct Observed {
     histograms: [Histogram; HISTOGRAMS.len()],
 }
 
-/// Brings one worker's metrics up to date ([`observe`](Self::observe)).
+/// Brings one worker's metrics up to date ([`observe`](Self::observe)): its series, in the order
+/// of their definitions.
 #[derive(Debug)]
 pub struct WorkerMetrics {
-    families: Families,
-    labels: WorkerLabels,
+    counters: Vec<Counter>,
+    gauges: Vec<Gauge>,
+    histograms: Vec<DurationHistogram>,
     last: Option<Observed>,
 }
 
 impl WorkerMetrics {
     /// Adds what `worker` counted since the last call (everything at the first call, or when
-    /// `worker` is a new worker: another instance) and sets the gauges. Cheap: a few hundred
-    /// bytes copied, no allocation after the first call.
+    /// `worker` is a new worker: another instance) and sets the gauges. Cheap: atomic adds and a
+    /// few hundred bytes copied, no lock but a histogram's when it changed, no allocation.
     pub fn observe(&mut self, worker: &ConnectorWorker) {
         let stats = worker.stats();
         let last = match &mut self.last {
@@ -357,26 +364,22 @@ impl WorkerMetrics {
                 histograms: Default::default(),
             }),
         };
-        for ((def, family), seen) in COUNTERS.iter().zip(&self.families.counters).zip(&mut last.counters) {
+        for ((def, counter), seen) in COUNTERS.iter().zip(&self.counters).zip(&mut last.counters) {
             let now = (def.read)(stats);
-            let added = now.saturating_sub(*seen);
-            if added > 0 {
-                family.get_or_create(&self.labels).inc_by(added);
+            if now > *seen {
+                counter.inc_by(now - *seen);
             }
             *seen = now;
         }
-        for ((def, family), seen) in
-            HISTOGRAMS.iter().zip(&self.families.histograms).zip(&mut last.histograms)
-        {
+        for ((def, histogram), seen) in HISTOGRAMS.iter().zip(&self.histograms).zip(&mut last.histograms) {
             let now = (def.read)(stats);
             if now.count() != seen.count() {
-                family.get_or_create(&self.labels).add(now, seen);
+                histogram.add(now, seen);
                 seen.clone_from(now);
             }
         }
-        for (def, family) in GAUGES.iter().zip(&self.families.gauges) {
-            let value = i64::try_from((def.read)(worker)).unwrap_or(i64::MAX);
-            family.get_or_create(&self.labels).set(value);
+        for (def, gauge) in GAUGES.iter().zip(&self.gauges) {
+            gauge.set(i64::try_from((def.read)(worker)).unwrap_or(i64::MAX));
         }
     }
 }
@@ -384,8 +387,9 @@ impl WorkerMetrics {
 /// Brings one side channel's metrics up to date ([`observe`](Self::observe)).
 #[derive(Debug)]
 pub struct SideChannelMetrics {
-    families: Families,
-    labels: WorkerLabels,
+    accepted: Counter,
+    /// One per reason of [`REFUSALS`], in order.
+    refused: [Counter; REFUSALS.len()],
     last: ServerStats,
 }
 
@@ -398,17 +402,9 @@ impl SideChannelMetrics {
             let (now, seen) = (read(stats), read(&self.last));
             now.checked_sub(seen).unwrap_or(now)
         };
-        let accepted = added(|s| s.accepted);
-        if accepted > 0 {
-            self.families.accepted.get_or_create(&self.labels).inc_by(accepted);
-        }
-        for (reason, read) in REFUSALS {
-            let n = added(read);
-            if n > 0 {
-                let labels =
-                    RefusalLabels { engine: self.labels.engine.clone(), rank: self.labels.rank, reason };
-                self.families.refused.get_or_create(&labels).inc_by(n);
-            }
+        self.accepted.inc_by(added(|s| s.accepted));
+        for ((_, read), counter) in REFUSALS.iter().zip(&self.refused) {
+            counter.inc_by(added(*read));
         }
         self.last = *stats;
     }

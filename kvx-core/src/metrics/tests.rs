@@ -41,7 +41,8 @@ fn counters_add_what_changed_and_stay_monotonic_across_takes_and_new_workers() {
     handle.observe(&w);
     let text = metrics.encode();
     assert_eq!(value(&text, &sample("kvx_holds_live")), Some(0.0));
-    assert_eq!(value(&text, &sample("kvx_reads_posted_total")), None, "nothing counted yet");
+    assert_eq!(value(&text, &sample("kvx_reads_posted_total")), Some(0.0), "the series exist at once");
+    assert_eq!(value(&text, &sample("kvx_read_duration_seconds_count")), Some(0.0));
 
     let s = w.stats_mut();
     s.reads_posted = 3;
@@ -108,7 +109,7 @@ fn side_channel_refusals_are_counted_by_reason_and_restart_from_zero() {
         (refused("limit"), refused("timeout"), refused("unauthenticated")),
         (Some(4.0), Some(2.0), Some(3.0))
     );
-    assert_eq!(refused("malformed"), None);
+    assert_eq!(refused("malformed"), Some(0.0));
     assert_eq!(
         value(&text, "kvx_side_channel_accepted_total{role=\"prefill\",engine=\"p\",rank=\"0\"}"),
         Some(5.0)
