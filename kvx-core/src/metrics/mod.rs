@@ -200,7 +200,7 @@ const REFUSALS: [(&str, ServerCounter); 6] = [
     ("malformed", |s| s.malformed),
     ("rejected", |s| s.rejected),
     ("oversize", |s| s.oversize),
-    ("timeout", |s| s.idle + s.slow),
+    ("timeout", |s| s.idle.saturating_add(s.slow)),
 ];
 
 /// The families, shared with the registry.
@@ -239,8 +239,8 @@ impl Metrics {
         Metrics::default()
     }
 
-    /// The same, with a `role` label on every metric (`prefill`, `decode`, vLLM's
-    /// `kv_producer`, ...).
+    /// The same, with a `role` label on every metric (`kvx prefill` and `kvx decode` name
+    /// theirs).
     pub fn with_role(role: &str) -> Self {
         let labels = [("role".into(), role.to_owned().into())];
         Metrics::with_registry(Registry::with_prefix_and_labels("kvx", labels.into_iter()))
@@ -297,7 +297,7 @@ impl Metrics {
     }
 
     /// A handle that brings the metrics labelled with `engine` and `rank` up to date from a
-    /// worker. Their series exist from now on (at zero).
+    /// worker (one handle per worker and labels). Their series exist from now on (at zero).
     pub fn worker(&self, engine: &str, rank: u32) -> WorkerMetrics {
         let labels = WorkerLabels { engine: engine.to_owned(), rank };
         let f = &self.families;
