@@ -227,18 +227,23 @@ fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill 
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 fn run_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
+    wait(spawn_decode(backend, api, requests, env, &[]))
+}
+
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn spawn_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)], args: &[&str]) -> Child {
     let requests = requests.to_string();
-    let decode = Command::new(KVX)
+    Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
         .envs(env.iter().copied())
         .args(["decode", "--backend", backend, "--prefill", api, "--requests", &requests])
         .args(["--prompt-len", "1..120"])
+        .args(args)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    wait(decode)
+        .unwrap()
 }
 
 /// Both processes succeeded: every request finished, bytes verified, nothing leaked.
@@ -426,4 +431,89 @@ mod router {
         assert!(stderr.contains("stopping"), "{stderr}");
         assert!(stderr.contains(&format!("prefill server {prefill} out of rotation")), "{stderr}");
     }
+}
+
+/// Reads `child`'s stdout (on a thread, within [`LIMIT`]) until it says its final metrics are
+/// served, scrapes them over HTTP, then reads the rest of its stdout and waits for it: the metrics
+/// text, the whole stdout and whether it succeeded.
+#[cfg(feature = "ucx")]
+fn scrape_final_metrics(mut child: Child) -> (String, String, bool) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut stdout = String::new();
+        let url = loop {
+            let mut line = String::new();
+            if out.read_line(&mut line).unwrap() == 0 {
+                panic!("kvx (pid {pid}) ended without serving its final metrics:\n{stdout}");
+            }
+            stdout.push_str(&line);
+            if let Some(rest) = line.split("final metrics on http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_owned();
+            }
+        };
+        let (addr, path) = url.split_once('/').unwrap();
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        write!(stream, "GET /{path} HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        out.read_to_string(&mut stdout).unwrap();
+        let ok = child.wait().unwrap().success();
+        let _ = tx.send((response, stdout, ok));
+    });
+    match rx.recv_timeout(LIMIT) {
+        Ok((response, stdout, ok)) => {
+            let (head, body) = response.split_once("\r\n\r\n").unwrap();
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            (body.to_owned(), stdout, ok)
+        }
+        Err(_) => {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            panic!("kvx (pid {pid}) did not serve its final metrics within {LIMIT:?}");
+        }
+    }
+}
+
+/// The sum over ranks of a metric's samples, `None` if it has none.
+#[cfg(feature = "ucx")]
+fn metric(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// `kvx prefill` and `kvx decode` with `--metrics-port 0 --metrics-linger`: after the run, each
+/// serves its final metrics until scraped; the scrapes match the run.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_and_decode_serve_their_metrics() {
+    let serve = ["--metrics-port", "0", "--metrics-linger", "60"];
+    let prefill = start_prefill("ucx", &serve, &[]);
+    let decode = spawn_decode("ucx", &prefill.api, 10, &[], &serve);
+    let (d, stdout, ok) = scrape_final_metrics(decode);
+    assert!(ok && stdout.contains("10 (10 finished, 0 failed)"), "{stdout}");
+    let (p, prefill_stdout, ok) = scrape_final_metrics(prefill.child);
+    assert!(ok, "{prefill_stdout}");
+
+    // Every READ posted is done (two ranks, one READ each per request with a full block).
+    let reads = metric(&d, "kvx_reads_posted_total").unwrap();
+    assert!(reads > 0.0 && reads <= 20.0 && reads % 2.0 == 0.0, "{d}");
+    assert_eq!(metric(&d, "kvx_reads_done_total"), Some(reads));
+    assert_eq!(metric(&d, "kvx_transfer_duration_seconds_count"), Some(reads));
+    assert_eq!(metric(&d, "kvx_reads_failed_total"), Some(0.0));
+    assert_eq!(metric(&d, "kvx_loads_failed_total"), Some(0.0));
+    let bytes = metric(&d, "kvx_read_bytes_total").unwrap();
+    assert!(stdout.contains(&format!("bytes moved            {:.1} MB", bytes / 1e6)), "{bytes}\n{stdout}");
+    assert!(metric(&d, "kvx_handshake_duration_seconds_count") >= Some(2.0));
+    assert!(d.contains("role=\"decode\""), "{d}");
+    // Every READ's release reached the prefill engine (a request with nothing to read releases its
+    // hold too).
+    assert!(metric(&p, "kvx_holds_released_total") >= Some(reads), "{p}");
+    assert_eq!(metric(&p, "kvx_holds_live"), Some(0.0));
+    assert_eq!(metric(&p, "kvx_holds_expired_total"), Some(0.0));
 }

@@ -13,6 +13,8 @@ pub mod ids;
 pub mod layout;
 pub mod memory;
 pub mod meta;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 #[cfg(feature = "net")]
 pub mod net;
 pub mod params;
@@ -44,7 +46,9 @@ pub use transfer::{
     BlockList, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, Notification, RegistrationId,
     TransferAgent, XferId, XferOp, XferState,
 };
-pub use worker::{ConnectorWorker, FinishedAggregator, Samples, WorkerCommand, WorkerConfig, WorkerStats};
+pub use worker::{
+    ConnectorWorker, FinishedAggregator, Histogram, Samples, WorkerCommand, WorkerConfig, WorkerStats,
+};
 
 /// mockall mocks of the three traits (feature `mock`).
 #[cfg(any(test, feature = "mock"))]

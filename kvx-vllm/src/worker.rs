@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvx_core::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RemoteCoordinates, RequestId,
@@ -48,6 +49,9 @@ pub struct WorkerOptions {
     pub runtime_threads: usize,
     /// The deployment's shared key (authenticated mode), or none.
     pub auth_key: Option<String>,
+    /// Base port of the Prometheus `/metrics` endpoint on `side_channel_host`: this worker serves
+    /// on `metrics_port + rank` (0: a free port, see `Worker.metrics_address`). None: no endpoint.
+    pub metrics_port: Option<u16>,
 }
 
 #[pymethods]
@@ -55,7 +59,7 @@ impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
         world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, lease_duration_s = 30.0,
-        runtime_threads = 1, auth_key = None))]
+        runtime_threads = 1, auth_key = None, metrics_port = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -69,6 +73,7 @@ impl WorkerOptions {
         lease_duration_s: f64,
         runtime_threads: usize,
         auth_key: Option<String>,
+        metrics_port: Option<u16>,
     ) -> Self {
         WorkerOptions {
             engine_id,
@@ -82,6 +87,7 @@ impl WorkerOptions {
             lease_duration_s,
             runtime_threads,
             auth_key,
+            metrics_port,
         }
     }
 
@@ -103,6 +109,23 @@ struct State {
     pending: FinishedLists,
     /// When the engine last called in.
     last_call: Instant,
+    /// With a `/metrics` endpoint: what brings it up to date at each step.
+    metrics: Option<StepMetrics>,
+}
+
+/// The metrics of one worker and its side channel, updated at each step.
+#[derive(Debug)]
+struct StepMetrics {
+    worker: WorkerMetrics,
+    side_channel: SideChannelMetrics,
+    channel: Arc<SideChannel>,
+}
+
+impl StepMetrics {
+    fn observe(&mut self, worker: &ConnectorWorker) {
+        self.worker.observe(worker);
+        self.side_channel.observe(&self.channel.stats());
+    }
 }
 
 impl State {
@@ -120,6 +143,9 @@ impl State {
             recving.push(id.as_str().to_owned());
         }
         sending.extend(finished.sending.into_iter().map(|id| id.as_str().to_owned()));
+        if let Some(m) = &mut self.metrics {
+            m.observe(self.driver.worker());
+        }
         Ok(())
     }
 }
@@ -156,6 +182,8 @@ pub struct Worker {
     agent: Option<Arc<dyn TransferAgent>>,
     /// The backend's name (kept past close).
     backend: &'static str,
+    /// The `/metrics` endpoint, if asked for; stopped before the runtime.
+    metrics: Option<MetricsServer>,
     runtime: Option<Runtime>,
 }
 
@@ -174,6 +202,14 @@ fn run_pump(state: &Weak<Mutex<Option<State>>>, stop: &mpsc::Receiver<()>) {
             tracing::warn!(error = %e, "kvx's pump could not step the worker");
         }
     }
+}
+
+/// `base + rank`, the port of this rank's `what` endpoint.
+fn plus_rank(base: u16, rank: u32, what: &str) -> PyResult<u16> {
+    u16::try_from(rank)
+        .ok()
+        .and_then(|r| base.checked_add(r))
+        .ok_or_else(|| PyRuntimeError::new_err(format!("{what} port {base} + rank {rank} overflows")))
 }
 
 fn duration(secs: f64, what: &str) -> PyResult<Duration> {
@@ -200,16 +236,15 @@ impl Worker {
                 .build()
         })?
         .map_err(|e| PyRuntimeError::new_err(format!("starting the tokio runtime: {e}")))?;
-        let port = options
-            .side_channel_port
-            .checked_add(u16::try_from(options.rank).unwrap_or(u16::MAX))
-            .ok_or_else(|| PyRuntimeError::new_err("side-channel port + rank overflows"))?;
+        let port = plus_rank(options.side_channel_port, options.rank, "side-channel")?;
         let host = options.side_channel_host.clone();
         let auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
         let net = NetConfig::with_key(auth_key.clone());
-        let channel = runtime
-            .block_on(async move { SideChannel::bind_with(&host, port, net).await })
-            .map_err(py_err)?;
+        let channel = Arc::new(
+            runtime
+                .block_on(async move { SideChannel::bind_with(&host, port, net).await })
+                .map_err(py_err)?,
+        );
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
@@ -229,13 +264,30 @@ impl Worker {
             port: options.side_channel_port,
         });
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
-        let driver =
-            WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());
+        let (metrics, step_metrics) = match options.metrics_port {
+            Some(base) => {
+                let port = if base == 0 { 0 } else { plus_rank(base, options.rank, "metrics")? };
+                let registry = Metrics::new();
+                let server = runtime
+                    .block_on(kvx_core::metrics::serve(&options.side_channel_host, port, registry.registry()))
+                    .map_err(py_err)?;
+                let mut step = StepMetrics {
+                    worker: registry.worker(&options.engine_id, options.rank),
+                    side_channel: registry.side_channel(&options.engine_id, options.rank),
+                    channel: Arc::clone(&channel),
+                };
+                step.observe(&worker);
+                (Some(server), Some(step))
+            }
+            None => (None, None),
+        };
+        let driver = WorkerDriver::new(worker, channel, Arc::new(SingleRank), runtime.handle().clone());
         let state: SharedState = Arc::new(Mutex::new(Some(State {
             driver,
             loading: HashMap::new(),
             pending: FinishedLists::default(),
             last_call: Instant::now(),
+            metrics: step_metrics,
         })));
         let (pump_stop, stopped) = mpsc::channel();
         let weak = Arc::downgrade(&state);
@@ -251,6 +303,7 @@ impl Worker {
             pump: Some(pump),
             agent: Some(agent),
             backend,
+            metrics,
             runtime: Some(runtime),
         })
     }
@@ -280,6 +333,7 @@ impl Worker {
             }
         }
         self.agent = None;
+        drop(self.metrics.take());
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_timeout(Duration::from_secs(1));
         }
@@ -361,14 +415,22 @@ impl Worker {
         self.agent.as_ref().ok_or_else(closed)?.progress().map_err(py_err)
     }
 
+    /// Where this worker serves `/metrics` (`host:port`), or None without `metrics_port`.
+    #[getter]
+    fn metrics_address(&self) -> Option<String> {
+        self.metrics.as_ref().map(|m| m.local_addr().to_string())
+    }
+
     /// Whether nothing is in flight or held.
     fn is_idle(&self) -> PyResult<bool> {
         self.with_state(|s| Ok(s.driver.is_idle()))
     }
 
     /// The worker's counters (since it started), and its latency samples since the last call:
-    /// `transfer_*` (from posting a READ to the prefill engine's confirmation, per completed
-    /// load) and `handshake_*`, each as `_count`, `_seconds` (their sum) and `_max_seconds`.
+    /// `read_*` (from posting a READ to the step that found it done), `transfer_*` (from posting a
+    /// READ to the prefill engine's confirmation, per completed load) and `handshake_*`, each as
+    /// `_count`, `_seconds` (their sum) and `_max_seconds`. (The `/metrics` endpoint's histograms
+    /// are not affected by this call.)
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         self.with_state(|s| {
@@ -380,6 +442,7 @@ impl Worker {
                 ("peer_restarts", st.peer_restarts),
                 ("peers_invalidated", st.peers_invalidated),
                 ("reads_posted", st.reads_posted),
+                ("reads_failed", st.reads_failed),
                 ("descriptors", st.descriptors),
                 ("bytes_read", st.bytes_read),
                 ("failed_loads", st.failed_loads),
@@ -387,6 +450,7 @@ impl Worker {
                 ("notify_only", st.notify_only),
                 ("renewals_sent", st.renewals_sent),
                 ("notifications", st.notifications),
+                ("early_notifications", st.early_notifications),
                 ("stray_notifications", st.stray_notifications),
                 ("rejected_notifications", st.rejected_notifications),
                 ("leases_renewed", st.leases_renewed),
@@ -467,6 +531,7 @@ mod tests {
             30.0,
             1,
             None,
+            None,
         );
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
         // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
@@ -494,5 +559,47 @@ mod tests {
         assert!(worker.instance().is_err() && worker.progress().is_err(), "closed");
         assert_eq!(worker.backend(), "loopback");
         worker.shut_down();
+    }
+
+    /// `metrics_port` makes the worker serve its metrics: GET /metrics answers the worker's
+    /// families (labelled with its engine and rank) in the OpenMetrics text format, and a step
+    /// brings them up to date.
+    #[test]
+    fn metrics_port_serves_the_worker_metrics() {
+        use std::io::{Read, Write};
+        let agent = Arc::new(Fabric::new().agent("vllm-metrics").unwrap());
+        let mut options = WorkerOptions::new(
+            "engine-m".into(),
+            4,
+            "127.0.0.1".into(),
+            0,
+            0,
+            1,
+            String::new(),
+            5.0,
+            30.0,
+            1,
+            None,
+            Some(0),
+        );
+        assert_eq!(options.metrics_port, Some(0));
+        let worker = Worker::create(&options, agent.clone()).unwrap();
+        worker.with_state(|s| s.collect().map_err(py_err)).unwrap();
+        let addr = worker.metrics_address().unwrap();
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.contains(kvx_core::metrics::CONTENT_TYPE), "{response}");
+        assert!(response.contains("kvx_peers{engine=\"engine-m\",rank=\"0\"} 0"), "{response}");
+        assert!(response.contains("kvx_holds_live{engine=\"engine-m\",rank=\"0\"} 0"), "{response}");
+        assert!(response.ends_with("# EOF\n"), "{response}");
+
+        // Without the option, no endpoint.
+        options.metrics_port = None;
+        let plain = Worker::create(&options, agent).unwrap();
+        assert_eq!(plain.metrics_address(), None);
     }
 }

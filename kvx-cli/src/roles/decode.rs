@@ -13,6 +13,7 @@ use crate::backend::Backend;
 use crate::summary::{PrefillLosses, Summary};
 use crate::workload::{ModelArgs, WorkloadArgs};
 
+use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
 
 /// What `kvx decode` does with a request whose KV load failed.
@@ -64,6 +65,8 @@ pub(crate) struct DecodeArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 /// Failed requests named on stderr, at most.
@@ -305,6 +308,7 @@ struct DecodeRun {
     deadline: Instant,
     limit: Duration,
     reconnect: Duration,
+    metrics: RoleMetrics,
 }
 
 impl DecodeRun {
@@ -332,6 +336,7 @@ impl DecodeRun {
     /// One engine step, then what it ended.
     fn step(&mut self) -> Result<()> {
         self.engine.step()?;
+        self.metrics.observe(&self.engine);
         self.tracker.sweep(&mut self.engine);
         Ok(())
     }
@@ -413,6 +418,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
         args.model.describe(),
         args.prefill
     );
+    let metrics = RoleMetrics::start(&args.metrics, "decode", &args.host, &engine)?;
     let api = ApiClient { rt: runtime()?, host: api_host, port: api_port, net: NetConfig::with_key(key) };
     let limit = Duration::from_secs(args.workload.timeout);
     let mut run = DecodeRun {
@@ -422,6 +428,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
         deadline: Instant::now() + limit,
         limit,
         reconnect: Duration::from_secs(args.reconnect_timeout),
+        metrics,
     };
     let start = Instant::now();
     let total = args.workload.requests;
@@ -458,6 +465,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     }
     // After the last reply: a restart noticed only by the last one counts too.
     summary.set_losses(run.tracker.losses());
+    run.metrics.finish("decode", &run.engine);
     Ok(summary)
 }
 

@@ -19,6 +19,7 @@
 //! (counted failed, or computed again by the decode engine), any other failure still fails the run.
 
 mod decode;
+mod metrics;
 mod prefill;
 
 use clap::Args;

@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::summary::Summary;
 use crate::workload::ModelArgs;
 
+use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
 
 /// Options of `kvx prefill`.
@@ -42,6 +43,8 @@ pub(crate) struct PrefillArgs {
     model: ModelArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
@@ -129,6 +132,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
         args.model.describe(),
         server.local_addr()
     );
+    let mut metrics = RoleMetrics::start(&args.metrics, "prefill", &args.host, &engine)?;
 
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.timeout);
@@ -163,6 +167,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
             None => {}
         }
         engine.step()?;
+        metrics.observe(&engine);
         for (id, params) in engine.take_transfer_params() {
             if let Some(reply) = waiting.remove(&id) {
                 let _ = reply.send(ApiReply::Params { params, instance: instance.clone() });
@@ -181,6 +186,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
                 }
             }
             println!("kvx prefill: served {served} requests");
+            metrics.finish("prefill", &engine);
             return Ok(summary);
         }
         std::thread::yield_now();

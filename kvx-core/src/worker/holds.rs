@@ -52,6 +52,10 @@ impl Holds {
         self.live.is_empty()
     }
 
+    pub(super) fn len(&self) -> usize {
+        self.live.len()
+    }
+
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         self.live.values().map(|h| h.until).chain(self.early.next_deadline()).min()
     }
@@ -115,7 +119,10 @@ impl ConnectorWorker {
                     self.answer(now, &key, release.reply_to, false);
                 }
             }
-            None => self.stats.stray_notifications += self.holds.early.insert(now, key, release.reply_to),
+            None => {
+                self.stats.early_notifications += 1;
+                self.stats.stray_notifications += self.holds.early.insert(now, key, release.reply_to);
+            }
         }
     }
 

@@ -378,6 +378,7 @@ impl ConnectorWorker {
                     }
                 }
                 Err(e) if load.retried => {
+                    self.stats.reads_failed += 1;
                     self.invalidate_connection(&remote.engine_id, &peer);
                     self.end_load(now, &id, Err(e), true);
                 }
@@ -385,6 +386,7 @@ impl ConnectorWorker {
                     // The engine may have restarted: handshake again, and post again only if it
                     // has (see `Stage::Waiting`). The READ's notification was not sent.
                     debug!(request_id = %id, error = %e, "READ failed: handshaking with the engine again");
+                    self.stats.reads_failed += 1;
                     load.retried = true;
                     load.stage = Stage::Waiting { retry: Some((e, read.instance)) };
                     self.invalidate_connection(&remote.engine_id, &peer);
@@ -458,6 +460,7 @@ impl ConnectorWorker {
                         continue;
                     }
                     let timeout = self.config.transfer_timeout;
+                    self.stats.reads_failed += 1;
                     (
                         Error::new(ErrorKind::Timeout, format!("the READ took over {timeout:?}")),
                         true,
@@ -490,6 +493,7 @@ impl ConnectorWorker {
         for (id, load) in loads {
             match load.stage {
                 Stage::Reading { xfer, .. } => {
+                    self.stats.reads_failed += 1;
                     transfers.push(xfer);
                     self.release_if_ready(&load.req);
                 }

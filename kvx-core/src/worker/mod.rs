@@ -35,7 +35,7 @@ mod samples;
 mod ttl;
 
 pub use aggregator::FinishedAggregator;
-pub use samples::Samples;
+pub use samples::{Histogram, Samples};
 
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
@@ -138,8 +138,10 @@ pub struct WorkerStats {
     pub peers_invalidated: u64,
     /// Time from a handshake's start to the peer being ready.
     pub handshake_times: Samples,
-    /// READs posted.
+    /// READs posted. Each one that ends is counted in `read_latencies` (done) or `reads_failed`.
     pub reads_posted: u64,
+    /// Posted READs that failed, timed out or were cancelled at close.
+    pub reads_failed: u64,
     /// Descriptors (block × region) in posted READs.
     pub descriptors: u64,
     /// Bytes read by completed and confirmed READs.
@@ -162,6 +164,8 @@ pub struct WorkerStats {
     pub renewals_sent: u64,
     /// Prefill side: releases received for held requests.
     pub notifications: u64,
+    /// Prefill side: releases that came before their hold (kept until it comes or they expire).
+    pub early_notifications: u64,
     /// Notifications that did not decode, were duplicated, or never matched a hold or a load
     /// (expired or pushed out of a buffer).
     pub stray_notifications: u64,
@@ -301,6 +305,12 @@ impl ConnectorWorker {
         &self.stats
     }
 
+    /// The counters, for the metrics' tests, which set them.
+    #[cfg(all(test, feature = "metrics"))]
+    pub(crate) fn stats_mut(&mut self) -> &mut WorkerStats {
+        &mut self.stats
+    }
+
     /// Takes the latency samples collected so far (the counters stay): READ, transfer (READ
     /// confirmed) and handshake times, in that order.
     pub fn take_latencies(&mut self) -> [Vec<Duration>; 3] {
@@ -309,6 +319,16 @@ impl ConnectorWorker {
             self.stats.transfer_latencies.take(),
             self.stats.handshake_times.take(),
         ]
+    }
+
+    /// Prefill side: holds whose blocks are held now (neither released nor expired).
+    pub fn num_holds(&self) -> usize {
+        self.holds.len()
+    }
+
+    /// Peers handshaken and ready for READs and notifications.
+    pub fn num_peers(&self) -> usize {
+        self.peers.values().filter(|p| matches!(p, Peer::Ready(_))).count()
     }
 
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill

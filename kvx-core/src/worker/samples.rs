@@ -1,10 +1,11 @@
 //! Latency samples in bounded memory: a reservoir (Vitter's algorithm R) of at most
-//! [`Samples::CAPACITY`] durations, each kept with equal probability, plus exact count and max.
+//! [`Samples::CAPACITY`] durations, each kept with equal probability, plus exact count and max;
+//! and a cumulative [`Histogram`] of every sample, which taking the reservoir leaves alone.
 //! Percentiles over the reservoir are unbiased estimates; a worker that runs for days keeps 64 KiB.
 
 use std::time::Duration;
 
-/// Durations sampled into a bounded reservoir.
+/// Durations sampled into a bounded reservoir, and counted into a [`Histogram`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Samples {
     kept: Vec<Duration>,
@@ -12,6 +13,66 @@ pub struct Samples {
     max: Duration,
     /// A xorshift state, so that which samples stay is deterministic.
     rng: u64,
+    histogram: Histogram,
+}
+
+/// Every sample since the start, counted into buckets by duration (Prometheus-style: bucket `i`
+/// counts the samples at most [`BOUNDS[i]`](Self::BOUNDS), the last one the samples above all
+/// bounds), with their exact count and sum. Never reset: metrics read it as running totals.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Histogram {
+    buckets: [u64; Histogram::BOUNDS.len() + 1],
+    count: u64,
+    sum: Duration,
+}
+
+impl Histogram {
+    /// The buckets' upper bounds, from 100 µs to 60 s.
+    pub const BOUNDS: [Duration; 18] = [
+        Duration::from_micros(100),
+        Duration::from_micros(250),
+        Duration::from_micros(500),
+        Duration::from_millis(1),
+        Duration::from_micros(2_500),
+        Duration::from_millis(5),
+        Duration::from_millis(10),
+        Duration::from_millis(25),
+        Duration::from_millis(50),
+        Duration::from_millis(100),
+        Duration::from_millis(250),
+        Duration::from_millis(500),
+        Duration::from_secs(1),
+        Duration::from_millis(2_500),
+        Duration::from_secs(5),
+        Duration::from_secs(10),
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    ];
+
+    /// Counts a sample.
+    pub fn push(&mut self, d: Duration) {
+        let bucket = Self::BOUNDS.partition_point(|&b| b < d);
+        if let Some(n) = self.buckets.get_mut(bucket) {
+            *n += 1;
+        }
+        self.count += 1;
+        self.sum = self.sum.saturating_add(d);
+    }
+
+    /// The samples in each bucket (not cumulative): one per bound, then those above all bounds.
+    pub fn buckets(&self) -> &[u64; Histogram::BOUNDS.len() + 1] {
+        &self.buckets
+    }
+
+    /// How many samples came.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Their sum (saturating at `Duration::MAX`).
+    pub fn sum(&self) -> Duration {
+        self.sum
+    }
 }
 
 impl Samples {
@@ -20,6 +81,7 @@ impl Samples {
 
     /// Adds a sample.
     pub fn push(&mut self, d: Duration) {
+        self.histogram.push(d);
         self.seen += 1;
         self.max = self.max.max(d);
         if self.kept.len() < Self::CAPACITY {
@@ -46,20 +108,26 @@ impl Samples {
         &self.kept
     }
 
-    /// How many samples came in all.
+    /// Every sample since the start, in buckets ([`take`](Self::take) keeps it).
+    pub fn histogram(&self) -> &Histogram {
+        &self.histogram
+    }
+
+    /// How many samples came since the last [`take`](Self::take).
     pub fn count(&self) -> u64 {
         self.seen
     }
 
-    /// The largest sample that came (`ZERO` before any).
+    /// The largest sample that came since the last [`take`](Self::take) (`ZERO` before any).
     pub fn max(&self) -> Duration {
         self.max
     }
 
-    /// Empties the reservoir and returns the samples it kept.
+    /// Empties the reservoir and returns the samples it kept; count and max start again, the
+    /// histogram stays.
     pub fn take(&mut self) -> Vec<Duration> {
         let kept = std::mem::take(&mut self.kept);
-        *self = Samples { rng: self.rng, ..Samples::default() };
+        (self.seen, self.max) = (0, Duration::ZERO);
         kept
     }
 }
@@ -82,5 +150,25 @@ mod tests {
         assert!(s.kept().iter().any(|d| d.as_micros() >= 90_000), "late samples get in");
         assert_eq!(s.take().len(), Samples::CAPACITY);
         assert_eq!((s.kept().len(), s.count(), s.max()), (0, 0, Duration::ZERO));
+        assert_eq!(s.histogram().count(), 100_000, "taking the reservoir keeps the histogram");
+    }
+
+    #[test]
+    fn histogram_buckets_are_inclusive_upper_bounds_and_the_sum_is_exact() {
+        let mut h = Histogram::default();
+        for d in [
+            Duration::ZERO,
+            Duration::from_micros(100),
+            Duration::from_micros(101),
+            Duration::from_secs(60),
+            Duration::from_secs(61),
+        ] {
+            h.push(d);
+        }
+        let b = h.buckets();
+        assert_eq!((b[0], b[1], b[Histogram::BOUNDS.len() - 1], b[Histogram::BOUNDS.len()]), (2, 1, 1, 1));
+        assert_eq!(b.iter().sum::<u64>(), h.count());
+        assert_eq!(h.sum(), Duration::from_micros(121_000_201));
+        assert!(Histogram::BOUNDS.windows(2).all(|w| w[0] < w[1]), "bounds ascend");
     }
 }

@@ -15,6 +15,8 @@
 mod cluster;
 mod config;
 mod engine;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod model;
 mod pool;
 mod rng;
@@ -25,6 +27,8 @@ pub use config::{
     EndedRequest, EngineConfig, EngineStats, LoadFailurePolicy, RequestState, SideChannel, SimBackend,
 };
 pub use engine::SimEngine;
+#[cfg(feature = "metrics")]
+pub use metrics::EngineMetrics;
 pub(crate) use model::mix;
 pub use model::{KvShape, ModelSpec, VOCAB};
 pub use pool::{BlockHash, BlockPool, PoolError};

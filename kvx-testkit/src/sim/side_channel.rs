@@ -26,6 +26,8 @@ pub struct BoundSideChannels {
     pub base_port: u16,
     /// One side channel per rank.
     pub ranks: Vec<Arc<dyn MetadataExchange>>,
+    /// The same side channels, over TCP (for their servers' counters); empty in-process.
+    pub tcp: Vec<Arc<SideChannel>>,
 }
 
 /// Seeded faults of an in-process side channel's fetches, each fetch struck independently: it
@@ -147,7 +149,7 @@ impl InProcessSideChannels {
                 binding,
             }) as Arc<dyn MetadataExchange>);
         }
-        Ok(BoundSideChannels { base_port: base, ranks: out })
+        Ok(BoundSideChannels { base_port: base, ranks: out, tcp: Vec::new() })
     }
 
     /// The faults struck so far.
@@ -308,15 +310,16 @@ pub fn bind_tcp(
     let mut last = None;
     for _ in 0..attempts {
         let attempt = runtime.block_on(async {
-            let first = SideChannel::bind_with(host, base_port, config.clone()).await?;
+            let first = Arc::new(SideChannel::bind_with(host, base_port, config.clone()).await?);
             let base = first.port();
-            let mut bound = vec![Arc::new(first) as Arc<dyn MetadataExchange>];
+            let mut tcp = vec![first];
             for r in 1..ranks {
                 let port = u16::try_from(u32::from(base) + r)
                     .map_err(|_| Error::new(ErrorKind::Io, format!("port {base} + {r} overflows")))?;
-                bound.push(Arc::new(SideChannel::bind_with(host, port, config.clone()).await?));
+                tcp.push(Arc::new(SideChannel::bind_with(host, port, config.clone()).await?));
             }
-            Ok::<_, Error>(BoundSideChannels { base_port: base, ranks: bound })
+            let ranks = tcp.iter().map(|s| Arc::clone(s) as Arc<dyn MetadataExchange>).collect();
+            Ok::<_, Error>(BoundSideChannels { base_port: base, ranks, tcp })
         });
         match attempt {
             Ok(b) => return Ok(b),

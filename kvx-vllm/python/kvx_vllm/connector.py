@@ -36,6 +36,14 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
   handshakes are authenticated both ways, the prefill engine signs the ``kv_transfer_params`` it
   returns, and a decode engine refuses params whose MAC does not verify before any READ. Every
   engine of the deployment needs the same key.
+- ``metrics_port``: each worker serves Prometheus metrics (kvx's READs, bytes, descriptors,
+  transfer and handshake durations, holds, leases, notifications, peers, side-channel refusals;
+  see ``docs/METRICS.md``) on ``http://side_channel_host:(metrics_port + rank)/metrics``. Unset:
+  no endpoint.
+
+Whatever the keys, the workers also report each step's counts through vLLM's own connector stats
+(``KvxConnectorStats``: vLLM's periodic "KV Transfer metrics" log line) and its Prometheus endpoint
+(``KvxPromMetrics``: counters ``vllm:kvx_*``).
 
 kvx's own threads (its tokio runtime, NIXL's threads, kvx-ucx's progress thread) are started off
 the CPU pinning that vLLM's CPU worker applies to its step thread (Rust ``kvx_vllm::unpinned``),
@@ -60,6 +68,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +85,82 @@ logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuratio
 _BACKENDS = ("ucx", "nixl")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
+# Keys of the worker's stats() that cover only the time since its last call (the rest are totals).
+_SAMPLED = {f"{kind}_{what}" for kind in ("read", "transfer", "handshake") for what in ("count", "seconds", "max_seconds")}
+
+
+class KvxConnectorStats(KVConnectorStats):
+    """What kvx's workers counted in an interval, summed over the workers: ``data`` maps each counter
+    of ``Worker.stats()`` to its increase, ``read_*``, ``transfer_*`` and ``handshake_*`` to the
+    count, summed seconds and longest of the READs (post to done), transfers (post to the prefill
+    engine's confirmation) and handshakes of the interval."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = max(self.data.get(k, 0), v) if k.endswith("_max_seconds") else self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        done = d.get("transfer_count", 0)
+        return {
+            "READs posted": d.get("reads_posted", 0),
+            "READs done": d.get("read_count", 0),
+            "READs failed": d.get("reads_failed", 0),
+            "MB read": round(d.get("bytes_read", 0) / 1e6, 3),
+            "Avg transfer time (ms)": round(1e3 * d.get("transfer_seconds", 0.0) / done, 3) if done else 0,
+            "Max transfer time (ms)": round(1e3 * d.get("transfer_max_seconds", 0.0), 3),
+            "Handshakes": d.get("handshake_count", 0),
+            "Handshake failures": d.get("handshake_failures", 0),
+            "Holds expired": d.get("expired_holds", 0),
+            "Lease failures": d.get("lease_failures", 0),
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvxPromMetrics(KVConnectorPromMetrics):
+    """kvx's counts as vLLM Prometheus counters ``vllm:kvx_<key>_total``, per engine. Durations are
+    counters of summed seconds (``rate(sum) / rate(count)`` is the mean); kvx's own ``/metrics``
+    endpoint (``metrics_port``) has them as histograms."""
+
+    _COUNTERS = {
+        "reads_posted": "READs posted",
+        "read_count": "READs done",
+        "reads_failed": "READs that failed, timed out or were cancelled",
+        "bytes_read": "Bytes read by READs whose hold the prefill engine confirmed",
+        "descriptors": "Descriptors (block x region) in posted READs",
+        "failed_loads": "KV loads that failed",
+        "lease_failures": "Loads whose READ completed after the prefill engine's hold had ended",
+        "expired_holds": "Prefill holds freed because their lease ran out",
+        "stray_notifications": "Notifications that matched no hold or load",
+        "early_notifications": "Releases that came before their hold",
+        "transfer_count": "Transfers confirmed by the prefill engine",
+        "transfer_seconds": "Seconds from posting a READ to its confirmation, summed",
+        "handshake_count": "Handshakes that completed",
+        "handshake_seconds": "Seconds of the handshakes that completed, summed",
+        "handshake_failures": "Handshakes that failed or timed out",
+    }
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types, labelnames: list[str], per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvx_{key}", documentation=doc, labelnames=labelnames),
+                self.per_engine_labelvalues,
+            )
+            for key, doc in self._COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value > 0:
+                per_engine[engine_idx].inc(value)
 
 
 class KvxConnectorMetadata(KVConnectorMetadata):
@@ -171,7 +257,11 @@ class KvxConnector(KVConnectorBase_V1):
         self._tensors: list[Any] = []
         self._load_errors: set[int] = set()
         self._last_stats_log = 0.0
+        # The worker's counters at the last poll, the sampled values summed since the start (for
+        # the log), and what vLLM has not taken yet (get_kv_connector_stats).
+        self._counters: dict[str, int] = {}
         self._totals: dict[str, float] = {}
+        self._interval = KvxConnectorStats()
         if role == KVConnectorRole.SCHEDULER:
             native = _native(self._backend)
             self._sched = native.Scheduler(
@@ -212,6 +302,7 @@ class KvxConnector(KVConnectorBase_V1):
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             lease_duration_s=self._lease_s,
             auth_key=self._auth_key,
+            metrics_port=None if extra.get("metrics_port") is None else int(extra["metrics_port"]),
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
         progress = bool(extra.get("progress_thread", default_progress))
@@ -227,6 +318,8 @@ class KvxConnector(KVConnectorBase_V1):
                 progress_delay_us=int(extra.get("progress_delay_us", 0)),
                 num_threads=int(extra.get("num_threads", 4)),
             )
+        if self._worker.metrics_address is not None:
+            logger.info("kvx worker metrics on http://%s/metrics", self._worker.metrics_address)
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
 
@@ -383,15 +476,41 @@ class KvxConnector(KVConnectorBase_V1):
             self._last_stats_log = now
             return
         self._last_stats_log = now
-        # Counters are totals since start; the latency samples come since the last call.
-        s = self._worker.stats()
-        for kind in ("transfer", "handshake"):
-            for k in (f"{kind}_count", f"{kind}_seconds"):
-                self._totals[k] = self._totals.get(k, 0) + s.pop(k)
-            k = f"{kind}_max_seconds"
-            self._totals[k] = max(self._totals.get(k, 0.0), s.pop(k))
+        self._poll_stats()
+        s = dict(self._counters)
         s.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self._totals.items()})
         logger.info("kvx worker stats: %s", json.dumps(s, sort_keys=True))
+
+    def _poll_stats(self) -> None:
+        """Takes the worker's stats (the only caller of ``Worker.stats()``, whose samples cover the
+        time since its last call): the increase of each counter and the samples go to the interval
+        vLLM takes next, the samples to the logged totals too."""
+        delta = {}
+        for k, v in self._worker.stats().items():
+            if k in _SAMPLED:
+                delta[k] = v
+                self._totals[k] = max(self._totals.get(k, 0.0), v) if k.endswith("_max_seconds") else self._totals.get(k, 0) + v
+            else:
+                delta[k] = v - self._counters.get(k, 0)
+                self._counters[k] = v
+        self._interval.aggregate(KvxConnectorStats(data=delta))
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        """What this worker counted since the last call (vLLM calls it after every step); None on
+        the scheduler side and when nothing changed."""
+        if self._worker is None:
+            return None
+        self._poll_stats()
+        interval, self._interval = self._interval, KvxConnectorStats()
+        return None if interval.is_empty() else interval
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KvxConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types, labelnames, per_engine_labelvalues):
+        return KvxPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

@@ -3,10 +3,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
-use kvx_core::net::NetConfig;
+use kvx_core::net::{NetConfig, ServerStats};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, FinishReason, Finished,
     InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result, SchedulerConfig,
@@ -100,6 +101,8 @@ pub struct SimEngine {
     stats: EngineStats,
     errors: Vec<String>,
     side_channel_port: u16,
+    /// Each rank's side channel, over TCP (empty in-process).
+    tcp_side_channels: Vec<Arc<kvx_core::net::SideChannel>>,
     /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
     ended: Vec<RequestId>,
     /// Runs the drivers' handshakes and the side channels; dropped last.
@@ -131,7 +134,7 @@ impl SimEngine {
             SideChannel::InProcess(_) => "in-process".to_owned(),
             SideChannel::Tcp { host, advertise_host, .. } => advertise_host.as_ref().unwrap_or(host).clone(),
         };
-        let BoundSideChannels { base_port, ranks: exchanges } =
+        let BoundSideChannels { base_port, ranks: exchanges, tcp } =
             match (&config.side_channel, config.side_channel_port) {
                 (SideChannel::InProcess(net), None) => net.bind(&host, config.tp)?,
                 (SideChannel::InProcess(net), Some(base)) => net.bind_at(&host, base, config.tp)?,
@@ -222,6 +225,7 @@ impl SimEngine {
             stats: EngineStats::default(),
             errors: Vec::new(),
             side_channel_port: base_port,
+            tcp_side_channels: tcp,
             ended: Vec::new(),
             _runtime: runtime,
         })
@@ -255,6 +259,16 @@ impl SimEngine {
     /// Each rank's worker counters.
     pub fn worker_stats(&self) -> Vec<WorkerStats> {
         self.ranks.iter().map(|r| r.driver.worker().stats().clone()).collect()
+    }
+
+    /// Each rank's worker, in rank order.
+    pub fn workers(&self) -> impl Iterator<Item = &ConnectorWorker> {
+        self.ranks.iter().map(|r| r.driver.worker())
+    }
+
+    /// Each rank's side-channel server counters, in rank order, over TCP; empty in-process.
+    pub fn side_channel_stats(&self) -> impl Iterator<Item = ServerStats> + '_ {
+        self.tcp_side_channels.iter().map(|s| s.stats())
     }
 
     /// What went wrong that is a bug, not a request's failure: wrong bytes received, a pool misuse,

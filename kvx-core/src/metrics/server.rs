@@ -1,0 +1,212 @@
+//! The `/metrics` endpoint: a small HTTP/1.1 server (hyper) on the caller's tokio runtime, meant
+//! to be reachable from the network: at most [`MAX_CONNECTIONS`] at once (more are closed at
+//! once), each within [`HEADER_TIMEOUT`] for its request headers and [`CONNECTION_LIFETIME`] in
+//! all, headers bounded to [`MAX_BUF`] bytes. `GET /metrics` answers the registry in the
+//! OpenMetrics text format; other paths 404, other methods 405.
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::registry::Registry;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The content type of the answer: OpenMetrics text 1.0.0.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Connections served at once; more are closed at once.
+pub(super) const MAX_CONNECTIONS: usize = 16;
+/// A request's headers must arrive within this.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection (kept alive across requests) is closed after this, gracefully.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+/// How long a response being written may take once the server closes its connection.
+const GRACE: Duration = Duration::from_secs(5);
+/// The read buffer, which bounds a request's headers.
+const MAX_BUF: usize = 16 * 1024;
+/// The pause after a failed `accept` (out of file descriptors), so that the loop does not spin.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
+
+/// A running `/metrics` server. Dropping it stops it at once; [`shutdown`](Self::shutdown) lets
+/// the answers being written finish first.
+#[derive(Debug)]
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    scrapes: watch::Receiver<u64>,
+    task: Option<JoinHandle<()>>,
+}
+
+/// Binds `host:port` (0: any free port, see [`MetricsServer::local_addr`]) and serves `registry`
+/// on the current tokio runtime.
+pub async fn serve(host: &str, port: u16, registry: Arc<Registry>) -> Result<MetricsServer> {
+    let listener = TcpListener::bind((host, port))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, format!("metrics server: binding {host}:{port}: {e}")))?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = watch::channel(false);
+    let (scraped, scrapes) = watch::channel(0);
+    let task = tokio::spawn(accept_loop(listener, registry, stopped, Arc::new(scraped)));
+    tracing::info!(%addr, "serving /metrics");
+    Ok(MetricsServer { addr, stop, scrapes, task: Some(task) })
+}
+
+impl MetricsServer {
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// How many `/metrics` requests it has taken (each is counted before the registry is read:
+    /// one counted after a look at this number sees every update made before that look).
+    pub fn scrapes(&self) -> u64 {
+        *self.scrapes.borrow()
+    }
+
+    /// Waits until it has taken more than `scrapes` `/metrics` requests, at most `timeout`;
+    /// returns how many it has taken. With [`shutdown`](Self::shutdown) after it, the last one
+    /// still gets its answer.
+    pub async fn wait_for_scrape(&self, scrapes: u64, timeout: Duration) -> Result<u64> {
+        let mut rx = self.scrapes.clone();
+        match tokio::time::timeout(timeout, rx.wait_for(|&n| n > scrapes)).await {
+            Ok(Ok(n)) => Ok(*n),
+            Ok(Err(_)) => Err(Error::new(ErrorKind::State, "the metrics server stopped")),
+            Err(_) => {
+                Err(Error::new(ErrorKind::Timeout, format!("no scrape of /metrics within {timeout:?}")))
+            }
+        }
+    }
+
+    /// Stops accepting, lets the answers being written finish, and waits for every connection to
+    /// close, at most `timeout` (then they are dropped).
+    pub async fn shutdown(mut self, timeout: Duration) -> Result<()> {
+        self.stop.send_replace(true);
+        let Some(mut task) = self.task.take() else { return Ok(()) };
+        match tokio::time::timeout(timeout, &mut task).await {
+            Ok(_) => Ok(()),
+            Err(_) => {
+                task.abort();
+                Err(Error::new(ErrorKind::Timeout, "metrics server: connections still open at shutdown"))
+            }
+        }
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            // Its connections are in its JoinSet: they go with it.
+            task.abort();
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    mut stop: watch::Receiver<bool>,
+    scraped: Arc<watch::Sender<u64>>,
+) {
+    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut connections = JoinSet::new();
+    // What each connection watches (the loop's own receiver is borrowed by its wait).
+    let watch_stop = stop.clone();
+    loop {
+        tokio::select! {
+            // Stopped, or the server handle is gone.
+            () = stopped(&mut stop) => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => match Arc::clone(&limit).try_acquire_owned() {
+                    Ok(permit) => {
+                        let conn = connection(stream, Arc::clone(&registry), Arc::clone(&scraped), watch_stop.clone(), permit);
+                        connections.spawn(conn);
+                    }
+                    Err(_) => tracing::debug!(%peer, "metrics server: too many connections, closing one"),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics server: accept failed");
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+/// Returns once the server is stopped or its handle is gone.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    // The guard it returns is dropped here, before any other await.
+    let _ = stop.wait_for(|&s| s).await;
+}
+
+/// Serves one connection until the client closes it, its lifetime ends or the server stops.
+async fn connection(
+    stream: TcpStream,
+    registry: Arc<Registry>,
+    scraped: Arc<watch::Sender<u64>>,
+    mut stop: watch::Receiver<bool>,
+    _permit: OwnedSemaphorePermit,
+) {
+    let service = service_fn(move |req| {
+        let response = respond(&req, &registry, &scraped);
+        async move { Ok::<_, Infallible>(response) }
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(MAX_BUF)
+        .serve_connection(TokioIo::new(stream), service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        ended = conn.as_mut() => {
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, "metrics server: connection ended");
+            }
+            return;
+        }
+        () = stopped(&mut stop) => {}
+        () = tokio::time::sleep(CONNECTION_LIFETIME) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(GRACE, conn).await;
+}
+
+fn respond(
+    req: &Request<Incoming>,
+    registry: &Registry,
+    scraped: &watch::Sender<u64>,
+) -> Response<Full<Bytes>> {
+    if req.uri().path() != "/metrics" {
+        return status(StatusCode::NOT_FOUND);
+    }
+    if !matches!(*req.method(), Method::GET | Method::HEAD) {
+        let mut response = status(StatusCode::METHOD_NOT_ALLOWED);
+        response.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return response;
+    }
+    // Counted before the registry is read: a scrape counted after a caller looked at the count
+    // reads what the caller had recorded by then.
+    scraped.send_modify(|n| *n += 1);
+    let mut response = Response::new(Full::new(Bytes::from(super::encode(registry))));
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
+    response
+}
+
+fn status(code: StatusCode) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = code;
+    response
+}
