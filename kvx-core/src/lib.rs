@@ -26,7 +26,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "driver")]
 pub use driver::{Handshakes, WorkerDriver};
 pub use error::{Error, ErrorKind, Result};
-pub use exchange::MetadataExchange;
+pub use exchange::{MetadataExchange, PeerLocator};
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
@@ -35,7 +35,7 @@ pub use meta::{
     ConnectorMetadata, FailedRecv, Finished, Heartbeat, HeldRequest, HoldRelease, HoldStatus, RankReport,
     RecvRequest, RenewLeases, ReplyTo,
 };
-pub use params::{Offer, RemoteCoordinates, TransferParams};
+pub use params::{Endpoint, Offer, RemoteCoordinates, TransferParams};
 pub use post::{PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{

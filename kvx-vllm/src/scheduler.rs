@@ -2,8 +2,8 @@
 //! with vLLM's arguments.
 
 use kvx_core::{
-    AuthKey, BlockId, ConnectorScheduler, Error, ErrorKind, FailedRecv, FinishReason, Finished, RequestId,
-    SchedulerConfig, TransferParams, wire,
+    AuthKey, BlockId, ConnectorScheduler, Endpoint, Error, ErrorKind, FailedRecv, FinishReason, Finished,
+    RequestId, SchedulerConfig, TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -65,8 +65,7 @@ impl Scheduler {
         let config = SchedulerConfig {
             engine_id: engine_id.into(),
             block_size,
-            side_channel_host,
-            side_channel_port,
+            side_channel: Some(Endpoint::new(side_channel_host, side_channel_port)),
             auth_key: self::auth_key(auth_key)?,
             lease_duration: lease_duration(lease_duration_s)?,
             instance: None,

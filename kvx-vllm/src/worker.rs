@@ -223,11 +223,11 @@ impl Worker {
         // This engine's own side channel, where this worker's payload is published: a decode
         // worker names it in each READ's release, and the prefill worker answers there whether
         // its hold lived through the READ (set on both roles; only a decode worker uses it).
-        config.side_channel = Some(RemoteCoordinates {
-            engine_id: options.engine_id.clone().into(),
-            host: options.side_channel_host.clone(),
-            port: options.side_channel_port,
-        });
+        config.side_channel = Some(RemoteCoordinates::at(
+            options.engine_id.clone(),
+            options.side_channel_host.clone(),
+            options.side_channel_port,
+        ));
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let driver =
             WorkerDriver::new(worker, Arc::new(channel), Arc::new(SingleRank), runtime.handle().clone());

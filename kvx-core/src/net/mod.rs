@@ -34,7 +34,7 @@ mod side_channel;
 pub use group::TcpGroup;
 pub use server::{Server, ServerStats, Service};
 pub use session::Connection;
-pub use side_channel::{MetadataRequest, SideChannel};
+pub use side_channel::{MetadataRequest, SideChannel, max_payload};
 
 /// What a kvx server or client accepts from a peer, and how long it waits. The defaults suit a
 /// side channel, a group and the `kvx` request API alike.
