@@ -98,8 +98,8 @@ impl NetConfig {
     }
 }
 
-/// `host:port` for messages (IPv6 hosts in brackets).
-pub(crate) fn endpoint(host: &str, port: u16) -> String {
+/// `host:port` (IPv6 hosts in brackets), as [`parse_endpoint`] reads it.
+pub fn endpoint(host: &str, port: u16) -> String {
     if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 

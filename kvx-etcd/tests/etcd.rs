@@ -1,0 +1,240 @@
+//! `EtcdExchange` against a real etcd server (Debian's `etcd-server`, started per test on free
+//! 127.0.0.1 ports by `kvx_testkit::etcd::EtcdServer`). Without `etcd` the tests print why they
+//! skip, unless `KVX_REQUIRE_ETCD=1`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, PutOptions};
+use kvx_core::{EngineId, ErrorKind, MetadataExchange, PeerLocator, TransferAgent, TransferParams};
+use kvx_etcd::{EtcdConfig, EtcdExchange, EtcdUrl};
+use kvx_loopback::Fabric;
+use kvx_testkit::etcd::EtcdServer;
+use kvx_testkit::matrix::assert_clean;
+use kvx_testkit::sim::{
+    Cluster, EngineConfig, Exchanges, InProcessSideChannels, ModelSpec, SideChannel, SimBackend, SimEngine,
+};
+use tokio::runtime::Runtime;
+
+/// The bound of every wait here (a failure bound, not a measurement).
+const T: Duration = Duration::from_secs(30);
+
+fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn config(server: &EtcdServer) -> EtcdConfig {
+    EtcdConfig::new(EtcdUrl::parse(&server.url()).unwrap())
+}
+
+fn peer(engine: &str, rank: u32) -> PeerLocator {
+    PeerLocator { engine_id: engine.into(), rank, endpoint: None }
+}
+
+async fn exchange(config: &EtcdConfig, engine: &str, rank: u32) -> EtcdExchange {
+    EtcdExchange::connect(config.clone(), &engine.into(), rank).await.unwrap()
+}
+
+#[test]
+fn a_published_payload_is_fetched_by_engine_id_and_rank() {
+    let Some(server) = EtcdServer::start_or_skip("a_published_payload_is_fetched_by_engine_id_and_rank")
+    else {
+        return;
+    };
+    let config = config(&server);
+    runtime().block_on(async {
+        let prefill = [exchange(&config, "prefill", 0).await, exchange(&config, "prefill", 1).await];
+        assert_eq!(prefill[1].key(), "/kvx/handshake/prefill/1");
+        prefill[0].publish(b"rank-0".to_vec()).await.unwrap();
+        prefill[1].publish(b"rank-1".to_vec()).await.unwrap();
+        let decode = exchange(&config, "decode", 0).await;
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"rank-0");
+        assert_eq!(decode.fetch(&peer("prefill", 1), T).await.unwrap(), b"rank-1");
+        // An endpoint in the locator changes nothing: etcd finds the peer by id.
+        let with_endpoint =
+            PeerLocator { endpoint: Some(kvx_core::Endpoint::new("10.9.9.9", 1)), ..peer("prefill", 1) };
+        assert_eq!(decode.fetch(&with_endpoint, T).await.unwrap(), b"rank-1");
+        let e = decode.fetch(&peer("prefill", 2), T).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "no rank 2: {e}");
+        // Publishing again replaces the payload under the same lease.
+        let lease = prefill[0].lease_id().unwrap();
+        prefill[0].publish(b"rank-0, again".to_vec()).await.unwrap();
+        assert_eq!(prefill[0].lease_id(), Some(lease));
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"rank-0, again");
+        // Closing revokes the lease: the entry is gone at once.
+        prefill[0].close().await.unwrap();
+        let e = decode.fetch(&peer("prefill", 0), T).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+    });
+}
+
+#[test]
+fn fetching_an_unknown_engine_fails_typed_and_bounded() {
+    let Some(server) = EtcdServer::start_or_skip("fetching_an_unknown_engine_fails_typed_and_bounded") else {
+        return;
+    };
+    let config = config(&server);
+    runtime().block_on(async {
+        let decode = exchange(&config, "decode", 0).await;
+        let nobody = peer("nobody", 0);
+        let fetch = decode.fetch(&nobody, Duration::from_secs(5));
+        let e = tokio::time::timeout(T, fetch).await.expect("the fetch hung").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+        assert!(e.to_string().contains("engine \"nobody\" rank 0 is not registered"), "{e}");
+    });
+    // A cluster that is not there: connecting fails within its bound.
+    let gone = EtcdConfig { timeout: Duration::from_secs(2), ..config };
+    drop(server);
+    runtime().block_on(async {
+        let decode: EngineId = "decode".into();
+        let connect = EtcdExchange::connect(gone, &decode, 0);
+        let e = tokio::time::timeout(T, connect).await.expect("connecting hung").unwrap_err();
+        assert!(matches!(e.kind(), ErrorKind::Io | ErrorKind::Timeout), "{e}");
+    });
+}
+
+#[test]
+fn a_restarted_engine_s_payload_replaces_the_old_one() {
+    let Some(server) = EtcdServer::start_or_skip("a_restarted_engine_s_payload_replaces_the_old_one") else {
+        return;
+    };
+    let config = config(&server);
+    runtime().block_on(async {
+        let old = exchange(&config, "prefill", 0).await;
+        old.publish(b"first start".to_vec()).await.unwrap();
+        let decode = exchange(&config, "decode", 0).await;
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"first start");
+        let new = exchange(&config, "prefill", 0).await;
+        new.publish(b"second start".to_vec()).await.unwrap();
+        assert_ne!(old.lease_id(), new.lease_id());
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"second start");
+        // The old start's lease ending does not take the new start's entry with it.
+        old.close().await.unwrap();
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"second start");
+    });
+}
+
+#[test]
+fn a_dead_engine_s_entry_disappears_after_its_lease_ttl() {
+    let Some(server) = EtcdServer::start_or_skip("a_dead_engine_s_entry_disappears_after_its_lease_ttl")
+    else {
+        return;
+    };
+    // etcd's shortest lease is about 1.5 s.
+    let config = EtcdConfig { lease_ttl: Duration::from_secs(2), ..config(&server) };
+    let rt = runtime();
+    // A live engine, published before the one that dies and with the same TTL: only its
+    // keep-alives keep its entry once the other's has expired.
+    let (live, decode, mut deletes) = rt.block_on(async {
+        let live = exchange(&config, "live", 0).await;
+        live.publish(b"alive".to_vec()).await.unwrap();
+        let mut watcher = Client::connect(config.url.client_endpoints(), None).await.unwrap();
+        let deletes = watcher.watch("/kvx/handshake/doomed/0", None).await.unwrap();
+        (live, exchange(&config, "decode", 0).await, deletes)
+    });
+    // The engine that dies runs on a runtime of its own; dropping that runtime stops its
+    // keep-alive and leaves nothing to revoke its lease: a crash.
+    let crash_rt = runtime();
+    let doomed = crash_rt.block_on(async {
+        let doomed = exchange(&config, "doomed", 0).await;
+        doomed.publish(b"soon gone".to_vec()).await.unwrap();
+        doomed
+    });
+    rt.block_on(async {
+        assert_eq!(decode.fetch(&peer("doomed", 0), T).await.unwrap(), b"soon gone");
+    });
+    drop(crash_rt);
+    drop(doomed);
+    rt.block_on(async {
+        let deleted = async {
+            while let Some(response) = deletes.message().await.unwrap() {
+                if response.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                    return;
+                }
+            }
+            panic!("the watch ended without a delete");
+        };
+        tokio::time::timeout(T, deleted).await.expect("the dead engine's entry was not deleted");
+        let e = decode.fetch(&peer("doomed", 0), T).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+        assert_eq!(decode.fetch(&peer("live", 0), T).await.unwrap(), b"alive", "kept alive");
+        drop(live);
+    });
+}
+
+#[test]
+fn payloads_over_the_limit_are_neither_published_nor_accepted() {
+    let Some(server) =
+        EtcdServer::start_or_skip("payloads_over_the_limit_are_neither_published_nor_accepted")
+    else {
+        return;
+    };
+    let config = EtcdConfig { max_payload: 1000, ..config(&server) };
+    runtime().block_on(async {
+        let prefill = exchange(&config, "prefill", 0).await;
+        let e = prefill.publish(vec![1; 1001]).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        prefill.publish(vec![1; 1000]).await.unwrap();
+        // Someone else wrote an oversized value under an engine's key.
+        let mut client = Client::connect(config.url.client_endpoints(), None).await.unwrap();
+        client.put("/kvx/handshake/huge/0", vec![0u8; 4096], Some(PutOptions::new())).await.unwrap();
+        let decode = exchange(&config, "decode", 0).await;
+        let e = decode.fetch(&peer("huge", 0), T).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "{e}");
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap().len(), 1000);
+    });
+}
+
+/// A sim engine whose ranks find each other through etcd, over `fabric` (loopback).
+fn sim_engine(name: &str, config: &EtcdConfig, fabric: &Fabric, model: &ModelSpec) -> SimEngine {
+    let etcd = config.clone();
+    let exchanges = Exchanges::new(move |engine: &EngineId, rank, runtime| {
+        let exchange = runtime.block_on(EtcdExchange::connect(etcd.clone(), engine, rank))?;
+        Ok(Arc::new(exchange) as Arc<dyn MetadataExchange>)
+    });
+    let config = EngineConfig {
+        side_channel: SideChannel::ById(exchanges),
+        ..EngineConfig::new(name, 2, 256, model.clone(), &InProcessSideChannels::new())
+    };
+    let fabric = fabric.clone();
+    let backend = SimBackend::new(move |engine: &EngineId, rank| {
+        Ok(Arc::new(fabric.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
+    });
+    SimEngine::new(config, &backend).unwrap()
+}
+
+#[test]
+fn sim_engines_find_each_other_through_etcd_without_host_or_port() {
+    let Some(server) =
+        EtcdServer::start_or_skip("sim_engines_find_each_other_through_etcd_without_host_or_port")
+    else {
+        return;
+    };
+    let (config, fabric, model) = (config(&server), Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
+    let prefill = sim_engine("prefill", &config, &fabric, &model);
+    let decode = sim_engine("decode", &config, &fabric, &model);
+    let handed: Arc<Mutex<Vec<TransferParams>>> = Arc::default();
+    let seen = Arc::clone(&handed);
+    let mut c = Cluster::new(vec![prefill], decode).unwrap().with_client(move |request| {
+        seen.lock().unwrap().push(request.3.clone());
+        vec![request]
+    });
+    for i in 0..8u32 {
+        let prompt: Vec<u32> = (0..16 * (i as usize + 1) + 3).map(|t| (t as u32 * 7 + i) % 1000).collect();
+        c.submit(format!("etcd-{i}").into(), prompt, 2).unwrap();
+    }
+    c.run_until_idle(T).unwrap();
+    assert_clean(&c);
+    let handed = handed.lock().unwrap();
+    assert_eq!(handed.len(), 8);
+    for params in handed.iter() {
+        assert_eq!((&params.remote_host, params.remote_port), (&None, None), "{params:?}");
+        assert_eq!(params.remote_engine_id, Some("prefill".into()));
+    }
+    let stats = c.decode.stats();
+    assert_eq!(stats.tokens_loaded, 16 * (1..=8).sum::<u64>());
+    assert!(stats.bytes_verified > 0 && stats.blocks_mismatched == 0, "{stats:?}");
+    assert!(c.decode.worker_stats().iter().all(|w| w.handshakes == 1 && w.failed_loads == 0));
+}
