@@ -4,6 +4,7 @@
 mod backend;
 mod bench;
 mod demo;
+mod discovery;
 mod roles;
 mod soak;
 mod summary;

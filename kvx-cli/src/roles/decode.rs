@@ -14,6 +14,7 @@ use crate::summary::{PrefillLosses, Summary};
 use crate::workload::{ModelArgs, WorkloadArgs};
 
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use crate::discovery::DiscoveryArgs;
 
 /// What `kvx decode` does with a request whose KV load failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -60,6 +61,8 @@ pub(crate) struct DecodeArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    #[command(flatten)]
+    discovery: DiscoveryArgs,
 }
 
 /// Failed requests named on stderr, at most.
@@ -374,7 +377,8 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let engine = SimEngine::new(engine_config("decode", &args.host, 0, &args.model, key.clone()), &backend)?;
+    let side_channel = args.discovery.discovery.side_channel(&args.host, 0);
+    let engine = SimEngine::new(engine_config("decode", side_channel, &args.model, key.clone()), &backend)?;
     println!(
         "kvx decode: {} backend, {}; prefill at {}",
         args.backend.name(),

@@ -15,6 +15,7 @@ use crate::summary::Summary;
 use crate::workload::ModelArgs;
 
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use crate::discovery::DiscoveryArgs;
 
 /// Options of `kvx prefill`.
 #[derive(Debug, Args)]
@@ -36,6 +37,8 @@ pub(crate) struct PrefillArgs {
     model: ModelArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    #[command(flatten)]
+    discovery: DiscoveryArgs,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
@@ -66,20 +69,19 @@ impl Service for Api {
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
-    let config = engine_config("prefill", &args.host, args.side_channel_port, &args.model, key.clone());
+    let side_channel = args.discovery.discovery.side_channel(&args.host, args.side_channel_port);
+    let config = engine_config("prefill", side_channel, &args.model, key.clone());
     let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
     let api = NetConfig::with_key(key);
     let server =
         rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
-    let base = engine.side_channel_port();
-    let last = u32::from(base) + args.model.tp.saturating_sub(1);
+    let handshakes = args.discovery.discovery.describe(engine.side_channel_port(), args.model.tp);
     let instance = format!("{:016x}", rand::random::<u64>());
     // The line a launcher waits for (the request API's endpoint comes last).
     println!(
-        "kvx prefill: {} backend, {}; instance {instance}; side channels on ports {base}-{last}; \
-         request API on tcp://{}",
+        "kvx prefill: {} backend, {}; instance {instance}; {handshakes}; request API on tcp://{}",
         args.backend.name(),
         args.model.describe(),
         server.local_addr()

@@ -14,6 +14,13 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
 - ``side_channel_host`` / ``side_channel_port``: where each worker serves its handshake payload
   (rank ``r`` binds ``port + r``), also advertised to decode engines. Fallbacks: the environment
   variables ``KVX_SIDE_CHANNEL_HOST`` / ``KVX_SIDE_CHANNEL_PORT``, then ``127.0.0.1`` / ``5700``.
+- ``discovery``: how engines find each other's handshake payloads: ``"tcp"`` (default; the side
+  channel above, whose host and port the ``kv_transfer_params`` carry) or
+  ``"etcd://HOST:PORT[,HOST:PORT]"``: every worker publishes its payload in that etcd cluster
+  under ``/kvx/handshake/{engine_id}/{rank}`` on a lease (a dead engine's entry expires), binds no
+  side channel, and decode engines find prefill engines by engine id, so the params carry no
+  host or port. Every engine of the deployment uses the same. Fallback: the environment variable
+  ``KVX_DISCOVERY``.
 - ``progress_thread``: progress the transfer agent in the background. Default: on for a producer
   with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
   an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
@@ -162,6 +169,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
         self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
+        self._discovery = str(extra.get("discovery") or os.environ.get("KVX_DISCOVERY", "tcp"))
         self._lease_s = float(extra.get("kv_lease_duration", _DEFAULT_LEASE_S))
         self._sched = None
         self._worker = None
@@ -178,12 +186,14 @@ class KvxConnector(KVConnectorBase_V1):
                 self._port,
                 auth_key=self._auth_key,
                 lease_duration_s=self._lease_s,
+                discovery=self._discovery,
             )
         else:
             self._create_worker(extra, cfg, vllm_config)
+        handshakes = self._discovery if self._discovery != "tcp" else f"side channel {self._host}:{self._port}"
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d, lease %gs, %s",
-            role.name, self._backend, self._engine_id, self._host, self._port, self._lease_s,
+            "kvx connector (%s, %s backend) for engine %s, %s, lease %gs, %s",
+            role.name, self._backend, self._engine_id, handshakes, self._lease_s,
             "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
         )
 
@@ -204,6 +214,7 @@ class KvxConnector(KVConnectorBase_V1):
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             lease_duration_s=self._lease_s,
             auth_key=self._auth_key,
+            discovery=self._discovery,
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
         progress = bool(extra.get("progress_thread", default_progress))
