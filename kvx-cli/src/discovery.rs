@@ -3,9 +3,9 @@
 
 use clap::Args;
 
+use kvx_core::{AuthKey, Error, Result};
 #[cfg(feature = "etcd")]
 use kvx_core::{EngineId, MetadataExchange};
-use kvx_core::{Error, Result};
 use kvx_testkit::sim::SideChannel;
 
 /// Where the workers publish and find handshake payloads.
@@ -41,12 +41,21 @@ impl Discovery {
     }
 
     /// The side channel of an engine: TCP ones on `host` from `port`, or this etcd cluster's
-    /// exchanges.
-    pub(crate) fn side_channel(&self, host: &str, port: u16) -> SideChannel {
+    /// exchanges, whose entries `auth_key` seals (the TCP side channels take the engine's key).
+    pub(crate) fn side_channel(
+        &self,
+        host: &str,
+        port: u16,
+        #[cfg_attr(
+            not(feature = "etcd"),
+            expect(unused_variables, reason = "only etcd entries take the key")
+        )]
+        auth_key: Option<AuthKey>,
+    ) -> SideChannel {
         match self {
             Discovery::Tcp => SideChannel::Tcp { host: host.to_owned(), port },
             #[cfg(feature = "etcd")]
-            Discovery::Etcd(url) => SideChannel::ById(etcd_exchanges(url)),
+            Discovery::Etcd(url) => SideChannel::ById(etcd_exchanges(url, auth_key)),
         }
     }
 
@@ -66,8 +75,8 @@ impl Discovery {
 }
 
 #[cfg(feature = "etcd")]
-fn etcd_exchanges(url: &kvx_etcd::EtcdUrl) -> kvx_testkit::sim::Exchanges {
-    let config = kvx_etcd::EtcdConfig::new(url.clone());
+fn etcd_exchanges(url: &kvx_etcd::EtcdUrl, auth_key: Option<AuthKey>) -> kvx_testkit::sim::Exchanges {
+    let config = kvx_etcd::EtcdConfig { auth_key, ..kvx_etcd::EtcdConfig::new(url.clone()) };
     kvx_testkit::sim::Exchanges::new(move |engine: &EngineId, rank, runtime| {
         let exchange = runtime.block_on(kvx_etcd::EtcdExchange::connect(config.clone(), engine, rank))?;
         Ok(std::sync::Arc::new(exchange) as std::sync::Arc<dyn MetadataExchange>)

@@ -253,17 +253,19 @@ fn prefill_and_decode_with_an_auth_key(backend: &str) {
 }
 
 /// `kvx prefill --discovery etcd://..` and `kvx decode` (`KVX_DISCOVERY`) find each other through
-/// a real etcd server by engine id, with no side-channel host or port in the params: every
-/// request finishes, bytes are verified and nothing leaks. Without `etcd` it prints why it skips.
+/// a real etcd server by engine id, with no side-channel host or port in the params and their
+/// entries sealed under the deployment's key: every request finishes, bytes are verified and
+/// nothing leaks. Without `etcd` it prints why it skips.
 #[cfg(all(feature = "etcd", any(feature = "ucx", feature = "nixl")))]
 fn prefill_and_decode_through_etcd(backend: &str) {
     let Some(etcd) = kvx_testkit::etcd::EtcdServer::start_or_skip("prefill_and_decode_through_etcd") else {
         return;
     };
     let url = etcd.url();
-    let (prefill, api, first) = launch_prefill(backend, &["--discovery", &url], &[]);
+    let key = "the-deployment-key-2";
+    let (prefill, api, first) = launch_prefill(backend, &["--discovery", &url, "--auth-key", key], &[]);
     assert!(first.contains(&format!("handshakes through {url}")), "{first}");
-    let decode = run_decode(backend, &api, 20, &[("KVX_DISCOVERY", &url)]);
+    let decode = run_decode(backend, &api, 20, &[("KVX_DISCOVERY", &url), ("KVX_AUTH_KEY", key)]);
     check_pair(decode, prefill, 20);
 }
 

@@ -8,8 +8,11 @@
 //! its own lease). A decode worker fetches the key of the prefill engine's matching rank: a
 //! prefill engine whose params carry no `remote_host`/`remote_port` is found by id alone.
 //!
-//! etcd is part of the trusted deployment: whoever can write under the prefix can hand decode
-//! engines a payload. Protect the prefix with etcd's own access control.
+//! With the deployment's key ([`EtcdConfig::auth_key`]), each entry is the payload behind an
+//! HMAC-SHA256 tag over the entry's key and the payload: a fetch refuses (`Unauthenticated`) an
+//! entry written without the key, or copied from another engine's or rank's key. Without a key,
+//! whoever can write under the prefix can hand decode engines a payload: protect the prefix with
+//! etcd's own access control. etcd does not encrypt here either: the client speaks plain HTTP/2.
 
 mod url;
 
@@ -23,9 +26,10 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+use kvx_core::auth::{Purpose, TAG_LEN};
 use kvx_core::error::quote;
 use kvx_core::net::{NetConfig, max_payload};
-use kvx_core::{EngineId, Error, ErrorKind, MetadataExchange, PeerLocator, Result};
+use kvx_core::{AuthKey, EngineId, Error, ErrorKind, MetadataExchange, PeerLocator, Result};
 
 pub use url::{EtcdUrl, SCHEME};
 
@@ -43,6 +47,9 @@ pub struct EtcdConfig {
     pub timeout: Duration,
     /// The largest payload published or accepted, in bytes.
     pub max_payload: usize,
+    /// The deployment's shared key: entries carry a tag under it, and entries without a valid
+    /// one are refused. `None`: entries are the bare payloads.
+    pub auth_key: Option<AuthKey>,
 }
 
 impl EtcdConfig {
@@ -56,12 +63,48 @@ impl EtcdConfig {
             lease_ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(5),
             max_payload: max_payload(&NetConfig::default()),
+            auth_key: None,
         }
     }
 
     /// The key of `rank` of `engine_id`.
     pub fn key(&self, engine_id: &EngineId, rank: u32) -> String {
         format!("{}/{}/{rank}", self.prefix.trim_end_matches('/'), engine_id.as_str())
+    }
+
+    /// The entry stored under `key` for `payload`: with a key, its tag over both, then the
+    /// payload.
+    fn seal(&self, key: &str, payload: Vec<u8>) -> Vec<u8> {
+        match &self.auth_key {
+            Some(auth) => {
+                [&auth.tag(Purpose::RegistryEntry, &[key.as_bytes(), &payload])[..], &payload].concat()
+            }
+            None => payload,
+        }
+    }
+
+    /// The payload of the entry stored under `key`, once its size (and with a key, its tag)
+    /// checks.
+    fn open<'a>(&self, key: &str, entry: &'a [u8]) -> Result<&'a [u8]> {
+        let tag_len = if self.auth_key.is_some() { TAG_LEN } else { 0 };
+        if entry.len() > self.max_payload.saturating_add(tag_len) {
+            return Err(Error::invalid_peer_data(format!(
+                "{} holds {} bytes, over the limit of {} bytes",
+                quote(key),
+                entry.len(),
+                self.max_payload
+            )));
+        }
+        let Some(auth) = &self.auth_key else { return Ok(entry) };
+        let (tag, payload) = entry.split_at_checked(TAG_LEN).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Unauthenticated,
+                format!("{} holds no tag, and this engine requires one", quote(key)),
+            )
+        })?;
+        auth.verify(Purpose::RegistryEntry, &[key.as_bytes(), payload], tag)
+            .map_err(|e| e.context(format!("the etcd entry {}", quote(key))))?;
+        Ok(payload)
     }
 
     fn ttl_secs(&self) -> i64 {
@@ -238,7 +281,8 @@ impl MetadataExchange for EtcdExchange {
         }
         let lease = self.lease().await?;
         let mut client = self.client.clone();
-        let put = client.put(self.key.as_str(), payload, Some(PutOptions::new().with_lease(lease)));
+        let entry = self.config.seal(&self.key, payload);
+        let put = client.put(self.key.as_str(), entry, Some(PutOptions::new().with_lease(lease)));
         bounded(self.config.timeout, ErrorKind::Io, format!("publishing {}", self.key), put).await?;
         Ok(())
     }
@@ -259,15 +303,6 @@ impl MetadataExchange for EtcdExchange {
                 ),
             ));
         };
-        let value = entry.value();
-        if value.len() > self.config.max_payload {
-            return Err(Error::invalid_peer_data(format!(
-                "{} holds {} bytes, over the limit of {} bytes",
-                quote(&key),
-                value.len(),
-                self.config.max_payload
-            )));
-        }
-        Ok(value.to_vec())
+        Ok(self.config.open(&key, entry.value())?.to_vec())
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, EventType, PutOptions};
-use kvx_core::{EngineId, ErrorKind, MetadataExchange, PeerLocator, TransferAgent, TransferParams};
+use kvx_core::{AuthKey, EngineId, ErrorKind, MetadataExchange, PeerLocator, TransferAgent, TransferParams};
 use kvx_etcd::{EtcdConfig, EtcdExchange, EtcdUrl};
 use kvx_loopback::Fabric;
 use kvx_testkit::etcd::EtcdServer;
@@ -184,6 +184,38 @@ fn payloads_over_the_limit_are_neither_published_nor_accepted() {
         let e = decode.fetch(&peer("huge", 0), T).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "{e}");
         assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap().len(), 1000);
+    });
+}
+
+#[test]
+fn with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted() {
+    let Some(server) =
+        EtcdServer::start_or_skip("with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted")
+    else {
+        return;
+    };
+    let keyed = |k: &str| EtcdConfig { auth_key: Some(AuthKey::new(k).unwrap()), ..config(&server) };
+    let (ours, theirs) = (keyed("the-deployment-key"), keyed("another-deployment-key"));
+    runtime().block_on(async {
+        let prefill = exchange(&ours, "prefill", 0).await;
+        prefill.publish(b"sealed".to_vec()).await.unwrap();
+        let decode = exchange(&ours, "decode", 0).await;
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"sealed");
+        // The entry as stored: the tag, then the payload.
+        let mut client = Client::connect(ours.url.client_endpoints(), None).await.unwrap();
+        let stored = client.get("/kvx/handshake/prefill/0", None).await.unwrap().kvs()[0].value().to_vec();
+        assert_eq!(&stored[32..], b"sealed");
+        // Copied under another engine's key, written without a key or with another key, or cut
+        // short: refused before anyone uses it.
+        client.put("/kvx/handshake/copy/0", stored.clone(), None).await.unwrap();
+        client.put("/kvx/handshake/bare/0", b"sealed".to_vec(), None).await.unwrap();
+        client.put("/kvx/handshake/short/0", stored[..31].to_vec(), None).await.unwrap();
+        let stranger = exchange(&theirs, "stranger", 0).await;
+        stranger.publish(b"sealed".to_vec()).await.unwrap();
+        for engine in ["copy", "bare", "short", "stranger"] {
+            let e = decode.fetch(&peer(engine, 0), T).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{engine}: {e}");
+        }
     });
 }
 

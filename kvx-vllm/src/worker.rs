@@ -214,7 +214,7 @@ impl Worker {
         let (exchange, own): (Arc<dyn MetadataExchange>, _) =
             match crate::discovery::etcd_url(options.discovery.as_deref())? {
                 Some(url) => {
-                    let config = EtcdConfig::new(url);
+                    let config = EtcdConfig { auth_key: auth_key.clone(), ..EtcdConfig::new(url) };
                     let connect = EtcdExchange::connect(config, &engine_id, options.rank);
                     let exchange = runtime.block_on(connect).map_err(py_err)?;
                     (Arc::new(exchange), RemoteCoordinates::by_id(engine_id.clone()))

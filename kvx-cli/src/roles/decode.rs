@@ -377,7 +377,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let side_channel = args.discovery.discovery.side_channel(&args.host, 0);
+    let side_channel = args.discovery.discovery.side_channel(&args.host, 0, key.clone());
     let engine = SimEngine::new(engine_config("decode", side_channel, &args.model, key.clone()), &backend)?;
     println!(
         "kvx decode: {} backend, {}; prefill at {}",

@@ -69,7 +69,7 @@ impl Service for Api {
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
-    let side_channel = args.discovery.discovery.side_channel(&args.host, args.side_channel_port);
+    let side_channel = args.discovery.discovery.side_channel(&args.host, args.side_channel_port, key.clone());
     let config = engine_config("prefill", side_channel, &args.model, key.clone());
     let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
