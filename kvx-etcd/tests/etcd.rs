@@ -25,8 +25,11 @@ fn runtime() -> Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
-fn config(server: &EtcdServer) -> EtcdConfig {
-    EtcdConfig::new(EtcdUrl::parse(&server.url()).unwrap())
+/// The test's etcd server and an exchange configuration for it; `None` when the test skips.
+fn etcd(test: &str) -> Option<(EtcdServer, EtcdConfig)> {
+    let server = EtcdServer::start_or_skip(test)?;
+    let config = EtcdConfig::new(EtcdUrl::parse(&server.url()).unwrap());
+    Some((server, config))
 }
 
 fn peer(engine: &str, rank: u32) -> PeerLocator {
@@ -39,11 +42,9 @@ async fn exchange(config: &EtcdConfig, engine: &str, rank: u32) -> EtcdExchange 
 
 #[test]
 fn a_published_payload_is_fetched_by_engine_id_and_rank() {
-    let Some(server) = EtcdServer::start_or_skip("a_published_payload_is_fetched_by_engine_id_and_rank")
-    else {
+    let Some((_server, config)) = etcd("a_published_payload_is_fetched_by_engine_id_and_rank") else {
         return;
     };
-    let config = config(&server);
     runtime().block_on(async {
         let prefill = [exchange(&config, "prefill", 0).await, exchange(&config, "prefill", 1).await];
         assert_eq!(prefill[1].key(), "/kvx/handshake/prefill/1");
@@ -72,10 +73,7 @@ fn a_published_payload_is_fetched_by_engine_id_and_rank() {
 
 #[test]
 fn fetching_an_unknown_engine_fails_typed_and_bounded() {
-    let Some(server) = EtcdServer::start_or_skip("fetching_an_unknown_engine_fails_typed_and_bounded") else {
-        return;
-    };
-    let config = config(&server);
+    let Some((server, config)) = etcd("fetching_an_unknown_engine_fails_typed_and_bounded") else { return };
     runtime().block_on(async {
         let decode = exchange(&config, "decode", 0).await;
         let nobody = peer("nobody", 0);
@@ -97,10 +95,7 @@ fn fetching_an_unknown_engine_fails_typed_and_bounded() {
 
 #[test]
 fn a_restarted_engine_s_payload_replaces_the_old_one() {
-    let Some(server) = EtcdServer::start_or_skip("a_restarted_engine_s_payload_replaces_the_old_one") else {
-        return;
-    };
-    let config = config(&server);
+    let Some((_server, config)) = etcd("a_restarted_engine_s_payload_replaces_the_old_one") else { return };
     runtime().block_on(async {
         let old = exchange(&config, "prefill", 0).await;
         old.publish(b"first start".to_vec()).await.unwrap();
@@ -118,12 +113,11 @@ fn a_restarted_engine_s_payload_replaces_the_old_one() {
 
 #[test]
 fn a_dead_engine_s_entry_disappears_after_its_lease_ttl() {
-    let Some(server) = EtcdServer::start_or_skip("a_dead_engine_s_entry_disappears_after_its_lease_ttl")
-    else {
+    let Some((_server, config)) = etcd("a_dead_engine_s_entry_disappears_after_its_lease_ttl") else {
         return;
     };
     // etcd's shortest lease is about 1.5 s.
-    let config = EtcdConfig { lease_ttl: Duration::from_secs(2), ..config(&server) };
+    let config = EtcdConfig { lease_ttl: Duration::from_secs(2), ..config };
     let rt = runtime();
     // A live engine, published before the one that dies and with the same TTL: only its
     // keep-alives keep its entry once the other's has expired.
@@ -166,12 +160,9 @@ fn a_dead_engine_s_entry_disappears_after_its_lease_ttl() {
 
 #[test]
 fn payloads_over_the_limit_are_neither_published_nor_accepted() {
-    let Some(server) =
-        EtcdServer::start_or_skip("payloads_over_the_limit_are_neither_published_nor_accepted")
-    else {
-        return;
-    };
-    let config = EtcdConfig { max_payload: 1000, ..config(&server) };
+    let test = "payloads_over_the_limit_are_neither_published_nor_accepted";
+    let Some((_server, config)) = etcd(test) else { return };
+    let config = EtcdConfig { max_payload: 1000, ..config };
     runtime().block_on(async {
         let prefill = exchange(&config, "prefill", 0).await;
         let e = prefill.publish(vec![1; 1001]).await.unwrap_err();
@@ -189,12 +180,9 @@ fn payloads_over_the_limit_are_neither_published_nor_accepted() {
 
 #[test]
 fn with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted() {
-    let Some(server) =
-        EtcdServer::start_or_skip("with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted")
-    else {
-        return;
-    };
-    let keyed = |k: &str| EtcdConfig { auth_key: Some(AuthKey::new(k).unwrap()), ..config(&server) };
+    let test = "with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted";
+    let Some((_server, config)) = etcd(test) else { return };
+    let keyed = |k: &str| EtcdConfig { auth_key: Some(AuthKey::new(k).unwrap()), ..config.clone() };
     let (ours, theirs) = (keyed("the-deployment-key"), keyed("another-deployment-key"));
     runtime().block_on(async {
         let prefill = exchange(&ours, "prefill", 0).await;
@@ -239,12 +227,9 @@ fn sim_engine(name: &str, config: &EtcdConfig, fabric: &Fabric, model: &ModelSpe
 
 #[test]
 fn sim_engines_find_each_other_through_etcd_without_host_or_port() {
-    let Some(server) =
-        EtcdServer::start_or_skip("sim_engines_find_each_other_through_etcd_without_host_or_port")
-    else {
-        return;
-    };
-    let (config, fabric, model) = (config(&server), Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
+    let test = "sim_engines_find_each_other_through_etcd_without_host_or_port";
+    let Some((_server, config)) = etcd(test) else { return };
+    let (fabric, model) = (Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
     let prefill = sim_engine("prefill", &config, &fabric, &model);
     let decode = sim_engine("decode", &config, &fabric, &model);
     let handed: Arc<Mutex<Vec<TransferParams>>> = Arc::default();
