@@ -5,16 +5,19 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Test code: a failed unwrap is a failed test.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{Client, EventType, PutOptions};
-use kvx_core::{AuthKey, EngineId, ErrorKind, MetadataExchange, PeerLocator, TransferAgent, TransferParams};
+use kvx_core::{
+    AuthKey, EngineId, ErrorKind, MetadataExchange, PeerLocator, RequestId, TransferAgent, TransferParams,
+};
 use kvx_etcd::{EtcdConfig, EtcdExchange, EtcdUrl};
 use kvx_loopback::Fabric;
 use kvx_testkit::etcd::EtcdServer;
-use kvx_testkit::matrix::assert_clean;
+use kvx_testkit::matrix::{assert_clean, assert_failed};
 use kvx_testkit::sim::{
-    Cluster, EngineConfig, Exchanges, InProcessSideChannels, ModelSpec, SideChannel, SimBackend, SimEngine,
+    Cluster, EngineConfig, Exchanges, InProcessSideChannels, ModelSpec, RequestState, SideChannel,
+    SimBackend, SimEngine,
 };
 use tokio::runtime::Runtime;
 
@@ -207,15 +210,19 @@ fn with_a_key_only_entries_sealed_under_it_for_their_own_key_are_accepted() {
     });
 }
 
-/// A sim engine whose ranks find each other through etcd, over `fabric` (loopback).
-fn sim_engine(name: &str, config: &EtcdConfig, fabric: &Fabric, model: &ModelSpec) -> SimEngine {
-    let etcd = config.clone();
-    let exchanges = Exchanges::new(move |engine: &EngineId, rank, runtime| {
-        let exchange = runtime.block_on(EtcdExchange::connect(etcd.clone(), engine, rank))?;
+/// Side channels that are etcd exchanges with `config`.
+fn through_etcd(config: &EtcdConfig) -> SideChannel {
+    let config = config.clone();
+    SideChannel::ById(Exchanges::new(move |engine: &EngineId, rank, runtime| {
+        let exchange = runtime.block_on(EtcdExchange::connect(config.clone(), engine, rank))?;
         Ok(Arc::new(exchange) as Arc<dyn MetadataExchange>)
-    });
+    }))
+}
+
+/// A sim engine with TP=2 on `side_channel`, over `fabric` (loopback).
+fn sim_engine(name: &str, side_channel: SideChannel, fabric: &Fabric, model: &ModelSpec) -> SimEngine {
     let config = EngineConfig {
-        side_channel: SideChannel::ById(exchanges),
+        side_channel,
         ..EngineConfig::new(name, 2, 256, model.clone(), &InProcessSideChannels::new())
     };
     let fabric = fabric.clone();
@@ -230,8 +237,8 @@ fn sim_engines_find_each_other_through_etcd_without_host_or_port() {
     let test = "sim_engines_find_each_other_through_etcd_without_host_or_port";
     let Some((_server, config)) = etcd(test) else { return };
     let (fabric, model) = (Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
-    let prefill = sim_engine("prefill", &config, &fabric, &model);
-    let decode = sim_engine("decode", &config, &fabric, &model);
+    let prefill = sim_engine("prefill", through_etcd(&config), &fabric, &model);
+    let decode = sim_engine("decode", through_etcd(&config), &fabric, &model);
     let handed: Arc<Mutex<Vec<TransferParams>>> = Arc::default();
     let seen = Arc::clone(&handed);
     let mut c = Cluster::new(vec![prefill], decode).unwrap().with_client(move |request| {
@@ -254,4 +261,27 @@ fn sim_engines_find_each_other_through_etcd_without_host_or_port() {
     assert_eq!(stats.tokens_loaded, 16 * (1..=8).sum::<u64>());
     assert!(stats.bytes_verified > 0 && stats.blocks_mismatched == 0, "{stats:?}");
     assert!(c.decode.worker_stats().iter().all(|w| w.handshakes == 1 && w.failed_loads == 0));
+}
+
+/// A decode engine on TCP side channels cannot find a prefill engine by id: the request whose
+/// params carry no host or port fails with `InvalidArgument`, and nothing is read.
+#[test]
+fn params_without_host_or_port_fail_typed_on_a_tcp_side_channel() {
+    let Some((_server, config)) = etcd("params_without_host_or_port_fail_typed_on_a_tcp_side_channel") else {
+        return;
+    };
+    let (fabric, model) = (Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
+    let prefill = sim_engine("prefill", through_etcd(&config), &fabric, &model);
+    let tcp = SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 };
+    let mut c = Cluster::new(vec![prefill], sim_engine("decode", tcp, &fabric, &model)).unwrap();
+    let id = RequestId::new("by-id");
+    c.submit(id.clone(), (0..3 * 16).collect(), 2).unwrap();
+    let deadline = Instant::now() + T;
+    while !matches!(c.decode.state(&id), Some(RequestState::Failed(_))) {
+        assert!(Instant::now() < deadline, "the request did not fail: {:?}", c.decode.state(&id));
+        c.step().unwrap();
+    }
+    let e = assert_failed(&c.decode, &id, &[ErrorKind::InvalidArgument]);
+    assert!(e.to_string().contains("TCP side channel"), "{e}");
+    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 0));
 }
