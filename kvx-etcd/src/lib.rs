@@ -191,14 +191,25 @@ impl EtcdExchange {
         Ok(())
     }
 
+    /// The lease slot.
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, Option<Lease>>> {
+        self.lease.lock().map_err(|_| Error::new(ErrorKind::State, "lease lock poisoned"))
+    }
+
     fn take_lease(&self) -> Result<Option<Lease>> {
-        Ok(self.lease.lock().map_err(|_| Error::new(ErrorKind::State, "lease lock poisoned"))?.take())
+        Ok(self.slot()?.take())
     }
 
     /// The current lease, granted (and its keep-alive started) on the first call.
     async fn lease(&self) -> Result<i64> {
-        if let Some(id) = self.lease_id() {
-            return Ok(id);
+        {
+            let mut slot = self.slot()?;
+            match slot.as_ref() {
+                Some(lease) if !lease.keep_alive.is_finished() => return Ok(lease.id),
+                // Its keep-alive ended: etcd let the lease expire. Grant another.
+                Some(_) => *slot = None,
+                None => {}
+            }
         }
         let mut client = self.client.clone();
         let ttl = self.config.ttl_secs();
@@ -208,8 +219,8 @@ impl EtcdExchange {
         let id = grant.id();
         let keep_alive =
             self.runtime.spawn(keep_alive(client, id, self.config.lease_ttl, self.config.timeout));
-        let mut slot = self.lease.lock().map_err(|_| Error::new(ErrorKind::State, "lease lock poisoned"))?;
-        if let Some(other) = slot.as_ref() {
+        let mut slot = self.slot()?;
+        if let Some(other) = slot.as_ref().filter(|l| !l.keep_alive.is_finished()) {
             // A concurrent publish granted one first: use it, let this one lapse.
             keep_alive.abort();
             return Ok(other.id);
@@ -218,11 +229,38 @@ impl EtcdExchange {
         debug!(key = %self.key, lease = id, ttl, "etcd lease granted");
         Ok(id)
     }
+
+    /// Whether etcd still knows lease `id` (when it cannot say: assumed so).
+    async fn lease_alive(&self, id: i64) -> bool {
+        let mut client = self.client.clone();
+        let ask = client.lease_time_to_live(id, None);
+        bounded(self.config.timeout, ErrorKind::Io, "asking for a lease", ask)
+            .await
+            .ok()
+            .is_none_or(|r| r.ttl() > 0)
+    }
+
+    /// Drops lease `id` (expired or revoked behind this exchange's back), if it is the current one.
+    fn forget_lease(&self, id: i64) -> Result<()> {
+        if let Some(lease) = self.slot()?.take_if(|l| l.id == id) {
+            lease.keep_alive.abort();
+        }
+        Ok(())
+    }
+
+    /// Puts `entry` under this worker's key on lease `lease`.
+    async fn put(&self, entry: Vec<u8>, lease: i64) -> Result<()> {
+        let mut client = self.client.clone();
+        let put = client.put(self.key.as_str(), entry, Some(PutOptions::new().with_lease(lease)));
+        bounded(self.config.timeout, ErrorKind::Io, format!("publishing {}", self.key), put).await?;
+        Ok(())
+    }
 }
 
 /// Keeps lease `id` alive every third of its TTL until aborted. A failed keep-alive is retried
 /// at the next tick; a lease etcd no longer knows (TTL 0: it expired, say after a partition longer
-/// than the TTL) ends the task with a warning, and the entry is gone until the next publish.
+/// than the TTL) ends the task with a warning, and the entry is gone until the next publish
+/// (which grants a new lease).
 async fn keep_alive(mut client: Client, id: i64, ttl: Duration, timeout: Duration) {
     let period = (ttl / 3).max(Duration::from_millis(100));
     let mut ticks = tokio::time::interval(period);
@@ -279,12 +317,18 @@ impl MetadataExchange for EtcdExchange {
                 payload.len()
             )));
         }
-        let lease = self.lease().await?;
-        let mut client = self.client.clone();
         let entry = self.config.seal(&self.key, payload);
-        let put = client.put(self.key.as_str(), entry, Some(PutOptions::new().with_lease(lease)));
-        bounded(self.config.timeout, ErrorKind::Io, format!("publishing {}", self.key), put).await?;
-        Ok(())
+        let lease = self.lease().await?;
+        match self.put(entry.clone(), lease).await {
+            // The lease expired or was revoked before the keep-alive noticed: publish on a new one.
+            Err(e) if !self.lease_alive(lease).await => {
+                warn!(key = %self.key, lease, error = %e, "etcd lease gone; publishing on a new one");
+                self.forget_lease(lease)?;
+                let lease = self.lease().await?;
+                self.put(entry, lease).await
+            }
+            done => done,
+        }
     }
 
     async fn fetch(&self, peer: &PeerLocator, timeout: Duration) -> Result<Vec<u8>> {

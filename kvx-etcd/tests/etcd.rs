@@ -162,6 +162,24 @@ fn a_dead_engine_s_entry_disappears_after_its_lease_ttl() {
 }
 
 #[test]
+fn a_lease_revoked_behind_the_exchange_s_back_is_replaced_at_the_next_publish() {
+    let test = "a_lease_revoked_behind_the_exchange_s_back_is_replaced_at_the_next_publish";
+    let Some((_server, config)) = etcd(test) else { return };
+    runtime().block_on(async {
+        let prefill = exchange(&config, "prefill", 0).await;
+        prefill.publish(b"first".to_vec()).await.unwrap();
+        let lease = prefill.lease_id().unwrap();
+        let mut admin = Client::connect(config.url.client_endpoints(), None).await.unwrap();
+        admin.lease_revoke(lease).await.unwrap();
+        let decode = exchange(&config, "decode", 0).await;
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap_err().kind(), ErrorKind::Handshake);
+        prefill.publish(b"again".to_vec()).await.unwrap();
+        assert_ne!(prefill.lease_id(), Some(lease), "a new lease");
+        assert_eq!(decode.fetch(&peer("prefill", 0), T).await.unwrap(), b"again");
+    });
+}
+
+#[test]
 fn payloads_over_the_limit_are_neither_published_nor_accepted() {
     let test = "payloads_over_the_limit_are_neither_published_nor_accepted";
     let Some((_server, config)) = etcd(test) else { return };
