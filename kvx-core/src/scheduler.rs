@@ -525,6 +525,23 @@ mod tests {
     }
 
     #[test]
+    fn params_without_host_or_port_load_from_the_engine_found_by_id() {
+        let mut prefill =
+            ConnectorScheduler::new(SchedulerConfig { side_channel: None, ..sched().config }).unwrap();
+        let asked = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id("p"), Some(&asked), FinishReason::LengthCapped, 2 * BS, &[4, 5]);
+        let mut p = out.params.unwrap();
+        assert_eq!((&p.remote_host, p.remote_port), (&None, None));
+        let mut s = sched();
+        let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
+        assert_eq!(m, MatchedTokens { count: 2 * BS, load_async: true });
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, m.count).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
+        assert_eq!(meta.reqs_to_recv[0].remote, RemoteCoordinates::by_id("prefill"));
+    }
+
+    #[test]
     fn no_remote_prefill_or_no_params_loads_nothing() {
         let s = sched();
         assert_eq!(s.get_num_new_matched_tokens(&id("r"), 100, None, 0).unwrap(), MatchedTokens::default());
