@@ -23,6 +23,13 @@
 # default is a new uuid per start), so the restarted prefill engine keeps its id and only its
 # instance changes: there the decode worker must also count a peer restart.
 #
+# The P/D requests go through `kvx router` (KVX_VLLM_ROUTER=1 by default; 0: the proxy steps in
+# pd_check.py, as before), on port 8300 in front of the prefill (8100) and decode (8200) servers,
+# for every config; the single-instance requests and the failure check go to the decode server
+# directly. The router's /metrics must count every routed request as done and none failed. The
+# restart probe after the prefill server's restart goes through the router too, once the router's
+# health check has taken the new server back into rotation (its /health answers 200 again).
+#
 # kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
 # small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
@@ -40,9 +47,19 @@ READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
 LEASE_S="${KVX_VLLM_LEASE_S:-120}"
+ROUTER="${KVX_VLLM_ROUTER:-1}"
+ROUTER_URL=http://127.0.0.1:8300
 PY="$VENV/bin/python"
 
 "$ROOT/scripts/install-vllm.sh"
+if [ "$ROUTER" = 1 ]; then
+    # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
+    KVX="${KVX_BIN:-}"
+    if [ -z "$KVX" ]; then
+        (cd "$ROOT" && cargo build -q -p kvx-cli)
+        KVX="$ROOT/target/debug/kvx"
+    fi
+fi
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 TOOLS="$SP/kvx_vllm_tools"
 NIXL_LIBS="$SP/.nixl_cu12.mesonpy.libs"
@@ -152,6 +169,7 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
     # must reach PGIDS, which the EXIT trap stops.
     local cfg=$1 ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
     local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg")
+    [ "$ROUTER" = 1 ] && probe+=(--router "$ROUTER_URL")
     waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
     hs0=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
     t0=$(now_s)
@@ -162,7 +180,7 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
         echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
     fi
     start "$cfg" prefill-restarted 8100 5600 kv_producer fail
-    if ready=$(wait_ready "$cfg" prefill-restarted 8100 "$t0"); then
+    if ready=$(wait_ready "$cfg" prefill-restarted 8100 "$t0") && { [ "$ROUTER" != 1 ] || router_healthy "$cfg"; }; then
         waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
     else
         ready="null"; ok=false
@@ -207,6 +225,23 @@ wait_ready() { # config name port t0 -> prints seconds since t0, fails after REA
     done
 }
 
+start_router() { # config: kvx router in front of the prefill and decode servers
+    setsid "$KVX" router --host 127.0.0.1 --port 8300 --prefill http://127.0.0.1:8100 \
+        --decode http://127.0.0.1:8200 >"$OUT/$1-router.log" 2>&1 </dev/null &
+    PGIDS+=($!)
+    PG_OF[router]=$!
+}
+
+router_healthy() { # config: waits (bounded) until the router has a healthy prefill and decode server
+    for _ in $(seq 1 120); do
+        curl -sf "$ROUTER_URL/health" >/dev/null && return 0
+        sleep 0.5
+    done
+    echo "test-vllm: $1: kvx router not healthy after 60 s; log tail:" >&2
+    tail -20 "$OUT/$1-router.log" >&2
+    return 1
+}
+
 is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
 
 status=0
@@ -224,6 +259,15 @@ for cfg in $CONFIGS; do
     fi
     echo "test-vllm: $cfg servers ready (prefill ${p_ready}s, decode ${d_ready}s; started together)"
     args=(--model "$MODEL" --lens "$LENS" --trials "$TRIALS" --label "$cfg")
+    if [ "$ROUTER" = 1 ]; then
+        start_router "$cfg"
+        if ! router_healthy "$cfg"; then
+            echo "{\"label\":\"$cfg\",\"router\":false}" >>"$OUT/summary.jsonl"; stop_all
+            is_kvx "$cfg" && status=1
+            continue
+        fi
+        args+=(--router "$ROUTER_URL")
+    fi
     case $cfg in kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;; esac
     if [ -f "$OUT/expected.json" ]; then args+=(--expected "$OUT/expected.json"); else args+=(--save "$OUT/expected.json"); fi
     # In the background and waited for: bash runs the EXIT/TERM trap only once a foreground
@@ -242,6 +286,23 @@ for cfg in $CONFIGS; do
     [ -n "$summary" ] || summary="{\"label\":\"$cfg\",\"all_match\":false,\"rc\":$rc}"
     echo "$summary" | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(prefill_ready_s=$p_ready, decode_ready_s=$d_ready); print(json.dumps(d))" >>"$OUT/summary.jsonl"
     tail -1 "$OUT/summary.jsonl"
+    if [ "$ROUTER" = 1 ]; then
+        # Every P/D request went through the router and came back whole.
+        curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
+        if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" <<'PY'
+import json, re, sys
+text, summary = open(sys.argv[1]).read(), json.loads(sys.argv[2])
+counts = {m.group(1): float(m.group(2)) for m in
+          re.finditer(r'^kvx_router_requests_total\{route="completions",outcome="([a-z_]+)"\} (\S+)$', text, re.M)}
+ok, others = counts.get("ok", 0), {k: v for k, v in counts.items() if k != "ok" and v}
+print(f"test-vllm: kvx router: {ok:.0f} completions ok, other outcomes {others or 'none'}")
+sys.exit(0 if ok >= (summary.get("requests") or 1) and not others else 1)
+PY
+        then
+            echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
+            is_kvx "$cfg" && status=1
+        fi
+    fi
     grep -h "kvx worker stats" "$OUT/$cfg-decode.log" | tail -1 || true
     grep -h "kvx worker stats" "$OUT/$cfg-prefill.log" | tail -1 || true
     if is_kvx "$cfg"; then

@@ -44,7 +44,21 @@ for backend in loopback ucx nixl; do
     cargo run -q -p kvx-cli --features ucx,nixl -- demo --requests 64 --backend "$backend"
 done
 
-step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl"
+# That one binary serves the steps below.
+KVX_BIN="$(realpath "${CARGO_TARGET_DIR:-target}/debug/kvx")"
+export KVX_BIN
+
+step "prefill and decode on two network hosts (namespaces, veth; kvx-ucx and kvx-nixl over TCP)"
+# The demo's binary. Exit 77: no network namespaces here, a failure unless KVX_ALLOW_NO_NETNS=1.
+netns=0
+scripts/test-netns.sh "$KVX_BIN" || netns=$?
+if [ "$netns" = 77 ] && [ "${KVX_ALLOW_NO_NETNS:-0}" = 1 ]; then
+    echo "network namespaces not available: skipped (KVX_ALLOW_NO_NETNS=1)"
+elif [ "$netns" != 0 ]; then
+    exit "$netns"
+fi
+
+step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl, through kvx router"
 # In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at
 # .venv-nixl's). Fails on any mismatch or failed check.
 # kvx's two backends, one trial per prompt length (under 10 minutes with vLLM installed);

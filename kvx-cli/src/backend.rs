@@ -42,7 +42,7 @@ impl Backend {
                 }))
             }
             #[cfg(feature = "ucx")]
-            Backend::Ucx => Ok(ucx_backend()),
+            Backend::Ucx => Ok(ucx_backend(cross_process)),
             #[cfg(not(feature = "ucx"))]
             Backend::Ucx => Err(Error::new(
                 ErrorKind::NotAvailable,
@@ -68,11 +68,20 @@ impl Backend {
 
 /// UCX agents whose KV pools UCX allocates itself (`UCP_MEM_MAP_ALLOCATE`): reads of them are
 /// truly one-sided over shared memory, so an engine that only serves its blocks need not progress.
+///
+/// `cross_process` (`kvx prefill`, `kvx decode`): the agents detect failed peers
+/// ([`UcxConfig::with_peer_failure_detection`](kvx_ucx::UcxConfig::with_peer_failure_detection)),
+/// so a peer process that dies fails its transfers instead of crashing this one, as UCX 1.13's
+/// TCP transport can (`UCX_TLS=tcp`, engines on two hosts). Its one cost, a reader waiting for its
+/// target to progress once, does not apply there: a prefill process steps its engine as long as it
+/// holds blocks for a reader, and a decode process while it has loads.
+/// `kvx demo`'s engines share one process and go without it, keeping reads of an engine that does
+/// not step one-sided.
 #[cfg(feature = "ucx")]
-fn ucx_backend() -> SimBackend {
+fn ucx_backend(cross_process: bool) -> SimBackend {
     use kvx_core::EngineId;
     use kvx_testkit::conformance::TestBuffer;
-    use kvx_ucx::UcxAgent;
+    use kvx_ucx::{UcxAgent, UcxConfig};
     use std::collections::HashMap;
     use std::sync::Mutex;
 
@@ -80,8 +89,10 @@ fn ucx_backend() -> SimBackend {
     let agents: Arc<Agents> = Arc::default();
     let created = Arc::clone(&agents);
     let poisoned = || Error::new(ErrorKind::State, "UCX agent registry poisoned");
+    let config =
+        if cross_process { UcxConfig::default().with_peer_failure_detection() } else { UcxConfig::default() };
     SimBackend::new(move |engine, rank| {
-        let agent = Arc::new(UcxAgent::new(format!("{engine}-{rank}"))?);
+        let agent = Arc::new(UcxAgent::with_config(format!("{engine}-{rank}"), &config)?);
         created.lock().map_err(|_| poisoned())?.insert((engine.clone(), rank), Arc::clone(&agent));
         Ok(agent as Arc<dyn TransferAgent>)
     })

@@ -40,11 +40,12 @@ impl Discovery {
         ))
     }
 
-    /// The side channel of an engine: TCP ones on `host` from `port`, or this etcd cluster's
-    /// exchanges, whose entries `auth_key` seals (the TCP side channels take the engine's key).
+    /// The side channel of an engine: TCP ones bound on `host` from `port` and advertised at
+    /// `advertise_host` (`host` when `None`), or this etcd cluster's exchanges, whose entries
+    /// `auth_key` seals (the TCP side channels take the engine's key).
     pub(crate) fn side_channel(
         &self,
-        host: &str,
+        (host, advertise_host): (&str, Option<&str>),
         port: u16,
         #[cfg_attr(
             not(feature = "etcd"),
@@ -53,21 +54,24 @@ impl Discovery {
         auth_key: Option<AuthKey>,
     ) -> SideChannel {
         match self {
-            Discovery::Tcp => SideChannel::Tcp { host: host.to_owned(), port },
+            Discovery::Tcp => SideChannel::Tcp {
+                host: host.to_owned(),
+                port,
+                advertise_host: advertise_host.map(str::to_owned),
+            },
             #[cfg(feature = "etcd")]
             Discovery::Etcd(url) => SideChannel::ById(etcd_exchanges(url, auth_key)),
         }
     }
 
-    /// Where the engine's handshakes go, for its first line.
-    pub(crate) fn describe(&self, base_port: u16, ranks: u32) -> String {
+    /// Where the engine's handshakes go, for its first line: the side channels' ports and the
+    /// host they are `advertised` at, or the etcd cluster.
+    pub(crate) fn describe(&self, base_port: u16, ranks: u32, advertised: &str) -> String {
         match self {
-            Discovery::Tcp => {
-                format!(
-                    "side channels on ports {base_port}-{}",
-                    u32::from(base_port) + ranks.saturating_sub(1)
-                )
-            }
+            Discovery::Tcp => format!(
+                "side channels on ports {base_port}-{}; advertised as {advertised}",
+                u32::from(base_port) + ranks.saturating_sub(1)
+            ),
             #[cfg(feature = "etcd")]
             Discovery::Etcd(url) => format!("handshakes through {url}"),
         }
@@ -107,7 +111,7 @@ mod tests {
         }
         let etcd = Discovery::parse("etcd://127.0.0.1:2379,[::1]:2379");
         #[cfg(feature = "etcd")]
-        assert_eq!(etcd.unwrap().describe(0, 2), "handshakes through etcd://127.0.0.1:2379,[::1]:2379");
+        assert_eq!(etcd.unwrap().describe(0, 2, "h"), "handshakes through etcd://127.0.0.1:2379,[::1]:2379");
         #[cfg(not(feature = "etcd"))]
         assert_eq!(etcd.unwrap_err().kind(), ErrorKind::NotAvailable);
         #[cfg(feature = "etcd")]

@@ -6,6 +6,7 @@ mod bench;
 mod demo;
 mod discovery;
 mod roles;
+mod router;
 mod soak;
 mod summary;
 mod workload;
@@ -31,6 +32,9 @@ enum Command {
     Prefill(roles::PrefillArgs),
     /// The decode engine as its own process: sends prompts to `kvx prefill`, loads their KV.
     Decode(roles::DecodeArgs),
+    /// An OpenAI-compatible HTTP router in front of vLLM prefill and decode servers: each
+    /// completion goes to a prefill server, then with its KV to a decode server.
+    Router(router::RouterArgs),
     /// READ bandwidth of scattered blocks against memcpy of the same blocks, in one run.
     Bench(bench::BenchArgs),
     /// The deterministic fault soak: engines, requests and a seeded schedule of faults, in
@@ -44,6 +48,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args).map(report),
         Command::Prefill(args) => roles::prefill(args).map(report),
         Command::Decode(args) => roles::decode(args).map(report),
+        Command::Router(args) => router::run(args).map(|()| ExitCode::SUCCESS),
         Command::Bench(args) => bench::run(args).map(|measured| {
             print!("{measured}");
             ExitCode::SUCCESS

@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvx_core::{Samples, WorkerStats};
 use kvx_testkit::sim::SimEngine;
 
-/// What a run moved and checked, from the decode engine's point of view, plus leak checks.
+/// What a run moved and checked, from the decode engines' point of view, plus leak checks.
 #[derive(Debug, Default)]
 pub(crate) struct Summary {
     pub(crate) requests: usize,
@@ -28,6 +28,8 @@ pub(crate) struct Summary {
     recomputed: u64,
     /// `kvx decode`: prefill processes lost and the failures they explain.
     losses: Option<PrefillLosses>,
+    /// Requests each engine served, by engine id (empty: no such row).
+    served: Vec<(String, u64)>,
 }
 
 /// What a `kvx decode` run saw of its prefill process going away (its request API unreachable, or
@@ -52,7 +54,13 @@ impl Summary {
     /// An engine's view of a run of `requests` requests that took `wall` (the decode engine's
     /// view is the whole story: it moves and checks the bytes).
     pub(crate) fn of_engine(decode: &SimEngine, requests: usize, wall: Duration) -> Self {
-        let workers = decode.worker_stats();
+        Summary::of_engines(std::slice::from_ref(decode), requests, wall)
+    }
+
+    /// The decode engines' view of a run of `requests` requests that took `wall`, summed over
+    /// them.
+    pub(crate) fn of_engines(decodes: &[SimEngine], requests: usize, wall: Duration) -> Self {
+        let workers: Vec<WorkerStats> = decodes.iter().flat_map(SimEngine::worker_stats).collect();
         let sorted = |samples: fn(&WorkerStats) -> &Samples| {
             let mut v: Vec<Duration> =
                 workers.iter().flat_map(|w| samples(w).kept().iter().copied()).collect();
@@ -61,11 +69,8 @@ impl Summary {
         };
         let read_latencies = sorted(|w| &w.read_latencies);
         let confirmed_latencies = sorted(|w| &w.transfer_latencies);
-        let stats = decode.stats();
         let mut s = Summary {
             requests,
-            finished: stats.finished,
-            failed: stats.failed,
             bytes_moved: workers.iter().map(|w| w.bytes_read).sum(),
             wall,
             read_latencies,
@@ -75,13 +80,27 @@ impl Summary {
                 .filter(|w| w.handshake_times.count() > 0)
                 .map(|w| w.handshake_times.max())
                 .max(),
-            blocks_verified: stats.blocks_verified,
-            bytes_verified: stats.bytes_verified,
-            mismatched: stats.blocks_mismatched,
             ..Summary::default()
         };
-        s.check(decode);
+        for decode in decodes {
+            let stats = decode.stats();
+            s.finished += stats.finished;
+            s.failed += stats.failed;
+            s.blocks_verified += stats.blocks_verified;
+            s.bytes_verified += stats.bytes_verified;
+            s.mismatched += stats.blocks_mismatched;
+            s.check(decode);
+        }
         s
+    }
+
+    /// Adds a row of how many requests each engine served: its id and the requests that finished
+    /// or failed on it.
+    pub(crate) fn set_served<'a>(&mut self, engines: impl IntoIterator<Item = &'a SimEngine>) {
+        self.served = engines
+            .into_iter()
+            .map(|e| (e.engine_id().to_string(), e.stats().finished + e.stats().failed))
+            .collect();
     }
 
     /// Adds an engine's errors and leaked blocks.
@@ -179,6 +198,10 @@ impl fmt::Display for Summary {
         for (name, value) in rows {
             writeln!(f, "  {name:<22} {value}")?;
         }
+        if !self.served.is_empty() {
+            let served: Vec<String> = self.served.iter().map(|(id, n)| format!("{id} {n}")).collect();
+            writeln!(f, "  {:<22} {}", "requests per engine", served.join(", "))?;
+        }
         // The decode side, when a prefill process was lost or failed loads are accepted.
         if let Some(l) = self.losses.as_ref().filter(|l| l.tolerated || l.losses > 0) {
             let rows = [
@@ -222,6 +245,15 @@ mod tests {
         // ...others are not, nor requests unaccounted for.
         assert!(!decode_summary(8, 1, 1, lost(true, 2, 1)).is_correct());
         assert!(!decode_summary(8, 1, 0, lost(true, 1, 0)).is_correct());
+    }
+
+    #[test]
+    fn the_served_row_names_every_engine_in_order() {
+        let mut s = decode_summary(10, 0, 0, None);
+        assert!(!s.to_string().contains("requests per engine"));
+        s.served = vec![("prefill-0".into(), 6), ("prefill-1".into(), 4), ("decode".into(), 10)];
+        let text = s.to_string();
+        assert!(text.contains("  requests per engine    prefill-0 6, prefill-1 4, decode 10\n"), "{text}");
     }
 
     #[test]

@@ -31,11 +31,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Runs `kvx demo` on `backend` with 40 requests and checks that all finished, every byte
-/// matched and nothing leaked.
-fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+/// Runs `kvx demo` on `backend` with 40 requests and `extra` options, checks that all finished,
+/// every byte matched and nothing leaked, and returns its output.
+fn demo_on(backend: &str, extra: &[&str]) -> String {
     let child = Command::new(KVX)
         .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
+        .args(extra)
         .args(SIZES)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -48,11 +49,68 @@ fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
     assert!(stdout.contains("40 (40 finished, 0 failed)"), "{stdout}");
     assert!(stdout.contains("blocks mismatched      0"), "{stdout}");
     assert!(stdout.contains("blocks leaked          0"), "{stdout}");
+    stdout
+}
+
+/// `kvx demo` on `backend`: one prefill and one decode engine, every byte checked, nothing leaked.
+fn demo_checks_every_byte_and_leaks_nothing_on(backend: &str) {
+    let stdout = demo_on(backend, &[]);
+    assert!(!stdout.contains("requests per engine"), "one engine of each kind: no such row\n{stdout}");
 }
 
 #[test]
 fn demo_checks_every_byte_and_leaks_nothing() {
     demo_checks_every_byte_and_leaks_nothing_on("loopback");
+}
+
+/// `kvx demo` on `backend` with `p` prefill and `d` decode engines: every request finishes, every
+/// byte matched, nothing leaked, and the summary says how many requests each engine served. All
+/// 40 are submitted before the first step, so the prefill engines share them exactly (ties go
+/// round robin); every decode engine serves some.
+fn demo_runs_several_prefill_and_decode_engines_on(backend: &str, p: u32, d: u32) {
+    let (ps, ds) = (p.to_string(), d.to_string());
+    let stdout = demo_on(backend, &["--prefill-engines", &ps, "--decode-engines", &ds]);
+    assert!(stdout.contains(&format!("engines: {p} prefill, {d} decode")), "{stdout}");
+    let row = stdout.lines().find_map(|l| l.trim().strip_prefix("requests per engine")).unwrap();
+    let served: Vec<(String, u64)> = row
+        .split(", ")
+        .map(|e| e.trim().split_once(' ').unwrap())
+        .map(|(id, n)| (id.to_owned(), n.parse().unwrap()))
+        .collect();
+    let named = |role: &'static str, n: u32| {
+        (0..n).map(move |i| if n == 1 { role.to_owned() } else { format!("{role}-{i}") })
+    };
+    let ids: Vec<String> = named("prefill", p).chain(named("decode", d)).collect();
+    assert_eq!(served.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "{row}");
+    let (on_prefill, on_decode) = served.split_at(p as usize);
+    assert!(on_prefill.iter().all(|&(_, n)| n == u64::from(40 / p)), "{row}");
+    assert!(on_decode.iter().all(|&(_, n)| n > 0), "{row}");
+    assert_eq!(on_decode.iter().map(|(_, n)| n).sum::<u64>(), 40, "{row}");
+}
+
+#[test]
+fn demo_runs_several_prefill_and_decode_engines() {
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 2, 2);
+    demo_runs_several_prefill_and_decode_engines_on("loopback", 4, 1);
+}
+
+/// `--prefill-engines` and `--decode-engines` take 1 to 16.
+#[test]
+fn demo_refuses_engine_counts_out_of_range() {
+    for flag in ["--prefill-engines", "--decode-engines"] {
+        for n in ["0", "17"] {
+            let out = wait(
+                Command::new(KVX)
+                    .args(["demo", flag, n])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            assert_eq!(out.status.code(), Some(2), "{flag} {n}");
+            assert!(text(&out.stderr).contains(flag), "{}", text(&out.stderr));
+        }
+    }
 }
 
 #[test]
@@ -84,6 +142,12 @@ macro_rules! native_backend_tests {
             #[test]
             fn demo() {
                 super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+            }
+
+            /// `kvx demo` with two prefill and two decode engines.
+            #[test]
+            fn demo_2p2d() {
+                super::demo_runs_several_prefill_and_decode_engines_on(BACKEND, 2, 2);
             }
 
             /// `kvx prefill` and `kvx decode` as two processes: the decode process READs every
@@ -304,4 +368,94 @@ fn soak_replays_a_seed_and_succeeds() {
     assert!(stdout.contains("kvx soak --requests 300 --seed 5"), "{stdout}");
     assert!(text(&first.stderr).contains("wall time"), "the wall time goes to stderr");
     assert_eq!(stdout, text(&second.stdout), "the same seed, the same report");
+}
+
+/// `kvx router` as a process: its options, its address lines, its two ports and its stop on
+/// SIGTERM. Routing, failover and streaming are tested against stub servers in the router
+/// module's own tests.
+mod router {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Child, Command, Stdio};
+    use std::sync::mpsc;
+
+    use super::{KVX, LIMIT, text, wait};
+
+    /// A URL where nothing listens.
+    fn closed_url() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        format!("http://127.0.0.1:{port}")
+    }
+
+    #[test]
+    fn bad_server_urls_are_refused() {
+        for url in ["https://127.0.0.1:8100", "127.0.0.1:8100", "http://127.0.0.1:8100/?x=1"] {
+            let child = Command::new(KVX)
+                .args(["router", "--port", "0", "--prefill", url, "--decode", "http://127.0.0.1:8200"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let out = wait(child);
+            assert_eq!(out.status.code(), Some(2), "{url}");
+            assert!(text(&out.stderr).contains("router: server"), "{}", text(&out.stderr));
+        }
+    }
+
+    /// The first `lines` lines of `child`'s stdout, within [`LIMIT`].
+    fn first_lines(child: &mut Child, lines: usize) -> Vec<String> {
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let read: Vec<String> =
+                BufReader::new(stdout).lines().take(lines).map_while(Result::ok).collect();
+            let _ = tx.send(read);
+        });
+        rx.recv_timeout(LIMIT).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("kvx router printed no address within {LIMIT:?}")
+        })
+    }
+
+    #[test]
+    fn the_router_serves_its_api_and_metrics_ports_and_stops_on_sigterm() {
+        let (prefill, decode) = (closed_url(), closed_url());
+        let mut child = Command::new(KVX)
+            .args(["router", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"])
+            .args(["--prefill", &prefill, "--decode", &decode, "--retries", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = first_lines(&mut child, 2);
+        let address = |prefix: &str, line: &str| {
+            let rest = line.strip_prefix(prefix).unwrap_or_else(|| panic!("{line:?}"));
+            rest.split_whitespace().next().unwrap().to_owned()
+        };
+        assert!(lines[0].ends_with("(0/1 prefill and 0/1 decode servers healthy)"), "{lines:?}");
+        let api = address("kvx router: serving on ", &lines[0]);
+        let metrics = address("kvx router: metrics on ", &lines[1]);
+
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let client = reqwest::Client::builder().no_proxy().timeout(LIMIT).build().unwrap();
+            let body = r#"{"model": "m", "prompt": "hello"}"#;
+            let post = client.post(format!("{api}/v1/completions")).body(body).send().await.unwrap();
+            // The health check before serving found no server: 503 at once.
+            assert_eq!(post.status(), 503);
+            assert!(post.text().await.unwrap().contains("no prefill server is healthy"));
+            let scrape = client.get(metrics).send().await.unwrap().text().await.unwrap();
+            let series = format!(r#"kvx_router_upstream_healthy{{role="prefill",upstream="{prefill}"}} 0"#);
+            assert!(scrape.contains(&series), "{scrape}");
+            let scrape = client.get(format!("{api}/metrics")).send().await.unwrap().text().await.unwrap();
+            assert!(scrape.contains(&series), "{scrape}");
+        });
+
+        let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let out = wait(child);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("stopping"), "{stderr}");
+        assert!(stderr.contains(&format!("prefill server {prefill} out of rotation")), "{stderr}");
+    }
 }

@@ -275,10 +275,10 @@ fn sim_engines_find_each_other_through_etcd_without_host_or_port() {
         assert_eq!((&params.remote_host, params.remote_port), (&None, None), "{params:?}");
         assert_eq!(params.remote_engine_id, Some("prefill".into()));
     }
-    let stats = c.decode.stats();
+    let stats = c.decodes[0].stats();
     assert_eq!(stats.tokens_loaded, 16 * (1..=8).sum::<u64>());
     assert!(stats.bytes_verified > 0 && stats.blocks_mismatched == 0, "{stats:?}");
-    assert!(c.decode.worker_stats().iter().all(|w| w.handshakes == 1 && w.failed_loads == 0));
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.handshakes == 1 && w.failed_loads == 0));
 }
 
 /// A decode engine on TCP side channels cannot find a prefill engine by id: the request whose
@@ -290,16 +290,16 @@ fn params_without_host_or_port_fail_typed_on_a_tcp_side_channel() {
     };
     let (fabric, model) = (Fabric::new(), ModelSpec::standard(2, 4, 8, 16));
     let prefill = sim_engine("prefill", through_etcd(&config), &fabric, &model);
-    let tcp = SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 };
+    let tcp = SideChannel::Tcp { host: "127.0.0.1".into(), port: 0, advertise_host: None };
     let mut c = Cluster::new(vec![prefill], sim_engine("decode", tcp, &fabric, &model)).unwrap();
     let id = RequestId::new("by-id");
     c.submit(id.clone(), (0..3 * 16).collect(), 2).unwrap();
     let deadline = Instant::now() + T;
-    while !matches!(c.decode.state(&id), Some(RequestState::Failed(_))) {
-        assert!(Instant::now() < deadline, "the request did not fail: {:?}", c.decode.state(&id));
+    while !matches!(c.decodes[0].state(&id), Some(RequestState::Failed(_))) {
+        assert!(Instant::now() < deadline, "the request did not fail: {:?}", c.decodes[0].state(&id));
         c.step().unwrap();
     }
-    let e = assert_failed(&c.decode, &id, &[ErrorKind::InvalidArgument]);
+    let e = assert_failed(&c.decodes[0], &id, &[ErrorKind::InvalidArgument]);
     assert!(e.to_string().contains("TCP side channel"), "{e}");
-    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 0));
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 0));
 }

@@ -39,11 +39,11 @@ fn prompts_shorter_than_a_block_transfer_nothing() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &ids);
-    assert_eq!(c.decode.stats().tokens_loaded, 0);
-    assert_eq!(c.decode.stats().blocks_verified, 0);
-    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 0));
-    assert_eq!(c.decode.output_tokens(&ids[0]).unwrap().len(), 3);
+    assert_finished(&c.decodes[0], &ids);
+    assert_eq!(c.decodes[0].stats().tokens_loaded, 0);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 0));
+    assert_eq!(c.decodes[0].output_tokens(&ids[0]).unwrap().len(), 3);
 }
 
 #[test]
@@ -58,11 +58,11 @@ fn prompts_of_exact_block_multiples_load_every_block() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &ids);
+    assert_finished(&c.decodes[0], &ids);
     let blocks = (lens.iter().sum::<usize>() / BS) as u64;
-    assert_eq!(c.decode.stats().tokens_loaded, blocks * BS as u64);
-    assert_eq!(c.decode.stats().blocks_verified, expected_verified(&m, 2, 1) * blocks);
-    for w in c.decode.worker_stats() {
+    assert_eq!(c.decodes[0].stats().tokens_loaded, blocks * BS as u64);
+    assert_eq!(c.decodes[0].stats().blocks_verified, expected_verified(&m, 2, 1) * blocks);
+    for w in c.decodes[0].worker_stats() {
         assert_eq!((w.reads_posted, w.handshakes, w.failed_loads), (3, 1, 0));
     }
 }
@@ -75,32 +75,32 @@ fn partial_and_full_prefix_hits_on_the_decode_side() {
     let base = prompt(7, 4 * BS);
     c.submit(id("a"), base.clone(), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    assert_eq!(c.decode.stats().tokens_loaded, 4 * BS as u64);
+    assert_eq!(c.decodes[0].stats().tokens_loaded, 4 * BS as u64);
 
     // Partial hit: 2 blocks cached, the next 2 full blocks loaded, the tail computed.
     let mut partial = base[..2 * BS].to_vec();
     partial.extend(prompt(8, 2 * BS + 5));
     c.submit(id("b"), partial, 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    assert_eq!(c.decode.stats().tokens_cached, 2 * BS as u64);
-    assert_eq!(c.decode.stats().tokens_loaded, (4 + 2) * BS as u64);
+    assert_eq!(c.decodes[0].stats().tokens_cached, 2 * BS as u64);
+    assert_eq!(c.decodes[0].stats().tokens_loaded, (4 + 2) * BS as u64);
 
     // Full hit: every full block cached; only the prefill engine is told to free.
     let mut full = base.clone();
     full.extend([1, 2]);
     c.submit(id("c"), full, 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    assert_eq!(c.decode.stats().tokens_cached, (2 + 4) * BS as u64);
-    assert_eq!(c.decode.stats().tokens_loaded, 6 * BS as u64, "nothing loaded");
-    assert!(c.decode.worker_stats().iter().all(|w| w.notify_only == 1));
+    assert_eq!(c.decodes[0].stats().tokens_cached, (2 + 4) * BS as u64);
+    assert_eq!(c.decodes[0].stats().tokens_loaded, 6 * BS as u64, "nothing loaded");
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.notify_only == 1));
 
     // The same exact-multiple prompt again: the last block is loaded, so one token is computed.
     c.submit(id("d"), base, 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    assert_eq!(c.decode.stats().tokens_loaded, 7 * BS as u64);
+    assert_eq!(c.decodes[0].stats().tokens_loaded, 7 * BS as u64);
     assert_clean(&c);
-    assert_finished(&c.decode, &[id("a"), id("b"), id("c"), id("d")]);
-    assert_eq!(c.decode.stats().blocks_verified, expected_verified(&m, 2, 1) * 7);
+    assert_finished(&c.decodes[0], &[id("a"), id("b"), id("c"), id("d")]);
+    assert_eq!(c.decodes[0].stats().blocks_verified, expected_verified(&m, 2, 1) * 7);
 }
 
 #[test]
@@ -113,8 +113,8 @@ fn mla_layout() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_eq!(c.decode.stats().blocks_verified, expected_verified(&m, 2, 1) * 4);
-    assert_eq!(c.decode.stats().blocks_verified, 3 * 2 * 4, "one region per layer");
+    assert_eq!(c.decodes[0].stats().blocks_verified, expected_verified(&m, 2, 1) * 4);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 3 * 2 * 4, "one region per layer");
 }
 
 #[test]
@@ -126,9 +126,9 @@ fn chunked_local_attention_layers_transfer_only_their_window() {
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
     // Layer 0 reads 5 blocks, layer 1 one, layer 2 two: (5 + 1 + 2) blocks x K,V x 2 ranks.
-    assert_eq!(c.decode.stats().blocks_verified, expected_verified(&m, 2, 5));
-    assert_eq!(c.decode.stats().blocks_verified, 8 * 2 * 2);
-    for w in c.decode.worker_stats() {
+    assert_eq!(c.decodes[0].stats().blocks_verified, expected_verified(&m, 2, 5));
+    assert_eq!(c.decodes[0].stats().blocks_verified, 8 * 2 * 2);
+    for w in c.decodes[0].worker_stats() {
         assert_eq!(w.descriptors, 8 * 2, "only the window's descriptors are read");
     }
 }
@@ -156,8 +156,8 @@ fn five_hundred_concurrent_requests_of_random_lengths() {
     }
     c.run_until_idle(Duration::from_secs(120)).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &ids);
-    let s = c.decode.stats();
+    assert_finished(&c.decodes[0], &ids);
+    let s = c.decodes[0].stats();
     assert_eq!((s.finished, s.failed), (500, 0));
     assert!(s.blocks_verified > 1000, "{s:?}");
     assert!(s.tokens_cached > 0, "shared prefixes hit the decode engine's cache: {s:?}");
@@ -175,9 +175,9 @@ fn two_prefill_engines_feed_one_decode_engine() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &ids);
+    assert_finished(&c.decodes[0], &ids);
     assert!(c.prefills.iter().all(|p| p.stats().finished == 10));
-    for w in c.decode.worker_stats() {
+    for w in c.decodes[0].worker_stats() {
         assert_eq!((w.handshakes, w.reads_posted), (2, 20), "one handshake per prefill engine");
     }
 }
@@ -195,7 +195,7 @@ fn a_failed_transfer_fails_exactly_that_request() {
     lb.agent("decode", 1).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
     c.submit(id("victim"), prompt(2, 3 * BS), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
-    let e = assert_failed(&c.decode, &id("victim"), &[ErrorKind::Transfer]);
+    let e = assert_failed(&c.decodes[0], &id("victim"), &[ErrorKind::Transfer]);
     // Every failed READ is a `Transfer` failure; the message says it is the injected one.
     assert_eq!(e.backend(), Some("loopback"), "{e}");
     assert!(e.message().contains("injected"), "{e}");
@@ -203,8 +203,8 @@ fn a_failed_transfer_fails_exactly_that_request() {
     c.submit(id("after"), prompt(3, 3 * BS), 2).unwrap();
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &[id("before"), id("after")]);
-    assert_eq!((c.decode.stats().finished, c.decode.stats().failed), (2, 1));
+    assert_finished(&c.decodes[0], &[id("before"), id("after")]);
+    assert_eq!((c.decodes[0].stats().finished, c.decodes[0].stats().failed), (2, 1));
     // Rank 1's READ failed, and its worker told the prefill engine to free at once: no hold had
     // to expire.
     assert!(c.prefills[0].worker_stats().iter().all(|w| w.expired_holds == 0));
@@ -228,10 +228,10 @@ fn a_refused_handshake_fails_the_waiting_requests() {
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
     for rid in &ids {
-        assert_failed(&c.decode, rid, &[ErrorKind::Handshake]);
+        assert_failed(&c.decodes[0], rid, &[ErrorKind::Handshake]);
     }
-    assert_eq!(c.decode.stats().failed, 3);
-    assert!(c.decode.worker_stats().iter().all(|w| w.handshake_failures >= 1 && w.handshakes == 0));
+    assert_eq!(c.decodes[0].stats().failed, 3);
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.handshake_failures >= 1 && w.handshakes == 0));
     assert!(c.prefills[0].worker_stats().iter().all(|w| w.expired_holds == 3));
     let elapsed = lb.time.as_ref().unwrap().clock().elapsed();
     assert!(elapsed >= Duration::from_millis(200), "the leases ran out in simulated time: {elapsed:?}");
@@ -259,20 +259,20 @@ fn an_abort_during_a_read_keeps_the_blocks_until_the_read_ends() {
     let rid = id("aborted");
     c.submit(rid.clone(), prompt(9, 4 * BS), 4).unwrap();
     let deadline = Instant::now() + LIMIT;
-    while c.decode.pool().num_in_flight() == 0 {
+    while c.decodes[0].pool().num_in_flight() == 0 {
         assert!(Instant::now() < deadline, "the READ never started");
         c.step().unwrap();
     }
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::WaitingForRemoteKv));
-    let total = c.decode.pool().num_blocks() as usize;
-    let used = total - c.decode.pool().num_free();
-    c.decode.abort(&rid);
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
-    assert_eq!(total - c.decode.pool().num_free(), used, "nothing freed while the READ runs");
-    assert_eq!(c.decode.pool().num_in_flight(), 4);
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::WaitingForRemoteKv));
+    let total = c.decodes[0].pool().num_blocks() as usize;
+    let used = total - c.decodes[0].pool().num_free();
+    c.decodes[0].abort(&rid);
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
+    assert_eq!(total - c.decodes[0].pool().num_free(), used, "nothing freed while the READ runs");
+    assert_eq!(c.decodes[0].pool().num_in_flight(), 4);
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_eq!(c.decode.stats().blocks_verified, 0, "an aborted load is not used");
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0, "an aborted load is not used");
 }
 
 #[test]
@@ -280,7 +280,7 @@ fn tcp_side_channels() {
     let lb = Loopback::default();
     let m = model();
     let config = |name| EngineConfig {
-        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0, advertise_host: None },
         ..lb.config(name, &m)
     };
     let mut c = Cluster::new(vec![lb.engine(config("prefill"))], lb.engine(config("decode"))).unwrap();
@@ -290,6 +290,6 @@ fn tcp_side_channels() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_finished(&c.decode, &ids);
-    assert!(c.decode.worker_stats().iter().all(|w| w.handshakes == 1));
+    assert_finished(&c.decodes[0], &ids);
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.handshakes == 1));
 }

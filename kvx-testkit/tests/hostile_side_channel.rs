@@ -27,7 +27,7 @@ fn engine(fabric: &Fabric, id: &str, auth_key: Option<AuthKey>) -> SimEngine {
     });
     let model = ModelSpec::standard(2, 4, 8, BS as u32);
     let config = EngineConfig {
-        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0 },
+        side_channel: SideChannel::Tcp { host: "127.0.0.1".into(), port: 0, advertise_host: None },
         auth_key,
         lease_duration: Duration::from_millis(300),
         ..EngineConfig::new(id, 2, 512, model, &InProcessSideChannels::new())
@@ -47,7 +47,7 @@ fn run(c: &mut Cluster, n: usize) -> Vec<RequestId> {
         c.submit(id.clone(), prompt(i as u64, 2 * BS + i), 2).unwrap();
     }
     c.run_until_idle(LIMIT).unwrap();
-    for e in c.prefills.iter().chain([&c.decode]) {
+    for e in c.prefills.iter().chain(&c.decodes) {
         assert!(e.errors().is_empty(), "{}: {:?}", e.engine_id(), e.errors());
         assert_eq!(e.stats().blocks_mismatched, 0);
         assert!(e.pool().is_whole(), "{} leaked blocks", e.engine_id());
@@ -72,10 +72,10 @@ fn attacked_side_channels_still_serve_handshakes_and_reads() {
     let mut c = Cluster::new(vec![prefill], engine(&fabric, "decode", None)).unwrap();
     let ids = run(&mut c, 8);
     for id in &ids {
-        assert_eq!(c.decode.state(id), Some(&RequestState::Finished(FinishReason::LengthCapped)), "{id}");
+        assert_eq!(c.decodes[0].state(id), Some(&RequestState::Finished(FinishReason::LengthCapped)), "{id}");
     }
-    assert!(c.decode.stats().blocks_verified > 0);
-    assert!(c.decode.worker_stats().iter().all(|w| w.handshakes == 1));
+    assert!(c.decodes[0].stats().blocks_verified > 0);
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.handshakes == 1));
 }
 
 #[test]
@@ -88,8 +88,8 @@ fn keyed_engines_read_and_a_wrong_key_or_none_reads_nothing() {
     )
     .unwrap();
     let ids = run(&mut c, 4);
-    assert!(ids.iter().all(|id| matches!(c.decode.state(id), Some(RequestState::Finished(_)))));
-    assert!(c.decode.stats().blocks_verified > 0);
+    assert!(ids.iter().all(|id| matches!(c.decodes[0].state(id), Some(RequestState::Finished(_)))));
+    assert!(c.decodes[0].stats().blocks_verified > 0);
 
     for (n, wrong) in [key("deployment-key-0002"), None].into_iter().enumerate() {
         let wrong_is_a_key = wrong.is_some();
@@ -98,17 +98,17 @@ fn keyed_engines_read_and_a_wrong_key_or_none_reads_nothing() {
         let mut c = Cluster::new(vec![prefill], engine(&fabric, &format!("decode-{n}"), wrong)).unwrap();
         let ids = run(&mut c, 3);
         for id in &ids {
-            match c.decode.state(id) {
+            match c.decodes[0].state(id) {
                 Some(RequestState::Failed(e)) => {
                     assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{id}: {e}")
                 }
                 other => panic!("{id}: {other:?}"),
             }
         }
-        assert_eq!(c.decode.stats().blocks_verified, 0, "nothing READ");
+        assert_eq!(c.decodes[0].stats().blocks_verified, 0, "nothing READ");
         // Another key: the signed params already fail, before any connection. No key: the
         // params are not checked, and the side channel refuses the handshake.
-        for w in c.decode.worker_stats() {
+        for w in c.decodes[0].worker_stats() {
             assert_eq!((w.handshakes, w.reads_posted), (0, 0), "{w:?}");
             assert_eq!(w.handshake_failures == 0, wrong_is_a_key, "{w:?}");
         }

@@ -93,13 +93,13 @@ fn a_lost_answer_fails_the_load_after_its_confirmation_timeout() {
     lb.agent("lost-answer-prefill", 1).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
-    assert_failed(&c.decode, &lost[0], &[ErrorKind::Timeout]);
-    let w = c.decode.worker_stats();
+    assert_failed(&c.decodes[0], &lost[0], &[ErrorKind::Timeout]);
+    let w = c.decodes[0].worker_stats();
     assert_eq!(
         w.iter().map(|w| (w.lease_failures, w.peers_invalidated)).collect::<Vec<_>>(),
         [(0, 0), (1, 1)]
     );
-    assert_eq!(c.decode.stats().blocks_verified, 0);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "hold_answers", |w| w.hold_answers, 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
@@ -107,10 +107,10 @@ fn a_lost_answer_fails_the_load_after_its_confirmation_timeout() {
 
     let next = submit(&mut c, "next", 2, 1);
     run(&mut c);
-    assert_finished(&c.decode, &next);
-    let w = c.decode.worker_stats();
+    assert_finished(&c.decodes[0], &next);
+    let w = c.decodes[0].worker_stats();
     assert_eq!(w.iter().map(|w| (w.handshakes, w.peer_restarts)).collect::<Vec<_>>(), [(1, 0), (2, 0)]);
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
     assert_clean(&c);
 }
 
@@ -124,12 +124,12 @@ fn a_lost_release_fails_the_load_and_the_hold_expires() {
     lb.agent("lost-release-decode", 0).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
     let lost = submit(&mut c, "lost", 1, 1);
     run(&mut c);
-    assert_failed(&c.decode, &lost[0], &[ErrorKind::Timeout]);
-    let w = c.decode.worker_stats();
+    assert_failed(&c.decodes[0], &lost[0], &[ErrorKind::Timeout]);
+    let w = c.decodes[0].worker_stats();
     assert_eq!(w.iter().map(|w| w.lease_failures).collect::<Vec<_>>(), [1, 0]);
     let p = c.prefills[0].worker_stats();
     assert_eq!(p.iter().map(|w| (w.notifications, w.expired_holds)).collect::<Vec<_>>(), [(0, 1), (1, 0)]);
-    assert_eq!(c.decode.stats().blocks_verified, 0);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
     assert_clean(&c);
 }
 
@@ -145,12 +145,12 @@ fn a_doubled_release_is_answered_twice_and_the_load_succeeds() {
     lb.agent("doubled-decode", 0).set_faults(Faults::none().duplicate_nth_notification(1)).unwrap();
     let ids = submit(&mut c, "doubled", 1, 1);
     run(&mut c);
-    assert_finished(&c.decode, &ids);
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    assert_finished(&c.decodes[0], &ids);
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
     let p = c.prefills[0].worker_stats();
     let counts = |w: &kvx_core::WorkerStats| (w.notifications, w.stray_notifications, w.hold_answers);
     assert_eq!(p.iter().map(counts).collect::<Vec<_>>(), [(1, 1, 2), (1, 0, 1)]);
-    let d = c.decode.worker_stats();
+    let d = c.decodes[0].worker_stats();
     assert_eq!(
         d.iter().map(|w| (w.stray_notifications, w.lease_failures)).collect::<Vec<_>>(),
         [(1, 0), (0, 0)]
@@ -172,26 +172,26 @@ fn an_unreachable_answer_path_fails_the_load_and_nothing_leaks() {
     let fabric = lb.fabric.clone();
     let mut refused = false;
     c.run_until_idle_with(matrix::LIMIT, |c| {
-        if !refused && c.decode.worker_stats().iter().all(|w| w.handshakes == 1) {
+        if !refused && c.decodes[0].worker_stats().iter().all(|w| w.handshakes == 1) {
             fabric.set_faults(Faults::none().refuse_handshakes()).unwrap();
             refused = true;
         }
     })
     .unwrap();
     assert!(refused);
-    assert_failed(&c.decode, &ids[0], &[ErrorKind::Timeout]);
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 1);
+    assert_failed(&c.decodes[0], &ids[0], &[ErrorKind::Timeout]);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "handshake_failures", |w| w.handshake_failures, 1);
     m.assert_per_rank(&c.prefills[0], "unsent_messages", |w| w.unsent_messages, 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
-    assert_eq!(c.decode.stats().blocks_verified, 0);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
     assert_clean(&c);
 
     lb.fabric.set_faults(Faults::none()).unwrap();
     let next = submit(&mut c, "next", 2, 1);
     run(&mut c);
-    assert_finished(&c.decode, &next);
+    assert_finished(&c.decodes[0], &next);
     m.assert_per_rank(&c.prefills[0], "handshakes", |w| w.handshakes, 1);
     m.assert_per_rank(&c.prefills[0], "hold_answers", |w| w.hold_answers, 2);
     assert_clean(&c);

@@ -76,19 +76,19 @@ fn run(prefill_key: Option<&str>, decode_key: Option<&str>) -> Cluster {
 }
 
 fn state(c: &Cluster, id: &str) -> RequestState {
-    c.decode.state(&RequestId::new(id)).cloned().unwrap()
+    c.decodes[0].state(&RequestId::new(id)).cloned().unwrap()
 }
 
 /// `rid` failed because a load of the same request or offer was in flight: the kind is that of
 /// any misuse of the connector, so the message says which one.
 #[track_caller]
 fn assert_refused_as_duplicate(c: &Cluster, rid: &str) {
-    let e = assert_failed(&c.decode, &id(rid), &[ErrorKind::InvalidArgument]);
+    let e = assert_failed(&c.decodes[0], &id(rid), &[ErrorKind::InvalidArgument]);
     assert!(e.message().contains("already in flight"), "{rid}: {e}");
 }
 
 fn assert_pools_whole(c: &Cluster) {
-    for e in c.prefills.iter().chain([&c.decode]) {
+    for e in c.prefills.iter().chain(&c.decodes) {
         assert!(e.is_idle(), "{} is not idle", e.engine_id());
         assert!(e.pool().is_whole(), "{} leaked {} blocks", e.engine_id(), c.blocks_in_use());
     }
@@ -105,12 +105,16 @@ fn without_a_key_forged_and_replayed_params_free_or_corrupt_no_other_request() {
     for copy in ["forged-id", "replay", "other-blocks"] {
         assert_refused_as_duplicate(&c, copy);
     }
-    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 2), "{:?}", c.decode.worker_stats());
+    assert!(
+        c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 2),
+        "{:?}",
+        c.decodes[0].worker_stats()
+    );
     // Every engine idle, every block back in its pool; the victim's blocks were never reused
     // while it read them (its bytes verified).
     assert_pools_whole(&c);
     let decode_errors: Vec<_> =
-        c.decode.errors().iter().filter(|e| e.contains("victim") || e.contains("attacker")).collect();
+        c.decodes[0].errors().iter().filter(|e| e.contains("victim") || e.contains("attacker")).collect();
     assert!(decode_errors.is_empty(), "{decode_errors:?}");
     assert!(c.prefills[0].errors().is_empty(), "{:?}", c.prefills[0].errors());
 }
@@ -122,12 +126,16 @@ fn with_a_key_every_edited_offer_is_refused_before_it_is_read() {
     assert_eq!(state(&c, "victim"), RequestState::Finished(FinishReason::LengthCapped));
     assert_eq!(state(&c, "attacker"), RequestState::Finished(FinishReason::LengthCapped));
     for forged in ["forged-id", "other-blocks"] {
-        assert_failed(&c.decode, &id(forged), &[ErrorKind::Unauthenticated]);
+        assert_failed(&c.decodes[0], &id(forged), &[ErrorKind::Unauthenticated]);
     }
     // Only the two real requests were read, on each rank: the unedited replay is the attacker's
     // offer, whose load is running.
     assert_refused_as_duplicate(&c, "replay");
-    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 2), "{:?}", c.decode.worker_stats());
+    assert!(
+        c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 2),
+        "{:?}",
+        c.decodes[0].worker_stats()
+    );
     assert_pools_whole(&c);
     assert!(c.prefills[0].errors().is_empty(), "{:?}", c.prefills[0].errors());
 }
@@ -136,9 +144,9 @@ fn with_a_key_every_edited_offer_is_refused_before_it_is_read() {
 fn a_decode_engine_with_another_key_reads_nothing_and_nothing_leaks() {
     let c = run(Some("the prefill deployment's key"), Some("a different deployment key"));
     for rid in ["victim", "attacker", "forged-id", "replay", "other-blocks"] {
-        assert_failed(&c.decode, &id(rid), &[ErrorKind::Unauthenticated]);
+        assert_failed(&c.decodes[0], &id(rid), &[ErrorKind::Unauthenticated]);
     }
-    assert!(c.decode.worker_stats().iter().all(|w| w.reads_posted == 0 && w.handshakes == 0));
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 0 && w.handshakes == 0));
     // The prefill engine's holds expire (nobody may read them) and its pool is whole again.
     assert!(c.prefills[0].worker_stats().iter().all(|w| w.expired_holds == 2));
     assert_pools_whole(&c);
@@ -156,6 +164,6 @@ fn a_keyed_deployment_serves_every_request_and_verifies_every_byte() {
     }
     c.run_until_idle(LIMIT).unwrap();
     assert_clean(&c);
-    assert_eq!((c.decode.stats().finished, c.decode.stats().failed), (20, 0));
-    assert!(c.decode.stats().blocks_verified > 0);
+    assert_eq!((c.decodes[0].stats().finished, c.decodes[0].stats().failed), (20, 0));
+    assert!(c.decodes[0].stats().blocks_verified > 0);
 }

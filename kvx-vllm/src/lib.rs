@@ -11,17 +11,18 @@ use pyo3::prelude::*;
 
 pub use affinity::unpinned;
 pub use memory::TensorMemory;
-pub use scheduler::Scheduler;
+pub use scheduler::{Scheduler, side_channel_host_warning};
 pub use worker::{Worker, WorkerOptions};
 
-/// Adds kvx-vllm's classes to an extension module (each backend's module calls it), and sends
-/// kvx's `tracing` events to stderr when `KVX_LOG` is set (a filter such as `debug` or
-/// `kvx_core=debug`).
+/// Adds kvx-vllm's classes and `side_channel_host_warning` to an extension module (each
+/// backend's module calls it), and sends kvx's `tracing` events to stderr when `KVX_LOG` is set (a
+/// filter such as `debug` or `kvx_core=debug`).
 pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     module.add_class::<Scheduler>()?;
     module.add_class::<Worker>()?;
     module.add_class::<WorkerOptions>()?;
+    module.add_function(wrap_pyfunction!(side_channel_host_warning, module)?)?;
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 
 use kvx_core::{
     AuthKey, BlockId, ConnectorScheduler, Endpoint, Error, ErrorKind, FailedRecv, FinishReason, Finished,
-    RequestId, SchedulerConfig, TransferParams, wire,
+    HostScope, RequestId, SchedulerConfig, TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -222,11 +222,52 @@ impl Scheduler {
     }
 }
 
+/// Why decode engines on other hosts cannot reach a prefill engine whose workers advertise
+/// `side_channel_host`, or `None`. An unspecified address (`0.0.0.0`, `::`) sends every decode
+/// engine to its own machine; a loopback one does too, which is wrong when this node has another
+/// address for the deployment (`node_host`: vLLM's `VLLM_HOST_IP`, set in multi-node deployments).
+#[pyfunction]
+#[pyo3(signature = (side_channel_host, node_host = None))]
+pub fn side_channel_host_warning(side_channel_host: &str, node_host: Option<&str>) -> Option<String> {
+    let advertised = HostScope::of(side_channel_host);
+    let node = node_host.filter(|h| HostScope::of(h) == HostScope::Other);
+    match (advertised, node) {
+        (HostScope::Unspecified, _) => Some(format!(
+            "side_channel_host {side_channel_host} is advertised to decode engines, which then connect \
+             to their own machine: set side_channel_host to an address of this host they can reach"
+        )),
+        (HostScope::Loopback, Some(node)) => Some(format!(
+            "side_channel_host {side_channel_host} is a loopback address, but this node is {node} \
+             (VLLM_HOST_IP): decode engines on other hosts would connect to their own machine; set \
+             side_channel_host to {node}"
+        )),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
     use super::*;
+
+    #[test]
+    fn unspecified_side_channel_hosts_and_loopback_ones_on_a_networked_node_are_warned_about() {
+        for host in ["0.0.0.0", "::"] {
+            assert!(side_channel_host_warning(host, None).is_some_and(|w| w.contains(host)), "{host}");
+        }
+        let warning = side_channel_host_warning("127.0.0.1", Some("10.0.0.1"));
+        assert!(warning.is_some_and(|w| w.contains("set side_channel_host to 10.0.0.1")));
+        // One host (no node address, or a loopback one), or an address decode engines can use.
+        for (host, node) in [
+            ("127.0.0.1", None),
+            ("localhost", Some("127.0.0.1")),
+            ("10.0.0.1", Some("10.0.0.1")),
+            ("prefill-0", None),
+        ] {
+            assert_eq!(side_channel_host_warning(host, node), None, "{host} {node:?}");
+        }
+    }
 
     /// The params a prefill scheduler hands out for a held request, with `discovery`.
     fn handed_out(discovery: Option<&str>) -> TransferParams {

@@ -4,6 +4,7 @@ For each prompt (random token ids, fresh per trial, so no cache can serve it):
   single: the decode server computes it alone (plain request)           -> TTFT, token ids
   pd:     prefill server (max_tokens=1, do_remote_decode) then the decode
           server with the returned kv_transfer_params (the proxy steps)  -> TTFT, token ids
+          (with --router: one streamed request to the router, which does those steps)
 and the two must be equal token for token (greedy), except at a near tie of the single
 instance's two best logprobs (see `compare`), which is reported and counted. Then the evidence: the decode server's
 external prefix-cache hits grew by the tokens it loaded, and the prefill server's KV-cache usage
@@ -78,6 +79,7 @@ def metrics(base):
 class Client:
     def __init__(self, a):
         self.p, self.d, self.model, self.max_tokens = a.prefill, a.decode, a.model, a.max_tokens
+        self.router = a.router
 
     def body(self, ids, max_tokens):
         return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -86,6 +88,17 @@ class Client:
         return stream(self.d + "/v1/completions", self.body(ids, self.max_tokens))
 
     def pd(self, ids):
+        """(prefill_s, ttft_s, token_ids, kv_transfer_params) of one P/D request: through the
+        router when there is one (it does both steps; the prefill time and the params stay
+        inside it: None), else the proxy steps here."""
+        if self.router:
+            ttft, out, finish, _ = stream(self.router + "/v1/completions", self.body(ids, self.max_tokens))
+            if ttft is None:
+                raise RuntimeError(f"the router returned no tokens (finish_reason {finish})")
+            return None, ttft, out, None
+        return self.proxy_steps(ids)
+
+    def proxy_steps(self, ids):
         t0 = time.perf_counter()
         pb = self.body(ids, 1)
         pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -180,6 +193,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
     ap.add_argument("--decode", default="http://127.0.0.1:8200")
+    ap.add_argument("--router", help="send the P/D requests through this router (kvx router), which does the "
+                    "proxy steps; single-instance requests and the failure check still go to --decode directly")
     ap.add_argument("--model", required=True)
     ap.add_argument("--lens", default="18,64,512,1024")
     ap.add_argument("--trials", type=int, default=3)
@@ -200,17 +215,19 @@ def main():
     if a.probe:
         sys.exit(0 if probe(c, a, rng) else 1)
     ok = True
-    # Warm-up (first handshake); retried: NixlConnector's first handshake can time out here.
+    # Warm-up (first handshake) with the proxy steps here, whose params of two blocks are the
+    # template of the failure check (a router keeps them to itself); retried: NixlConnector's
+    # first handshake can time out here.
+    template = None  # a real prefill response's kv_transfer_params (for the failure check)
     for attempt in range(3):
         try:
-            c.pd([rng.randrange(3, 2048) for _ in range(a.block_size + 8)])
+            template = c.proxy_steps([rng.randrange(3, 2048) for _ in range(2 * a.block_size + 8)])[3]
             break
         except Exception as e:  # noqa: BLE001
             print(json.dumps({"warmup_attempt": attempt, "err": repr(e)[:300]}), flush=True)
     m0 = metrics(a.decode)
     expected_external = 0
     records, ttft_pd, ttft_single, near_ties = [], [], [], 0
-    template = None  # a real prefill response's kv_transfer_params (for the failure check)
     for n in [int(x) for x in a.lens.split(",")]:
         for t in range(a.trials):
             ids = [rng.randrange(3, 2048) for _ in range(n)]
@@ -237,7 +254,7 @@ def main():
                                   "single_top2_logprob_gap": gap,
                                   "single_ids": s_ids, "pd_ids": p_ids}), flush=True)
             print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": match,
-                              "single_ttft_ms": round(s_ttft * 1e3, 1), "pd_prefill_ms": round(t_pre * 1e3, 1),
+                              "single_ttft_ms": round(s_ttft * 1e3, 1), "pd_prefill_ms": None if t_pre is None else round(t_pre * 1e3, 1),
                               "pd_ttft_ms": round(p_ttft * 1e3, 1),
                               "kv_transfer_params": ktp if t == 0 else "..."}), flush=True)
     if a.expected:

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 use kvx_core::net::{Connection, NetConfig, parse_endpoint};
-use kvx_core::{Error, ErrorKind, RequestId, Result};
+use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
 use kvx_testkit::sim::{RequestState, SimEngine};
 
 use crate::backend::Backend;
@@ -55,6 +55,10 @@ pub(crate) struct DecodeArgs {
     /// reset: a prefill process that is down or restarting); retried with a back-off meanwhile.
     #[arg(long, default_value_t = 30)]
     reconnect_timeout: u64,
+    /// Seconds a prefill engine's hold lasts unless renewed (the deployment's lease, as given to
+    /// `kvx prefill`): a request waiting for its KV has it renewed every sixth of it.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    lease: u64,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -119,6 +123,8 @@ struct Tracker {
     excused: HashSet<RequestId>,
     /// Requests whose load failed.
     failed_loads: Vec<RequestId>,
+    /// Requests whose params this engine refused (never submitted).
+    refused: usize,
     /// The prefill instance that answered last.
     instance: Option<String>,
     /// Whether the prefill process is unreachable now (a loss is counted once).
@@ -141,6 +147,7 @@ impl Tracker {
             in_flight_at_reply: Vec::new(),
             excused: HashSet::new(),
             failed_loads: Vec::new(),
+            refused: 0,
             instance: None,
             lost: false,
             losses: 0,
@@ -246,9 +253,16 @@ impl Tracker {
         }
     }
 
+    /// A request whose params were refused: it fails, and no prefill loss explains it.
+    fn refused(&mut self, id: &RequestId, why: &Error) {
+        self.report(id, why);
+        self.refused += 1;
+        self.failed += 1;
+    }
+
     /// Says why a request failed, on stderr: the first [`FAILURES_SHOWN`]; the summary counts all.
     fn report(&self, id: &RequestId, why: &Error) {
-        let shown = self.failed_loads.len() + self.recomputes_failed;
+        let shown = self.failed_loads.len() + self.recomputes_failed + self.refused;
         if shown < FAILURES_SHOWN {
             eprintln!("kvx decode: request {id} failed: {why}");
         } else if shown == FAILURES_SHOWN {
@@ -264,9 +278,26 @@ impl Tracker {
             losses: self.losses,
             in_flight: self.in_flight_at_losses,
             load_failures: self.failed_loads.len(),
-            unexpected: outside + self.recomputes_failed,
+            unexpected: outside + self.recomputes_failed + self.refused,
         }
     }
+}
+
+/// Refuses params that send this engine to its own machine (a loopback or unspecified side-channel
+/// host) from a prefill engine reached at another one (`api_host`, the request API's host): that
+/// prefill engine advertises an address only its own host can use, so a load would reach this
+/// host's loopback (another process, or nothing) instead of it.
+fn check_remote_host(api_host: &str, params: &TransferParams) -> Result<()> {
+    let Some(remote) = params.remote_host.as_deref() else { return Ok(()) };
+    if HostScope::of(api_host).is_local() || !HostScope::of(remote).is_local() {
+        return Ok(());
+    }
+    Err(Error::invalid_peer_data(format!(
+        "misconfigured prefill engine: reached at {api_host}, it names side-channel host {} in its \
+         params, which is this machine: start it with --advertise-host set to an address this host \
+         can reach",
+        kvx_core::error::quote(remote)
+    )))
 }
 
 /// A decode run: the engine, the request API, and the bookkeeping of both.
@@ -377,8 +408,9 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let side_channel = args.discovery.discovery.side_channel(&args.host, 0, key.clone());
-    let engine = SimEngine::new(engine_config("decode", side_channel, &args.model, key.clone()), &backend)?;
+    let side_channel = args.discovery.discovery.side_channel((&args.host, None), 0, key.clone());
+    let config = engine_config("decode", side_channel, &args.model, key.clone(), args.lease);
+    let engine = SimEngine::new(config, &backend)?;
     println!(
         "kvx decode: {} backend, {}; prefill at {}",
         args.backend.name(),
@@ -405,8 +437,13 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
             ApiReply::Params { params, .. } => params,
             other => return Err(api_error("unexpected reply", format!("{other:?}"))),
         };
-        run.engine.add_request(id.clone(), &prompt, args.workload.max_new_tokens, Some(params))?;
-        run.tracker.added(id, prompt);
+        match check_remote_host(&run.api.host, &params) {
+            Ok(()) => {
+                run.engine.add_request(id.clone(), &prompt, args.workload.max_new_tokens, Some(params))?;
+                run.tracker.added(id, prompt);
+            }
+            Err(e) => run.tracker.refused(&id, &e),
+        }
         run.step()?;
         if (sent + 1) % every == 0 {
             println!("kvx decode: {} of {total} requests sent", sent + 1);
@@ -456,5 +493,32 @@ mod tests {
         t.failed_loads = vec!["a".into(), "c".into(), "d".into()];
         let l = t.losses();
         assert_eq!((l.tolerated, l.load_failures, l.unexpected), (true, 3, 1), "d came after the losses");
+    }
+
+    fn params_at(host: &str) -> TransferParams {
+        TransferParams::for_decode(vec![], kvx_core::RemoteCoordinates::at("prefill", host, 5700))
+    }
+
+    #[test]
+    fn params_naming_this_machine_from_a_prefill_engine_elsewhere_are_refused() {
+        for remote in ["127.0.0.1", "::1", "localhost", "0.0.0.0"] {
+            let e = check_remote_host("10.0.0.1", &params_at(remote)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidPeerData, "{remote}");
+            assert!(e.message().contains("misconfigured prefill engine"), "{e}");
+        }
+        // A prefill engine on this machine may advertise loopback; one elsewhere its own address.
+        for (api, remote) in [("127.0.0.1", "127.0.0.1"), ("localhost", "::1"), ("10.0.0.1", "10.0.0.1")] {
+            assert_eq!(check_remote_host(api, &params_at(remote)), Ok(()), "{api} {remote}");
+        }
+        assert_eq!(check_remote_host("10.0.0.1", &TransferParams::default()), Ok(()));
+    }
+
+    #[test]
+    fn a_refused_request_fails_the_run_whatever_the_load_failure_policy() {
+        let mut t = Tracker::new(OnLoadFailure::Recompute, 1);
+        t.prefill_answered("one");
+        t.refused(&"a".into(), &check_remote_host("10.0.0.1", &params_at("127.0.0.1")).unwrap_err());
+        let l = t.losses();
+        assert_eq!((t.failed, l.tolerated, l.unexpected), (1, true, 1));
     }
 }

@@ -75,11 +75,13 @@ impl AuthArgs {
     }
 }
 
+/// An engine on `side_channel`, with holds leased for `lease_secs`.
 fn engine_config(
     id: &str,
     side_channel: SideChannel,
     model: &ModelArgs,
     auth_key: Option<AuthKey>,
+    lease_secs: u64,
 ) -> EngineConfig {
     EngineConfig {
         engine_id: id.into(),
@@ -89,7 +91,7 @@ fn engine_config(
         side_channel,
         auth_key,
         handshake_timeout: Duration::from_secs(10),
-        lease_duration: Duration::from_secs(60),
+        lease_duration: Duration::from_secs(lease_secs),
         clock: Arc::new(SystemClock),
         handshakes: Handshakes::Background,
         seed: None,

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvx_core::net::{NetConfig, Server, Service};
-use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
+use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
 use kvx_testkit::sim::SimEngine;
 
 use crate::backend::Backend;
@@ -23,9 +23,15 @@ pub(crate) struct PrefillArgs {
     /// Transfer backend (one that crosses processes).
     #[arg(long, value_enum, default_value_t = Backend::Ucx)]
     backend: Backend,
-    /// Host of the side channel and the request API.
+    /// Host of the side channel and the request API (`0.0.0.0`: every interface, which needs
+    /// `--advertise-host`).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// The address decode engines reach this host at, put into the `kv_transfer_params` (default:
+    /// `--host`). Decode engines on other hosts need an address of this host they can route to,
+    /// not a loopback one.
+    #[arg(long)]
+    advertise_host: Option<String>,
     /// Port of the request API (0: any free port, printed on start).
     #[arg(long, default_value_t = 5600)]
     api_port: u16,
@@ -42,6 +48,40 @@ pub(crate) struct PrefillArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Seconds a hold of blocks for a decode engine lasts unless renewed (the deployment's lease:
+    /// give `kvx decode` the same).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    lease: u64,
+}
+
+/// The host put into the params: `advertise` or else `host`, with a warning when decode engines
+/// on other hosts cannot use it. An unspecified address (`0.0.0.0`, `::`) is refused: a decode
+/// engine would connect to its own machine.
+fn advertised_host<'a>(host: &'a str, advertise: Option<&'a str>) -> Result<(&'a str, Option<String>)> {
+    let advertised = advertise.unwrap_or(host);
+    let warning = match (HostScope::of(host), HostScope::of(advertised)) {
+        (_, HostScope::Unspecified) if advertise.is_none() => {
+            return Err(Error::invalid_argument(format!(
+                "--host {host} binds every interface, which is no address to hand to decode engines: \
+                 give the one they reach this host at with --advertise-host"
+            )));
+        }
+        (_, HostScope::Unspecified) => {
+            return Err(Error::invalid_argument(format!(
+                "--advertise-host {advertised} is no address decode engines can connect to"
+            )));
+        }
+        (HostScope::Other | HostScope::Unspecified, HostScope::Loopback) => Some(format!(
+            "advertising loopback address {advertised} while binding {host}: decode engines on other hosts \
+             will connect to their own machine, not to this one (set --advertise-host)"
+        )),
+        (HostScope::Loopback, HostScope::Other) => Some(format!(
+            "advertising {advertised} while binding loopback address {host}: decode engines cannot reach \
+             the side channels there (set --host)"
+        )),
+        _ => None,
+    };
+    Ok((advertised, warning))
 }
 
 type Pending = (ApiRequest, tokio::sync::oneshot::Sender<ApiReply>);
@@ -67,17 +107,22 @@ impl Service for Api {
 
 /// Runs the prefill engine until the decode process is done with it.
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
+    let (advertised, warning) = advertised_host(&args.host, args.advertise_host.as_deref())?;
+    if let Some(warning) = warning {
+        eprintln!("kvx prefill: warning: {warning}");
+    }
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
-    let side_channel = args.discovery.discovery.side_channel(&args.host, args.side_channel_port, key.clone());
-    let config = engine_config("prefill", side_channel, &args.model, key.clone());
+    let bind = (args.host.as_str(), Some(advertised));
+    let side_channel = args.discovery.discovery.side_channel(bind, args.side_channel_port, key.clone());
+    let config = engine_config("prefill", side_channel, &args.model, key.clone(), args.lease);
     let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
     let api = NetConfig::with_key(key);
     let server =
         rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
-    let handshakes = args.discovery.discovery.describe(engine.side_channel_port(), args.model.tp);
+    let handshakes = args.discovery.discovery.describe(engine.side_channel_port(), args.model.tp, advertised);
     let instance = format!("{:016x}", rand::random::<u64>());
     // The line a launcher waits for (the request API's endpoint comes last).
     println!(
@@ -141,5 +186,31 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
             return Ok(summary);
         }
         std::thread::yield_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unspecified_host_needs_an_address_to_advertise_and_loopback_ones_are_warned_about() {
+        assert_eq!(advertised_host("10.0.0.1", None).unwrap(), ("10.0.0.1", None));
+        assert_eq!(advertised_host("127.0.0.1", None).unwrap(), ("127.0.0.1", None));
+        assert_eq!(advertised_host("0.0.0.0", Some("10.0.0.1")).unwrap(), ("10.0.0.1", None));
+        for (host, advertise) in
+            [("0.0.0.0", None), ("::", None), ("0.0.0.0", Some("::")), ("10.0.0.1", Some("0.0.0.0"))]
+        {
+            let e = advertised_host(host, advertise).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{host} {advertise:?}");
+        }
+        assert!(advertised_host("0.0.0.0", None).unwrap_err().message().contains("--advertise-host"));
+        for (host, advertise) in
+            [("10.0.0.1", Some("127.0.0.1")), ("0.0.0.0", Some("localhost")), ("127.0.0.1", Some("10.0.0.1"))]
+        {
+            let (advertised, warning) = advertised_host(host, advertise).unwrap();
+            assert_eq!(Some(advertised), advertise);
+            assert!(warning.is_some_and(|w| w.contains(host)), "{host} {advertise:?}");
+        }
     }
 }

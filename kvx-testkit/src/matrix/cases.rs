@@ -25,13 +25,13 @@ pub fn late_reader(m: &Matrix) {
     let ids = submit(&mut c, "late", 1, 4);
     run(&mut c);
     for rid in &ids {
-        assert_failed(&c.decode, rid, &[ErrorKind::Expired, ErrorKind::Timeout]);
+        assert_failed(&c.decodes[0], rid, &[ErrorKind::Expired, ErrorKind::Timeout]);
     }
-    let s = c.decode.stats().clone();
+    let s = c.decodes[0].stats().clone();
     assert_eq!((s.finished, s.failed, s.blocks_verified, s.tokens_loaded), (0, 4, 0, 0), "{s:?}");
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 4);
-    m.assert_per_rank(&c.decode, "failed_loads", |w| w.failed_loads, 4);
-    m.assert_per_rank(&c.decode, "bytes_read", |w| w.bytes_read, 0);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 4);
+    m.assert_per_rank(&c.decodes[0], "failed_loads", |w| w.failed_loads, 4);
+    m.assert_per_rank(&c.decodes[0], "bytes_read", |w| w.bytes_read, 0);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 4);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 0);
     m.assert_per_rank(&c.prefills[0], "leases_renewed", |w| w.leases_renewed, 0);
@@ -41,12 +41,12 @@ pub fn late_reader(m: &Matrix) {
     let late = std::mem::replace(&mut c.prefills[0], m.engine(m.config("late-ok-prefill", &net)));
     let ids = submit(&mut c, "late-ok", 2, 4);
     run(&mut c);
-    assert_finished(&c.decode, &ids);
-    assert_eq!(c.decode.stats().blocks_verified, 4 * m.verified_per_load(PROMPT_BLOCKS));
+    assert_finished(&c.decodes[0], &ids);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 4 * m.verified_per_load(PROMPT_BLOCKS));
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 4);
     m.assert_per_rank(&c.prefills[0], "hold_answers", |w| w.hold_answers, 4);
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 4);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 4);
     assert_clean(&c);
     assert_engine_clean(&late);
 }
@@ -58,14 +58,14 @@ pub fn late_reader(m: &Matrix) {
 /// checked.
 pub fn prefill_restart(m: &Matrix) {
     let c = restart_prefill(m, "restart", false, false);
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 6);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 6);
 }
 
 /// [`prefill_restart`] with real TCP side channels, the new engine binding the ports the old one
 /// had: the params of both starts name the same host and port, only their instance differs.
 pub fn prefill_restart_same_ports(m: &Matrix) {
     let c = restart_prefill(m, "restart-ports", true, false);
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 6);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 6);
 }
 
 /// [`prefill_restart`] with params that name no instance (a client that drops the keys it does
@@ -96,7 +96,7 @@ fn restart_prefill(m: &Matrix, case: &str, same_ports: bool, unnamed: bool) -> C
     }
     let before = submit(&mut c, "before", 1, 3);
     run(&mut c);
-    assert_finished(&c.decode, &before);
+    assert_finished(&c.decodes[0], &before);
     assert_clean(&c);
 
     let mut config = c.prefills[0].config().clone();
@@ -108,14 +108,14 @@ fn restart_prefill(m: &Matrix, case: &str, same_ports: bool, unnamed: bool) -> C
 
     let after = submit(&mut c, "after", 2, 3);
     run(&mut c);
-    assert_finished(&c.decode, &after);
-    assert_eq!(c.decode.stats().blocks_verified, 6 * m.verified_per_load(PROMPT_BLOCKS));
-    assert_eq!(c.decode.stats().failed, 0);
-    m.assert_per_rank(&c.decode, "handshakes", |w| w.handshakes, 2);
-    m.assert_per_rank(&c.decode, "peer_restarts", |w| w.peer_restarts, 1);
-    m.assert_per_rank(&c.decode, "peers_invalidated", |w| w.peers_invalidated, 1);
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 0);
-    m.assert_per_rank(&c.decode, "failed_loads", |w| w.failed_loads, 0);
+    assert_finished(&c.decodes[0], &after);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 6 * m.verified_per_load(PROMPT_BLOCKS));
+    assert_eq!(c.decodes[0].stats().failed, 0);
+    m.assert_per_rank(&c.decodes[0], "handshakes", |w| w.handshakes, 2);
+    m.assert_per_rank(&c.decodes[0], "peer_restarts", |w| w.peer_restarts, 1);
+    m.assert_per_rank(&c.decodes[0], "peers_invalidated", |w| w.peers_invalidated, 1);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 0);
+    m.assert_per_rank(&c.decodes[0], "failed_loads", |w| w.failed_loads, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 3);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -124,7 +124,7 @@ fn restart_prefill(m: &Matrix, case: &str, same_ports: bool, unnamed: bool) -> C
 
 /// TCP side channels on 127.0.0.1, rank 0 on `port` (0: a free one).
 fn tcp(port: u16) -> SideChannel {
-    SideChannel::Tcp { host: "127.0.0.1".into(), port }
+    SideChannel::Tcp { host: "127.0.0.1".into(), port, advertise_host: None }
 }
 
 /// What every backend must keep when the prefill engine restarts, even one whose READs of the
@@ -138,7 +138,7 @@ pub fn prefill_restart_is_safe(m: &Matrix) {
     let mut c = c.with_client(without_instance);
     let before = submit(&mut c, "before", 1, 3);
     run(&mut c);
-    assert_finished(&c.decode, &before);
+    assert_finished(&c.decodes[0], &before);
 
     let config = EngineConfig { lease_duration: Duration::from_secs(3), ..c.prefills[0].config().clone() };
     c.prefills.clear();
@@ -147,10 +147,10 @@ pub fn prefill_restart_is_safe(m: &Matrix) {
     run(&mut c);
     let mut loads = before.len() as u64;
     for rid in &after {
-        if finished(&c.decode, rid) {
+        if finished(&c.decodes[0], rid) {
             loads += 1;
         } else {
-            assert_failed(&c.decode, rid, &[ErrorKind::Timeout, ErrorKind::Transfer, ErrorKind::Expired]);
+            assert_failed(&c.decodes[0], rid, &[ErrorKind::Timeout, ErrorKind::Transfer, ErrorKind::Expired]);
         }
     }
     assert_clean(&c);
@@ -159,10 +159,10 @@ pub fn prefill_restart_is_safe(m: &Matrix) {
 
     let more = submit(&mut c, "more", 3, 3);
     run(&mut c);
-    assert_finished(&c.decode, &more);
+    assert_finished(&c.decodes[0], &more);
     loads += more.len() as u64;
-    assert_eq!(c.decode.stats().blocks_verified, loads * m.verified_per_load(PROMPT_BLOCKS));
-    m.assert_per_rank(&c.decode, "peer_restarts", |w| w.peer_restarts, 1);
+    assert_eq!(c.decodes[0].stats().blocks_verified, loads * m.verified_per_load(PROMPT_BLOCKS));
+    m.assert_per_rank(&c.decodes[0], "peer_restarts", |w| w.peer_restarts, 1);
     m.assert_per_rank(&c.prefills[0], "holds released or expired", ended, 6);
     assert_clean(&c);
 }
@@ -174,20 +174,20 @@ pub fn decode_restart(m: &Matrix) {
     let (mut c, _net) = m.cluster("decode-restart");
     let before = submit(&mut c, "before", 1, 3);
     run(&mut c);
-    assert_finished(&c.decode, &before);
+    assert_finished(&c.decodes[0], &before);
     assert_clean(&c);
 
-    let Cluster { prefills, decode, .. } = c;
-    let config = decode.config().clone();
-    drop(decode);
+    let Cluster { prefills, decodes, .. } = c;
+    let config = decodes[0].config().clone();
+    drop(decodes);
     let mut c = cluster(prefills, m.engine(config));
 
     let after = submit(&mut c, "after", 2, 3);
     run(&mut c);
-    assert_finished(&c.decode, &after);
-    assert_eq!(c.decode.stats().blocks_verified, 3 * m.verified_per_load(PROMPT_BLOCKS));
-    m.assert_per_rank(&c.decode, "handshakes", |w| w.handshakes, 1);
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 0);
+    assert_finished(&c.decodes[0], &after);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 3 * m.verified_per_load(PROMPT_BLOCKS));
+    m.assert_per_rank(&c.decodes[0], "handshakes", |w| w.handshakes, 1);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 0);
     // The prefill workers answered 6 releases, reaching each decode instance by its own handshake.
     m.assert_per_rank(&c.prefills[0], "hold_answers", |w| w.hold_answers, 6);
     m.assert_per_rank(&c.prefills[0], "handshakes", |w| w.handshakes, 2);
@@ -217,14 +217,14 @@ pub fn out_of_range_read(m: &Matrix) {
     run(&mut c);
     for rid in first.iter().chain(&later) {
         // Every check of peer data fails with this kind; the message says it was this one.
-        let e = assert_failed(&c.decode, rid, &[ErrorKind::InvalidPeerData]);
+        let e = assert_failed(&c.decodes[0], rid, &[ErrorKind::InvalidPeerData]);
         let out_of_range = format!("remote block id {NUM_BLOCKS} out of range");
         assert!(e.message().contains(&out_of_range), "{rid}: {e}");
     }
-    assert_finished(&c.decode, &good);
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 1);
-    m.assert_per_rank(&c.decode, "handshakes", |w| w.handshakes, 1);
+    assert_finished(&c.decodes[0], &good);
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 1);
+    m.assert_per_rank(&c.decodes[0], "handshakes", |w| w.handshakes, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 3);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -242,10 +242,10 @@ pub fn layout_refusal(m: &Matrix) {
     let ids = submit(&mut c, "layout", 1, 2);
     run(&mut c);
     for rid in &ids {
-        assert_failed(&c.decode, rid, &[ErrorKind::Incompatible]);
+        assert_failed(&c.decodes[0], rid, &[ErrorKind::Incompatible]);
     }
-    m.assert_per_rank(&c.decode, "handshake_failures", |w| w.handshake_failures, 1);
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 0);
+    m.assert_per_rank(&c.decodes[0], "handshake_failures", |w| w.handshake_failures, 1);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 2);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -261,12 +261,12 @@ pub fn abort_queued_on_decode(m: &Matrix) {
     let request = take_held(&mut c, &held, &id("held-0"));
     let rid = request.0.clone();
     add_to_decode(&mut c, request);
-    c.decode.abort(&rid);
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
+    c.decodes[0].abort(&rid);
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
     run(&mut c);
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 0);
-    m.assert_per_rank(&c.decode, "notify_only", |w| w.notify_only, 1);
-    assert_eq!(c.decode.stats().blocks_verified, 0);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 0);
+    m.assert_per_rank(&c.decodes[0], "notify_only", |w| w.notify_only, 1);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -291,34 +291,34 @@ fn abort_while_loading(m: &Matrix, case: &str, warm: bool) {
     let mut c = c.with_client(hook);
     let warmed = if warm { submit(&mut c, "warm", 1, 1) } else { Vec::new() };
     run(&mut c);
-    assert_finished(&c.decode, &warmed);
+    assert_finished(&c.decodes[0], &warmed);
     submit(&mut c, "held", 2, 1);
     let request = take_held(&mut c, &held, &id("held-0"));
     let rid = request.0.clone();
     add_to_decode(&mut c, request);
-    if let Err(e) = c.decode.step() {
+    if let Err(e) = c.decodes[0].step() {
         panic!("decode step: {e}");
     }
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::WaitingForRemoteKv));
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::WaitingForRemoteKv));
     if warm {
-        m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 2);
+        m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 2);
     }
-    let pool = c.decode.pool();
+    let pool = c.decodes[0].pool();
     let used = pool.num_blocks() as usize - pool.num_free();
-    c.decode.abort(&rid);
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
-    let pool = c.decode.pool();
+    c.decodes[0].abort(&rid);
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
+    let pool = c.decodes[0].pool();
     assert_eq!(pool.num_blocks() as usize - pool.num_free(), used, "nothing freed while the load runs");
     assert_eq!(pool.num_in_flight(), PROMPT_BLOCKS, "the load's blocks stay in flight");
     run(&mut c);
     let loads = warmed.len() as u64;
     assert_eq!(
-        c.decode.stats().blocks_verified,
+        c.decodes[0].stats().blocks_verified,
         loads * m.verified_per_load(PROMPT_BLOCKS),
         "an aborted load is not used"
     );
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, loads + 1);
-    m.assert_per_rank(&c.decode, "failed_loads", |w| w.failed_loads, 0);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, loads + 1);
+    m.assert_per_rank(&c.decodes[0], "failed_loads", |w| w.failed_loads, 0);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, loads + 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -333,12 +333,12 @@ pub fn abort_running(m: &Matrix) {
     submit(&mut c, "held", 1, 1);
     let (rid, prompt, _, params) = take_held(&mut c, &held, &id("held-0"));
     add_to_decode(&mut c, (rid.clone(), prompt, 64, params));
-    step_until(&mut c, "the request to run", |c| c.decode.state(&rid) == Some(&RequestState::Running));
-    c.decode.abort(&rid);
-    assert_eq!(c.decode.state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
+    step_until(&mut c, "the request to run", |c| c.decodes[0].state(&rid) == Some(&RequestState::Running));
+    c.decodes[0].abort(&rid);
+    assert_eq!(c.decodes[0].state(&rid), Some(&RequestState::Finished(FinishReason::Aborted)));
     run(&mut c);
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
-    assert!(c.decode.output_tokens(&rid).is_some_and(|t| t.len() < 64), "aborted before its last token");
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    assert!(c.decodes[0].output_tokens(&rid).is_some_and(|t| t.len() < 64), "aborted before its last token");
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
     assert_clean(&c);
@@ -367,8 +367,8 @@ pub fn abort_on_prefill(m: &Matrix) {
     assert!(finished(&c.prefills[0], &rid), "an abort after the offer changes nothing");
     add_to_decode(&mut c, request);
     run(&mut c);
-    assert_finished(&c.decode, &[rid]);
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    assert_finished(&c.decodes[0], &[rid]);
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
     assert!(c.prefills[0].take_transfer_params().is_empty(), "the queued abort offered nothing");
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
@@ -387,13 +387,13 @@ pub fn duplicate_offer(m: &Matrix) {
     submit(&mut c, "dup", 1, 1);
     run(&mut c);
     let (a, b) = (id("dup-0"), id("dup-0-copy"));
-    let (read, refused) = if finished(&c.decode, &a) { (a, b) } else { (b, a) };
-    assert_finished(&c.decode, std::slice::from_ref(&read));
+    let (read, refused) = if finished(&c.decodes[0], &a) { (a, b) } else { (b, a) };
+    assert_finished(&c.decodes[0], std::slice::from_ref(&read));
     // Any misuse of the connector fails with this kind; the message says it was the duplicate.
-    let e = assert_failed(&c.decode, &refused, &[ErrorKind::InvalidArgument]);
+    let e = assert_failed(&c.decodes[0], &refused, &[ErrorKind::InvalidArgument]);
     assert!(e.message().contains("already in flight"), "{refused}: {e}");
-    assert_eq!(c.decode.stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 1);
+    assert_eq!(c.decodes[0].stats().blocks_verified, m.verified_per_load(PROMPT_BLOCKS));
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "stray_notifications", |w| w.stray_notifications, 0);
     m.assert_per_rank(&c.prefills[0], "expired_holds", |w| w.expired_holds, 0);
@@ -414,19 +414,19 @@ pub fn replayed_offer(m: &Matrix) {
     });
     let first = submit(&mut c, "orig", 1, 1);
     run(&mut c);
-    assert_finished(&c.decode, &first);
+    assert_finished(&c.decodes[0], &first);
     let (_, _, n, params) = kept.lock().unwrap_or_else(PoisonError::into_inner).remove(0);
     let replay = id("replay");
     add_to_decode(&mut c, (replay.clone(), prompt(2, PROMPT_LEN), n, params));
     run(&mut c);
-    assert_failed(&c.decode, &replay, &[ErrorKind::Expired]);
+    assert_failed(&c.decodes[0], &replay, &[ErrorKind::Expired]);
     assert_eq!(
-        c.decode.stats().blocks_verified,
+        c.decodes[0].stats().blocks_verified,
         m.verified_per_load(PROMPT_BLOCKS),
         "the replay's bytes are not used"
     );
-    m.assert_per_rank(&c.decode, "reads_posted", |w| w.reads_posted, 2);
-    m.assert_per_rank(&c.decode, "lease_failures", |w| w.lease_failures, 1);
+    m.assert_per_rank(&c.decodes[0], "reads_posted", |w| w.reads_posted, 2);
+    m.assert_per_rank(&c.decodes[0], "lease_failures", |w| w.lease_failures, 1);
     m.assert_per_rank(&c.prefills[0], "releases matched", |w| w.notifications, 1);
     m.assert_per_rank(&c.prefills[0], "stray_notifications", |w| w.stray_notifications, 1);
     m.assert_per_rank(&c.prefills[0], "hold_answers", |w| w.hold_answers, 2);

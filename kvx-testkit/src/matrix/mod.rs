@@ -224,7 +224,7 @@ pub fn assert_failed(engine: &SimEngine, id: &RequestId, kinds: &[ErrorKind]) ->
 /// every pool whole.
 #[track_caller]
 pub fn assert_clean(c: &Cluster) {
-    for e in c.prefills.iter().chain([&c.decode]) {
+    for e in c.prefills.iter().chain(&c.decodes) {
         assert_engine_clean(e);
     }
 }
@@ -279,7 +279,7 @@ pub fn take_held(c: &mut Cluster, held: &Held, id: &RequestId) -> ClientRequest 
 /// Hands a request to the decode engine.
 #[track_caller]
 pub fn add_to_decode(c: &mut Cluster, (rid, prompt, max_new_tokens, params): ClientRequest) {
-    c.decode
+    c.decodes[0]
         .add_request(rid.clone(), &prompt, max_new_tokens, Some(params))
         .unwrap_or_else(|e| panic!("adding {rid}: {e}"));
 }

@@ -1,4 +1,4 @@
-//! [`Cluster`]: prefill engines, one decode engine and the router between them.
+//! [`Cluster`]: prefill engines, decode engines and the router between them.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvx_core::{Clock, Error, ErrorKind, Handshakes, ManualClock, RequestId, Result, TransferParams};
 use kvx_loopback::Fabric;
 
-use super::config::EngineConfig;
+use super::config::{EngineConfig, RequestState};
 use super::engine::SimEngine;
 use super::side_channel::InProcessSideChannels;
 
@@ -108,33 +108,70 @@ impl fmt::Debug for SimTime {
     }
 }
 
-/// Prefill engines feeding one decode engine through a router, as a disaggregated deployment
-/// runs: a request goes to a prefill engine (round robin) with `do_remote_decode`; when that
-/// engine hands back its params, the router submits the request with them to the decode engine.
+/// Prefill engines feeding decode engines through a router, as a disaggregated deployment (xPyD)
+/// runs: a request goes with `do_remote_decode` to the prefill engine with the fewest outstanding
+/// requests; when that engine hands back its params, the router submits the request with them to
+/// the decode engine with the fewest outstanding requests. Ties go round robin.
+///
+/// A request is outstanding at its prefill engine until its params come back (or it ends there
+/// without any: aborted or failed), and at its decode engine until it finishes or fails there.
 pub struct Cluster {
     /// The prefill engines.
     pub prefills: Vec<SimEngine>,
-    /// The decode engine.
-    pub decode: SimEngine,
-    /// Requests not yet handed to the decode engine: prompt and tokens to generate.
-    in_prefill: HashMap<RequestId, (Vec<u32>, usize)>,
-    next_prefill: usize,
+    /// The decode engines.
+    pub decodes: Vec<SimEngine>,
+    /// Requests at a prefill engine: the engine's index, prompt and tokens to generate.
+    in_prefill: HashMap<RequestId, (usize, Vec<u32>, usize)>,
+    /// Requests the router handed to a decode engine, and its index.
+    in_decode: HashMap<RequestId, usize>,
+    /// Where the next round-robin scan for the least-loaded prefill and decode engine starts.
+    next: (usize, usize),
     client: Option<ClientHook>,
     /// Simulated time, or `None`: the engines' clocks move on their own.
     time: Option<SimTime>,
 }
 
+/// Whether a request is over at an engine: it finished or failed, or the engine no longer knows
+/// it (it was [taken](SimEngine::take_ended), or the engine was replaced).
+fn is_over(state: Option<&RequestState>) -> bool {
+    !matches!(state, Some(RequestState::Waiting | RequestState::WaitingForRemoteKv | RequestState::Running))
+}
+
+/// Requests per engine of `engines`, from the engine index of each outstanding request.
+fn count(engines: usize, outstanding: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut counts = vec![0; engines];
+    for engine in outstanding {
+        if let Some(n) = counts.get_mut(engine) {
+            *n += 1;
+        }
+    }
+    counts
+}
+
+/// The engine with the fewest requests of `counts`; on a tie the first from `start` on (round
+/// robin); `None` when there is no engine.
+fn least_outstanding(counts: &[usize], start: usize) -> Option<usize> {
+    let n = counts.len();
+    (0..n).map(|i| (start + i) % n).min_by_key(|&i| counts[i])
+}
+
 impl Cluster {
     /// A cluster of at least one prefill engine and a decode engine.
     pub fn new(prefills: Vec<SimEngine>, decode: SimEngine) -> Result<Self> {
-        if prefills.is_empty() {
-            return Err(Error::invalid_argument("a cluster needs a prefill engine"));
+        Cluster::xpyd(prefills, vec![decode])
+    }
+
+    /// A cluster of at least one prefill engine and at least one decode engine.
+    pub fn xpyd(prefills: Vec<SimEngine>, decodes: Vec<SimEngine>) -> Result<Self> {
+        if prefills.is_empty() || decodes.is_empty() {
+            return Err(Error::invalid_argument("a cluster needs a prefill and a decode engine"));
         }
         Ok(Cluster {
             prefills,
-            decode,
+            decodes,
             in_prefill: HashMap::new(),
-            next_prefill: 0,
+            in_decode: HashMap::new(),
+            next: (0, 0),
             client: None,
             time: None,
         })
@@ -154,12 +191,13 @@ impl Cluster {
         Ok(self)
     }
 
-    fn engines(&self) -> impl Iterator<Item = &SimEngine> {
-        self.prefills.iter().chain([&self.decode])
+    /// Every engine: the prefill engines, then the decode engines.
+    pub fn engines(&self) -> impl Iterator<Item = &SimEngine> {
+        self.prefills.iter().chain(&self.decodes)
     }
 
     /// Routes every prefill engine's params through `hook` (a client between the engines): the
-    /// decode engine gets the requests it returns.
+    /// decode engines get the requests it returns.
     pub fn with_client(
         mut self,
         hook: impl FnMut(ClientRequest) -> Vec<ClientRequest> + Send + 'static,
@@ -168,18 +206,59 @@ impl Cluster {
         self
     }
 
-    /// Sends a request to the next prefill engine; the decode engine generates `max_new_tokens`.
+    /// Requests outstanding at each prefill engine, by index.
+    pub fn prefill_outstanding(&self) -> Vec<usize> {
+        count(self.prefills.len(), self.in_prefill.values().map(|r| r.0))
+    }
+
+    /// Requests outstanding at each decode engine, by index (those the router handed it).
+    pub fn decode_outstanding(&self) -> Vec<usize> {
+        count(self.decodes.len(), self.in_decode.values().copied())
+    }
+
+    /// Sends a request to the prefill engine with the fewest outstanding requests; a decode engine
+    /// generates `max_new_tokens`.
     pub fn submit(&mut self, id: RequestId, prompt: Vec<u32>, max_new_tokens: usize) -> Result<()> {
-        let n = self.prefills.len();
-        let engine = &mut self.prefills[self.next_prefill % n];
-        self.next_prefill += 1;
+        let Some(p) = least_outstanding(&self.prefill_outstanding(), self.next.0) else {
+            return Err(Error::new(ErrorKind::State, "the cluster has no prefill engine"));
+        };
+        if self.in_prefill.contains_key(&id) || self.in_decode.contains_key(&id) {
+            return Err(Error::invalid_argument(format!("request {id} is already in the cluster")));
+        }
         let params = TransferParams { do_remote_decode: true, ..Default::default() };
-        engine.add_request(id.clone(), &prompt, 1, Some(params))?;
-        self.in_prefill.insert(id, (prompt, max_new_tokens));
+        self.prefills[p].add_request(id.clone(), &prompt, 1, Some(params))?;
+        self.next.0 = p + 1;
+        self.in_prefill.insert(id, (p, prompt, max_new_tokens));
         Ok(())
     }
 
-    /// Steps every engine once and routes finished prefills to the decode engine; in simulated
+    /// Aborts a request wherever the router sent it last (as a client disconnect does): it is no
+    /// longer outstanding there. A request the cluster does not know is left alone.
+    pub fn abort(&mut self, id: &RequestId) {
+        if let Some(&d) = self.in_decode.get(id) {
+            if let Some(e) = self.decodes.get_mut(d) {
+                e.abort(id);
+            }
+        } else if let Some(&(p, ..)) = self.in_prefill.get(id) {
+            if let Some(e) = self.prefills.get_mut(p) {
+                e.abort(id);
+            }
+        }
+        self.forget_ended();
+    }
+
+    /// Hands a request with its params to the decode engine with the fewest outstanding requests.
+    fn route_to_decode(&mut self, (id, prompt, max_new_tokens, params): ClientRequest) -> Result<()> {
+        let Some(d) = least_outstanding(&self.decode_outstanding(), self.next.1) else {
+            return Err(Error::new(ErrorKind::State, "the cluster has no decode engine"));
+        };
+        self.decodes[d].add_request(id.clone(), &prompt, max_new_tokens, Some(params))?;
+        self.next.1 = d + 1;
+        self.in_decode.insert(id, d);
+        Ok(())
+    }
+
+    /// Steps every engine once and routes finished prefills to the decode engines; in simulated
     /// time, then moves the clock (see [`SimTime`]).
     pub fn step(&mut self) -> Result<()> {
         self.step_engines()?;
@@ -193,10 +272,10 @@ impl Cluster {
     }
 
     fn step_engines(&mut self) -> Result<()> {
-        for engine in &mut self.prefills {
-            engine.step()?;
-            for (id, params) in engine.take_transfer_params() {
-                let Some((prompt, max_new_tokens)) = self.in_prefill.remove(&id) else {
+        for p in 0..self.prefills.len() {
+            self.prefills[p].step()?;
+            for (id, params) in self.prefills[p].take_transfer_params() {
+                let Some((_, prompt, max_new_tokens)) = self.in_prefill.remove(&id) else {
                     return Err(Error::new(ErrorKind::State, format!("params for unknown request {id}")));
                 };
                 let request = (id, prompt, max_new_tokens, params);
@@ -204,17 +283,29 @@ impl Cluster {
                     Some(hook) => hook(request),
                     None => vec![request],
                 };
-                for (id, prompt, max_new_tokens, params) in requests {
-                    self.decode.add_request(id, &prompt, max_new_tokens, Some(params))?;
+                for request in requests {
+                    self.route_to_decode(request)?;
                 }
             }
         }
-        self.decode.step()
+        for decode in &mut self.decodes {
+            decode.step()?;
+        }
+        self.forget_ended();
+        Ok(())
+    }
+
+    /// Drops from the outstanding requests those that ended without params at their prefill
+    /// engine (aborted or failed there) and those that ended at their decode engine.
+    fn forget_ended(&mut self) {
+        let (prefills, decodes) = (&self.prefills, &self.decodes);
+        self.in_prefill.retain(|id, (p, ..)| !is_over(prefills.get(*p).and_then(|e| e.state(id))));
+        self.in_decode.retain(|id, d| !is_over(decodes.get(*d).and_then(|e| e.state(id))));
     }
 
     /// Whether every request went through and every engine is idle.
     pub fn is_idle(&self) -> bool {
-        self.in_prefill.is_empty() && self.engines().all(SimEngine::is_idle)
+        self.in_prefill.is_empty() && self.in_decode.is_empty() && self.engines().all(SimEngine::is_idle)
     }
 
     /// Steps until idle, calling `on_step` after each step; a `Timeout` error after `limit` of
@@ -254,10 +345,30 @@ impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cluster")
             .field("prefills", &self.prefills)
-            .field("decode", &self.decode)
+            .field("decodes", &self.decodes)
             .field("in_prefill", &self.in_prefill.len())
+            .field("in_decode", &self.in_decode.len())
             .field("client", &self.client.is_some())
             .field("time", &self.time)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_least_outstanding_engine_wins_and_ties_go_round_robin() {
+        let counts = count(3, [0, 0, 2, 0, 2].into_iter());
+        assert_eq!(counts, [3, 0, 2]);
+        assert_eq!(least_outstanding(&counts, 0), Some(1));
+        assert_eq!(least_outstanding(&counts, 2), Some(1));
+        assert_eq!(least_outstanding(&[1, 0, 0], 0), Some(1));
+        assert_eq!(least_outstanding(&[1, 0, 0], 2), Some(2));
+        assert_eq!(least_outstanding(&[0, 0, 0], 4), Some(1));
+        assert_eq!(least_outstanding(&[], 0), None);
+        // An index past the engines (one that was removed) counts nowhere.
+        assert_eq!(count(2, [5, 1].into_iter()), [0, 1]);
     }
 }

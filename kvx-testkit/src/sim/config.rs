@@ -104,10 +104,13 @@ pub enum SideChannel {
     InProcess(InProcessSideChannels),
     /// Real TCP side channels (`kvx_core::net::SideChannel`) on consecutive ports of `host`.
     Tcp {
-        /// The host to bind and to hand to decode engines.
+        /// The host to bind (and to hand to decode engines, unless `advertise_host` is given).
         host: String,
         /// The port of rank 0 (rank r binds `port + r`); 0: free ports from the OS.
         port: u16,
+        /// The host decode engines reach the side channels at, when it is not `host` (a host
+        /// bound on every interface, `0.0.0.0`, is reached at one of its addresses).
+        advertise_host: Option<String>,
     },
     /// Exchanges that find engines by id (over a registry such as etcd, kvx-etcd): the engine's
     /// params name no host or port, and its decode workers fetch peers by engine id and rank.

@@ -7,7 +7,7 @@
 //!   deterministic bytes the "model" writes.
 //! - [`SimEngine`]: requests that wait, load remote KV, run and finish; a scheduler, and per
 //!   tensor-parallel rank a worker with its own agent and KV memory.
-//! - [`Cluster`]: prefill engines, a decode engine and the router between them, on the system
+//! - [`Cluster`]: prefill engines, decode engines and the router between them, on the system
 //!   clock or in simulated time ([`SimTime`]).
 //! - Side channels: [`InProcessSideChannels`] for in-process tests, or real TCP ones
 //!   ([`SideChannel::Tcp`]).

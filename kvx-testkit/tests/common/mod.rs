@@ -99,7 +99,7 @@ pub fn id(s: impl Into<String>) -> RequestId {
 
 /// Nothing went wrong, every engine is idle and every pool whole.
 pub fn assert_clean(c: &Cluster) {
-    for e in c.prefills.iter().chain([&c.decode]) {
+    for e in c.prefills.iter().chain(&c.decodes) {
         assert!(e.errors().is_empty(), "{}: {:?}", e.engine_id(), e.errors());
         assert_eq!(e.stats().blocks_mismatched, 0);
         assert!(e.is_idle(), "{} is not idle", e.engine_id());

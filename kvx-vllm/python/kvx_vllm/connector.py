@@ -14,6 +14,9 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
 - ``side_channel_host`` / ``side_channel_port``: where each worker serves its handshake payload
   (rank ``r`` binds ``port + r``), also advertised to decode engines. Fallbacks: the environment
   variables ``KVX_SIDE_CHANNEL_HOST`` / ``KVX_SIDE_CHANNEL_PORT``, then ``127.0.0.1`` / ``5700``.
+  Decode engines on other hosts need an address of this host: a prefill engine warns at start when
+  the host is unspecified (``0.0.0.0``, ``::``), or loopback while ``VLLM_HOST_IP`` names another
+  address of this node.
 - ``discovery``: how engines find each other's handshake payloads: ``"tcp"`` (default; the side
   channel above, whose host and port the ``kv_transfer_params`` carry) or
   ``"etcd://HOST:PORT[,HOST:PORT]"``: every worker publishes its payload in that etcd cluster
@@ -188,6 +191,11 @@ class KvxConnector(KVConnectorBase_V1):
                 lease_duration_s=self._lease_s,
                 discovery=self._discovery,
             )
+            if cfg.is_kv_producer and self._discovery == "tcp":
+                # Decode engines connect to the host in the params this engine hands out.
+                warning = native.side_channel_host_warning(self._host, os.environ.get("VLLM_HOST_IP") or None)
+                if warning:
+                    logger.warning("kvx: %s", warning)
         else:
             self._create_worker(extra, cfg, vllm_config)
         handshakes = self._discovery if self._discovery != "tcp" else f"side channel {self._host}:{self._port}"

@@ -129,13 +129,13 @@ impl SimEngine {
             .build()?;
         let host = match &config.side_channel {
             SideChannel::InProcess(_) => "in-process",
-            SideChannel::Tcp { host, .. } => host.as_str(),
+            SideChannel::Tcp { host, advertise_host, .. } => advertise_host.as_deref().unwrap_or(host),
             SideChannel::ById(_) => "",
         };
         let bound = match (&config.side_channel, config.side_channel_port) {
             (SideChannel::InProcess(net), None) => net.bind(host, config.tp)?,
             (SideChannel::InProcess(net), Some(base)) => net.bind_at(host, base, config.tp)?,
-            (SideChannel::Tcp { host, port }, None) => bind_tcp(
+            (SideChannel::Tcp { host, port, .. }, None) => bind_tcp(
                 runtime.handle(),
                 host,
                 *port,
