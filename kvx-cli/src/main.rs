@@ -4,6 +4,7 @@
 mod backend;
 mod bench;
 mod demo;
+mod discovery;
 mod roles;
 mod router;
 mod soak;

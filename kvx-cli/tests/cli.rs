@@ -172,6 +172,12 @@ macro_rules! native_backend_tests {
             fn bench() {
                 super::bench_runs_on(BACKEND);
             }
+
+            #[cfg(feature = "etcd")]
+            #[test]
+            fn prefill_and_decode_through_etcd() {
+                super::prefill_and_decode_through_etcd(BACKEND);
+            }
         }
     };
 }
@@ -201,9 +207,22 @@ struct Prefill {
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill {
+    let (child, api, first) = launch_prefill(backend, args, env);
+    let mut ports = vec![api.rsplit(':').next().unwrap().parse().unwrap()];
+    let range = first.split("side channels on ports ").nth(1).unwrap().split(';').next().unwrap();
+    let (lo, hi) = range.split_once('-').unwrap();
+    ports.extend(lo.parse::<u16>().unwrap()..=hi.parse().unwrap());
+    assert_eq!(ports.len(), 3, "the API and two ranks: {first}");
+    Prefill { child, api, ports }
+}
+
+/// Starts `kvx prefill`: the process, its request API (`tcp://host:port`) and its first line.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn launch_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, String, String) {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
+        .env_remove("KVX_DISCOVERY")
         .envs(env.iter().copied())
         .args(["prefill", "--backend", backend, "--api-port", "0"])
         .args(args)
@@ -217,12 +236,7 @@ fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill 
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
     let api = first.trim().rsplit(' ').next().unwrap().to_owned();
     assert!(api.starts_with("tcp://"), "{first}");
-    let mut ports = vec![api.rsplit(':').next().unwrap().parse().unwrap()];
-    let range = first.split("side channels on ports ").nth(1).unwrap().split(';').next().unwrap();
-    let (lo, hi) = range.split_once('-').unwrap();
-    ports.extend(lo.parse::<u16>().unwrap()..=hi.parse().unwrap());
-    assert_eq!(ports.len(), 3, "the API and two ranks: {first}");
-    Prefill { child, api, ports }
+    (child, api, first)
 }
 
 #[cfg(any(feature = "ucx", feature = "nixl"))]
@@ -235,6 +249,7 @@ fn spawn_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)],
     let requests = requests.to_string();
     Command::new(KVX)
         .env_remove("KVX_AUTH_KEY")
+        .env_remove("KVX_DISCOVERY")
         .envs(env.iter().copied())
         .args(["decode", "--backend", backend, "--prefill", api, "--requests", &requests])
         .args(["--prompt-len", "1..120"])
@@ -304,6 +319,23 @@ fn prefill_and_decode_with_an_auth_key(backend: &str) {
     assert!(text(&unkeyed.stderr).contains("not authenticated"), "{}", text(&unkeyed.stderr));
     let decode = run_decode(backend, &prefill.api, 10, &[("KVX_AUTH_KEY", "the-deployment-key-1")]);
     check_pair(decode, prefill.child, 10);
+}
+
+/// `kvx prefill --discovery etcd://..` and `kvx decode` (`KVX_DISCOVERY`) find each other through
+/// a real etcd server by engine id, with no side-channel host or port in the params and their
+/// entries sealed under the deployment's key: every request finishes, bytes are verified and
+/// nothing leaks. Without `etcd` it prints why it skips.
+#[cfg(all(feature = "etcd", any(feature = "ucx", feature = "nixl")))]
+fn prefill_and_decode_through_etcd(backend: &str) {
+    let Some(etcd) = kvx_testkit::etcd::EtcdServer::start_or_skip("prefill_and_decode_through_etcd") else {
+        return;
+    };
+    let url = etcd.url();
+    let key = "the-deployment-key-2";
+    let (prefill, api, first) = launch_prefill(backend, &["--discovery", &url, "--auth-key", key], &[]);
+    assert!(first.contains(&format!("handshakes through {url}")), "{first}");
+    let decode = run_decode(backend, &api, 20, &[("KVX_DISCOVERY", &url), ("KVX_AUTH_KEY", key)]);
+    check_pair(decode, prefill, 20);
 }
 
 /// `kvx bench` on `backend`: a small run that checks the first transfer's bytes and reports the

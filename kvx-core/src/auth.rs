@@ -37,6 +37,9 @@ pub enum Purpose {
     HandshakeReply,
     /// The prefill engine's offer in `kv_transfer_params`.
     TransferParams,
+    /// A handshake payload published in a registry (kvx-etcd), bound to the key it is stored
+    /// under.
+    RegistryEntry,
 }
 
 impl Purpose {
@@ -45,6 +48,7 @@ impl Purpose {
             Purpose::HandshakeRequest => b"kvx/handshake-request/1",
             Purpose::HandshakeReply => b"kvx/handshake-reply/1",
             Purpose::TransferParams => b"kvx/transfer-params/1",
+            Purpose::RegistryEntry => b"kvx/registry-entry/1",
         }
     }
 }

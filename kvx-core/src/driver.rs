@@ -171,9 +171,10 @@ impl WorkerDriver {
         let timeout = self.worker.config().handshake_timeout;
         while let Some(cmd) = self.worker.poll_command() {
             match cmd {
-                WorkerCommand::FetchHandshake { engine_id, host, port } => {
+                WorkerCommand::FetchHandshake(peer) => {
                     let exchange = Arc::clone(&self.exchange);
-                    let fetch = async move { exchange.fetch(&host, port, timeout).await };
+                    let engine_id = peer.engine_id.clone();
+                    let fetch = async move { exchange.fetch(&peer, timeout).await };
                     match self.handshakes {
                         Handshakes::Background => {
                             let tx = self.results_tx.clone();

@@ -29,7 +29,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 #[cfg(feature = "driver")]
 pub use driver::{Handshakes, WorkerDriver};
 pub use error::{Error, ErrorKind, Result};
-pub use exchange::MetadataExchange;
+pub use exchange::{MetadataExchange, PeerLocator};
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use host::HostScope;
 pub use ids::{AgentName, BlockId, EngineId, RequestId};
@@ -39,7 +39,7 @@ pub use meta::{
     ConnectorMetadata, FailedRecv, Finished, Heartbeat, HeldRequest, HoldRelease, HoldStatus, RankReport,
     RecvRequest, RenewLeases, ReplyTo,
 };
-pub use params::{Offer, RemoteCoordinates, TransferParams};
+pub use params::{Endpoint, Offer, RemoteCoordinates, TransferParams};
 pub use post::{PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{

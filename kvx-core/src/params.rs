@@ -58,15 +58,42 @@ pub struct TransferParams {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
-/// Where a prefill engine's blocks are: complete remote coordinates.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RemoteCoordinates {
-    /// The prefill engine.
-    pub engine_id: EngineId,
-    /// Its side-channel host.
+/// An engine's side channel: host and base port (rank `r` serves on `port + r`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// The side-channel host.
     pub host: String,
-    /// Its side-channel base port.
+    /// The side-channel port.
     pub port: u16,
+}
+
+impl Endpoint {
+    /// The endpoint `host:port`.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Endpoint { host: host.into(), port }
+    }
+}
+
+/// Where a remote engine is: its id, and its side channel unless the engines find each other by
+/// id (a [`MetadataExchange`](crate::MetadataExchange) over a registry such as etcd).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RemoteCoordinates {
+    /// The remote engine.
+    pub engine_id: EngineId,
+    /// Its side channel (base port); `None`: found by engine id.
+    pub endpoint: Option<Endpoint>,
+}
+
+impl RemoteCoordinates {
+    /// The coordinates of `engine_id` with the side channel at `host:port`.
+    pub fn at(engine_id: impl Into<EngineId>, host: impl Into<String>, port: u16) -> Self {
+        RemoteCoordinates { engine_id: engine_id.into(), endpoint: Some(Endpoint::new(host, port)) }
+    }
+
+    /// The coordinates of `engine_id`, found by id.
+    pub fn by_id(engine_id: impl Into<EngineId>) -> Self {
+        RemoteCoordinates { engine_id: engine_id.into(), endpoint: None }
+    }
 }
 
 /// The longest request or engine id kvx accepts from a peer or a client, in bytes.
@@ -78,10 +105,10 @@ pub const MAX_HOST_LEN: usize = 255;
 impl RemoteCoordinates {
     /// Refuses a host over [`MAX_HOST_LEN`] or an engine id over [`MAX_ID_LEN`].
     pub fn check(&self) -> Result<()> {
-        if self.host.len() > MAX_HOST_LEN {
+        if let Some(endpoint) = self.endpoint.as_ref().filter(|e| e.host.len() > MAX_HOST_LEN) {
             return Err(Error::invalid_peer_data(format!(
                 "remote host {} is over {MAX_HOST_LEN} bytes",
-                crate::error::quote(&self.host)
+                crate::error::quote(&endpoint.host)
             )));
         }
         if self.engine_id.as_str().len() > MAX_ID_LEN {
@@ -96,15 +123,19 @@ impl RemoteCoordinates {
 
 impl TransferParams {
     /// The params a prefill engine returns for a finished request whose blocks it keeps.
-    pub fn for_decode(block_ids: Vec<BlockId>, engine_id: EngineId, host: String, port: u16) -> Self {
+    pub fn for_decode(block_ids: Vec<BlockId>, remote: RemoteCoordinates) -> Self {
+        let (remote_host, remote_port) = match remote.endpoint {
+            Some(Endpoint { host, port }) => (Some(host), Some(port)),
+            None => (None, None),
+        };
         TransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
             remote_block_ids: Some(block_ids),
             remote_request_id: None,
-            remote_engine_id: Some(engine_id),
-            remote_host: Some(host),
-            remote_port: Some(port),
+            remote_engine_id: Some(remote.engine_id),
+            remote_host,
+            remote_port,
             kvx_hold_nonce: None,
             kvx_offer_mac: None,
             kvx_instance: None,
@@ -112,12 +143,15 @@ impl TransferParams {
         }
     }
 
-    /// The remote engine, host and port, if all three are present (and the host is not empty).
+    /// The remote engine with its host and port, or without both (found by id); `None` without
+    /// an engine id, or with only one of host and port (or an empty host).
     pub fn coordinates(&self) -> Option<RemoteCoordinates> {
-        match (&self.remote_engine_id, &self.remote_host, self.remote_port) {
-            (Some(engine_id), Some(host), Some(port)) if !host.is_empty() => {
-                Some(RemoteCoordinates { engine_id: engine_id.clone(), host: host.clone(), port })
+        let engine_id = self.remote_engine_id.clone()?;
+        match (&self.remote_host, self.remote_port) {
+            (Some(host), Some(port)) if !host.is_empty() => {
+                Some(RemoteCoordinates::at(engine_id, host, port))
             }
+            (None, None) => Some(RemoteCoordinates::by_id(engine_id)),
             _ => None,
         }
     }
@@ -160,10 +194,14 @@ pub struct Offer<'a> {
 impl Offer<'_> {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
         let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
-        let port = self.remote.port.to_le_bytes();
+        // Without an endpoint, an empty host and an empty port: no 2-byte port is empty.
+        let (host, port) = match &self.remote.endpoint {
+            Some(e) => (e.host.as_bytes(), e.port.to_le_bytes().to_vec()),
+            None => (&[][..], Vec::new()),
+        };
         let mut parts: Vec<&[u8]> = vec![
             self.remote.engine_id.as_str().as_bytes(),
-            self.remote.host.as_bytes(),
+            host,
             &port,
             self.request_id.as_str().as_bytes(),
             &blocks,
@@ -294,10 +332,7 @@ mod tests {
         assert!(p.do_remote_prefill && !p.do_remote_decode);
         assert_eq!(p.remote_blocks(), &[1, 2, 3]);
         assert_eq!(p.remote_request_id, Some("cmpl-1-0".into()));
-        assert_eq!(
-            p.coordinates(),
-            Some(RemoteCoordinates { engine_id: "prefill-0".into(), host: "10.0.0.1".into(), port: 5600 })
-        );
+        assert_eq!(p.coordinates(), Some(RemoteCoordinates::at("prefill-0", "10.0.0.1", 5600)));
         let back: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
         let orig: serde_json::Value = serde_json::from_str(json).unwrap();
         assert_eq!(back, orig);
@@ -320,7 +355,7 @@ mod tests {
 
     #[test]
     fn emits_exactly_vllms_keys() {
-        let p = TransferParams::for_decode(vec![4], "e".into(), "h".into(), 1);
+        let p = TransferParams::for_decode(vec![4], RemoteCoordinates::at("e", "h", 1));
         let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
         let mut keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
         keys.sort();
@@ -343,11 +378,20 @@ mod tests {
         assert!(p.do_remote_decode && p.coordinates().is_none() && p.remote_blocks().is_empty());
         assert!(TransferParams::from_json(r#"{"remote_port": 70000}"#).is_err());
         assert!(TransferParams::from_json(r#"{"remote_block_ids": [[1], [2]]}"#).is_err(), "two groups");
-        let no_host = TransferParams {
-            remote_host: Some(String::new()),
-            ..TransferParams::for_decode(vec![], "e".into(), "h".into(), 1)
-        };
+        let at = TransferParams::for_decode(vec![], RemoteCoordinates::at("e", "h", 1));
+        let no_host = TransferParams { remote_host: Some(String::new()), ..at.clone() };
         assert!(no_host.coordinates().is_none());
+        assert!(TransferParams { remote_host: None, ..at.clone() }.coordinates().is_none(), "port only");
+        assert!(TransferParams { remote_port: None, ..at.clone() }.coordinates().is_none(), "host only");
+        assert!(TransferParams { remote_engine_id: None, ..at }.coordinates().is_none());
+    }
+
+    #[test]
+    fn params_without_host_and_port_name_the_engine_to_find_by_id() {
+        let p = TransferParams::for_decode(vec![3], RemoteCoordinates::by_id("prefill-0"));
+        let back = TransferParams::from_json(&p.to_json()).unwrap();
+        assert_eq!(back.coordinates(), Some(RemoteCoordinates::by_id("prefill-0")));
+        assert_eq!((back.remote_host, back.remote_port), (None, None));
     }
 
     #[test]
@@ -390,20 +434,24 @@ mod tests {
     #[test]
     fn an_offer_verifies_only_unchanged_and_under_the_same_key() {
         let key = AuthKey::new("a deployment's shared secret").unwrap();
-        let remote = RemoteCoordinates { engine_id: "p".into(), host: "h".into(), port: 5600 };
+        let remote = RemoteCoordinates::at("p", "h", 5600);
         let (id, nonce) = (RequestId::new("r1"), Nonce::parse(&"ab".repeat(16)).unwrap());
         let offer =
             Offer { remote: &remote, request_id: &id, block_ids: &[1, 2], nonce: &nonce, instance: None };
         let mac = offer.tag(&key);
         offer.verify(&key, Some(&mac)).unwrap();
         let other_id = RequestId::new("r2");
-        let other_remote = RemoteCoordinates { port: 5601, ..remote.clone() };
+        let other_remote = RemoteCoordinates::at("p", "h", 5601);
+        let by_id = RemoteCoordinates::by_id("p");
+        let empty_host = RemoteCoordinates::at("p", "", 5600);
         let other_nonce = Nonce::parse(&"cd".repeat(16)).unwrap();
         for changed in [
             Offer { request_id: &other_id, ..offer },
             Offer { block_ids: &[1, 3], ..offer },
             Offer { block_ids: &[1, 2, 3], ..offer },
             Offer { remote: &other_remote, ..offer },
+            Offer { remote: &by_id, ..offer },
+            Offer { remote: &empty_host, ..offer },
             Offer { nonce: &other_nonce, ..offer },
         ] {
             assert_eq!(changed.verify(&key, Some(&mac)).unwrap_err().kind(), ErrorKind::Unauthenticated);

@@ -12,7 +12,7 @@ use crate::ids::{BlockId, EngineId, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
 use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, RecvRequest};
-use crate::params::{InstanceId, Offer, RemoteCoordinates, TransferParams};
+use crate::params::{Endpoint, InstanceId, Offer, RemoteCoordinates, TransferParams};
 
 /// Configuration of one engine's scheduler-side connector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,10 +21,10 @@ pub struct SchedulerConfig {
     pub engine_id: EngineId,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// Host of this engine's side channel, handed to decode engines.
-    pub side_channel_host: String,
-    /// Base port of this engine's side channel (rank `r` listens on `port + r`).
-    pub side_channel_port: u16,
+    /// This engine's side channel (base port: rank `r` listens on `port + r`), handed to decode
+    /// engines in the params. `None`: the params name no host or port, and decode engines find
+    /// this engine by its id (an exchange over a registry).
+    pub side_channel: Option<Endpoint>,
     /// The deployment's shared key: with it, the params this engine hands out carry a MAC over
     /// the offer (engine, side channel, request id, blocks and nonce); a decode engine renews only
     /// the leases of offers whose MAC verifies.
@@ -41,17 +41,11 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     /// A configuration with no key and a 30 s lease.
-    pub fn new(
-        engine_id: EngineId,
-        block_size: u32,
-        side_channel_host: String,
-        side_channel_port: u16,
-    ) -> Self {
+    pub fn new(engine_id: EngineId, block_size: u32, side_channel: Option<Endpoint>) -> Self {
         SchedulerConfig {
             engine_id,
             block_size,
-            side_channel_host,
-            side_channel_port,
+            side_channel,
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,
@@ -370,10 +364,10 @@ impl ConnectorScheduler {
             return Vec::new();
         }
         self.next_heartbeat = Some(now + self.config.lease_duration / 6);
-        let mut by_engine: BTreeMap<(&str, &str, u16), Heartbeat> = BTreeMap::new();
+        let mut by_engine: BTreeMap<&RemoteCoordinates, Heartbeat> = BTreeMap::new();
         for (remote, held) in self.awaiting.values() {
             by_engine
-                .entry((remote.engine_id.as_str(), remote.host.as_str(), remote.port))
+                .entry(remote)
                 .or_insert_with(|| Heartbeat { remote: remote.clone(), holds: Vec::new() })
                 .holds
                 .push(held.clone());
@@ -440,8 +434,7 @@ impl ConnectorScheduler {
         }
         let remote = RemoteCoordinates {
             engine_id: self.config.engine_id.clone(),
-            host: self.config.side_channel_host.clone(),
-            port: self.config.side_channel_port,
+            endpoint: self.config.side_channel.clone(),
         };
         let instance = self.config.instance.map(|i| crate::auth::HexBytes(i.to_le_bytes()));
         let offer = Offer {
@@ -452,7 +445,7 @@ impl ConnectorScheduler {
             instance: instance.as_ref(),
         };
         let kvx_offer_mac = self.config.auth_key.as_ref().map(|key| offer.tag(key));
-        let mut params = TransferParams::for_decode(computed, remote.engine_id, remote.host, remote.port);
+        let mut params = TransferParams::for_decode(computed, remote);
         params.remote_request_id = Some(request_id.clone());
         params.kvx_hold_nonce = Some(nonce);
         params.kvx_offer_mac = kvx_offer_mac;
@@ -501,8 +494,7 @@ mod tests {
         ConnectorScheduler::new(SchedulerConfig {
             engine_id: "prefill".into(),
             block_size: BS as u32,
-            side_channel_host: "10.0.0.1".into(),
-            side_channel_port: 5600,
+            side_channel: Some(Endpoint::new("10.0.0.1", 5600)),
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,
@@ -511,7 +503,7 @@ mod tests {
     }
 
     fn decode_params(blocks: Vec<BlockId>) -> TransferParams {
-        TransferParams::for_decode(blocks, "prefill".into(), "10.0.0.1".into(), 5600)
+        TransferParams::for_decode(blocks, RemoteCoordinates::at("prefill", "10.0.0.1", 5600))
     }
 
     fn id(s: &str) -> RequestId {
@@ -530,6 +522,23 @@ mod tests {
         let m = s.get_num_new_matched_tokens(&id("r"), 10 * BS, Some(&p), 0).unwrap();
         assert_eq!(m.count, 3 * BS);
         assert!(s.build_connector_meta(Instant::now()).is_empty());
+    }
+
+    #[test]
+    fn params_without_host_or_port_load_from_the_engine_found_by_id() {
+        let mut prefill =
+            ConnectorScheduler::new(SchedulerConfig { side_channel: None, ..sched().config }).unwrap();
+        let asked = TransferParams { do_remote_decode: true, ..Default::default() };
+        let out =
+            prefill.request_finished(&id("p"), Some(&asked), FinishReason::LengthCapped, 2 * BS, &[4, 5]);
+        let mut p = out.params.unwrap();
+        assert_eq!((&p.remote_host, p.remote_port), (&None, None));
+        let mut s = sched();
+        let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
+        assert_eq!(m, MatchedTokens { count: 2 * BS, load_async: true });
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, m.count).unwrap();
+        let meta = s.build_connector_meta(Instant::now());
+        assert_eq!(meta.reqs_to_recv[0].remote, RemoteCoordinates::by_id("prefill"));
     }
 
     #[test]
@@ -892,7 +901,7 @@ mod tests {
         s.build_connector_meta(t0);
         let beats = s.build_connector_meta(t0 + Duration::from_secs(5)).heartbeats;
         assert_eq!(beats.len(), 1);
-        assert_eq!(beats[0].remote.host, "10.0.0.1");
+        assert_eq!(beats[0].remote, RemoteCoordinates::at("prefill", "10.0.0.1", 5600));
     }
 
     #[test]

@@ -467,7 +467,7 @@ mod tests {
     #[test]
     fn keys_leave_out_the_worker_s_random_instance_and_tokens() {
         let release = |instance, token, nonce| {
-            let engine = kvx_core::RemoteCoordinates { engine_id: "d".into(), host: "h".into(), port: 1 };
+            let engine = kvx_core::RemoteCoordinates::at("d", "h", 1);
             let reply_to = Some(ReplyTo { engine, instance, token: HexBytes([token; 16]) });
             wire::encode(&HoldRelease { request_id: "r".into(), nonce: HexBytes([nonce; 16]), reply_to })
                 .unwrap()

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use kvx_core::{
     BlockList, ConnectorMetadata, ConnectorWorker, DlistOwner, ErrorKind, HeldRequest, HexBytes, HostMemory,
-    KvMemory, LayerCache, MemKind, RecvRequest, RemoteCoordinates, RequestId, TransferAgent, WorkerCommand,
-    WorkerConfig,
+    KvMemory, LayerCache, MemKind, PeerLocator, RecvRequest, RemoteCoordinates, RequestId, TransferAgent,
+    WorkerCommand, WorkerConfig,
 };
 use kvx_loopback::Fabric;
 
@@ -20,7 +20,7 @@ const BLOCKS: usize = 8;
 const STEPS: usize = 100;
 
 fn coordinates(engine: &str) -> RemoteCoordinates {
-    RemoteCoordinates { engine_id: engine.into(), host: "in-process".into(), port: 5600 }
+    RemoteCoordinates::at(engine, "in-process", 5600)
 }
 
 /// A worker of `engine` (rank 0 of 1) on its own loopback agent, with one layer of `memory`
@@ -45,7 +45,7 @@ fn memory() -> Arc<HostMemory> {
 
 /// Answers `w`'s handshake fetches with `payload`.
 fn handshake(w: &mut ConnectorWorker, now: Instant, payload: &[u8]) {
-    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = w.poll_command() {
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
         w.handle_handshake(now, &engine_id, Ok(payload.to_vec()));
     }
 }

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    Clock, ConnectorMetadata, ConnectorWorker, ErrorKind, Finished, Handshakes, HeldRequest, HexBytes,
-    HostMemory, LayerCache, ManualClock, MetadataExchange, RecvRequest, RemoteCoordinates, RequestId,
-    SingleRank, WorkerConfig, WorkerDriver,
+    Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, Handshakes, HeldRequest,
+    HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RecvRequest,
+    RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
 };
 use kvx_loopback::Fabric;
 
@@ -26,6 +26,18 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
+    let endpoint = Some(Endpoint::new("10.0.0.1", 5601));
+    rank1_loads_through_the_exchange(RemoteCoordinates::at("prefill", "10.0.0.1", 5600), endpoint);
+}
+
+#[test]
+fn params_without_an_endpoint_fetch_by_engine_id_and_rank() {
+    rank1_loads_through_the_exchange(RemoteCoordinates::by_id("prefill"), None);
+}
+
+/// Decode rank 1 loads a block from `remote`: its driver publishes, fetches rank 1 of "prefill" at
+/// `endpoint` from its exchange, posts the READ and sends its reports to rank 0.
+fn rank1_loads_through_the_exchange(remote: RemoteCoordinates, endpoint: Option<Endpoint>) {
     let rt = runtime();
     let fabric = Fabric::new();
 
@@ -42,18 +54,19 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
     let fetched = payload.clone();
     exchange
         .expect_fetch()
-        .withf(|host, port, timeout| {
-            host == "10.0.0.1" && *port == 5601 && *timeout == Duration::from_secs(5)
+        .withf(move |peer, timeout| {
+            *peer == PeerLocator { engine_id: "prefill".into(), rank: 1, endpoint: endpoint.clone() }
+                && *timeout == Duration::from_secs(5)
         })
         .times(1)
-        .returning(move |_, _, _| Ok(fetched.clone()));
+        .returning(move |_, _| Ok(fetched.clone()));
 
     // Rank 1 of the decode engine, whose group sends its reports to rank 0.
     let mut group = MockParallelGroup::new();
     group.expect_world_size().return_const(2u32);
     group.expect_gather_finished().returning(|_| Ok(None));
 
-    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "10.0.0.2".into(), port: 5700 };
+    let side_channel = RemoteCoordinates::at("decode", "10.0.0.2", 5700);
     let worker = ConnectorWorker::new(
         WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 1, 2, 4) },
         Arc::new(fabric.agent("decode-1").unwrap()),
@@ -62,7 +75,7 @@ fn driver_publishes_fetches_at_base_port_plus_rank_and_aggregates_on_rank0() {
     let mut driver = WorkerDriver::new(worker, Arc::new(exchange), Arc::new(group), rt.handle().clone());
     driver.register_kv_caches(&layer()).unwrap();
 
-    driver.start_load_kv(&one_load("10.0.0.1"));
+    driver.start_load_kv(&one_load(remote));
     // The fetch runs on the runtime; the result is fed at a later call.
     driver.wait_for_handshakes(Duration::from_secs(5));
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -122,14 +135,14 @@ impl MetadataExchange for Silent {
         Ok(())
     }
 
-    async fn fetch(&self, _host: &str, _port: u16, _timeout: Duration) -> kvx_core::Result<Vec<u8>> {
+    async fn fetch(&self, _peer: &PeerLocator, _timeout: Duration) -> kvx_core::Result<Vec<u8>> {
         std::future::pending().await
     }
 }
 
 /// A decode rank on `clock` whose side channel never answers (`Silent`), its KV registered.
 fn silent_decode_driver(rt: &tokio::runtime::Runtime, fabric: &Fabric, clock: &ManualClock) -> WorkerDriver {
-    let side_channel = RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 5700 };
+    let side_channel = RemoteCoordinates::at("decode", "h", 5700);
     let worker = ConnectorWorker::new(
         WorkerConfig { side_channel: Some(side_channel), ..WorkerConfig::new("decode".into(), 0, 1, 4) },
         Arc::new(fabric.agent("decode-0").unwrap()),
@@ -141,15 +154,15 @@ fn silent_decode_driver(rt: &tokio::runtime::Runtime, fabric: &Fabric, clock: &M
     driver
 }
 
-/// One load from a prefill engine at `host` that has not been handshaken yet.
-fn one_load(host: &str) -> ConnectorMetadata {
+/// One load from a prefill engine at `remote` that has not been handshaken yet.
+fn one_load(remote: RemoteCoordinates) -> ConnectorMetadata {
     let req = RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
         local_block_ids: vec![2],
         remote_block_ids: vec![5],
         remote_read_from: 0,
-        remote: RemoteCoordinates { engine_id: "prefill".into(), host: host.into(), port: 5600 },
+        remote,
         nonce: Some(HexBytes([1; 16])),
         mac: None,
         remote_instance: None,
@@ -161,7 +174,7 @@ fn one_load(host: &str) -> ConnectorMetadata {
 fn step_thread_handshakes_follow_the_driver_s_clock_and_never_wait() {
     let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
     let mut driver = silent_decode_driver(&rt, &fabric, &clock).with_handshakes(Handshakes::OnStepThread);
-    driver.start_load_kv(&one_load("h"));
+    driver.start_load_kv(&one_load(RemoteCoordinates::at("prefill", "h", 5600)));
     // The fetch never answers; the step thread is never held up by it.
     driver.wait_for_handshakes(Duration::from_secs(3600));
     for _ in 0..3 {
@@ -182,7 +195,7 @@ fn waiting_for_handshakes_ends_at_the_next_deadline() {
     let (rt, fabric, clock) = (runtime(), Fabric::new(), ManualClock::new());
     let mut driver = silent_decode_driver(&rt, &fabric, &clock);
     assert_eq!(driver.next_deadline(), None, "nothing is due before a load");
-    driver.start_load_kv(&one_load("h"));
+    driver.start_load_kv(&one_load(RemoteCoordinates::at("prefill", "h", 5600)));
     let timeout = driver.worker().config().handshake_timeout;
     assert_eq!(driver.next_deadline(), Some(clock.now() + timeout));
     clock.advance(timeout);

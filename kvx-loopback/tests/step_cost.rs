@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use kvx_core::{
     AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, HexBytes,
-    HostMemory, KvMemory, LayerCache, Notification, RecvRequest, RegistrationId, RemoteCoordinates, Result,
-    TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
+    HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
+    RemoteCoordinates, Result, TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
 };
 use kvx_loopback::{Fabric, Faults, LoopbackAgent};
 
@@ -102,7 +102,7 @@ impl TransferAgent for Counting {
 }
 
 fn coordinates(engine: &str) -> RemoteCoordinates {
-    RemoteCoordinates { engine_id: engine.into(), host: "in-process".into(), port: 5600 }
+    RemoteCoordinates::at(engine, "in-process", 5600)
 }
 
 /// A worker of `engine` (rank 0 of 1) over `agent`, with one layer registered; and its payload.
@@ -146,7 +146,7 @@ fn a_step_costs_what_completed() {
     let now = Instant::now();
     let reqs_to_recv = (0..LOADS).map(load).collect();
     decode.start_load_kv(now, &ConnectorMetadata { reqs_to_recv, ..Default::default() });
-    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = decode.poll_command() {
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = decode.poll_command() {
         decode.handle_handshake(now, &engine_id, Ok(prefill_payload.clone()));
     }
     assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (LOADS as u64, LOADS));

@@ -3,6 +3,7 @@
 
 pub mod child;
 pub mod conformance;
+pub mod etcd;
 pub mod hostile;
 pub mod matrix;
 pub mod sim;

@@ -18,7 +18,9 @@ use kvx_core::auth::Purpose;
 use kvx_core::net::frame::{read_frame, write_frame};
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
-use kvx_core::{AuthKey, ErrorKind, Finished, MetadataExchange, ParallelGroup, RequestId, wire};
+use kvx_core::{
+    AuthKey, Endpoint, ErrorKind, Finished, MetadataExchange, ParallelGroup, PeerLocator, RequestId, wire,
+};
 use kvx_testkit::hostile::zmtp_73;
 
 /// Sends `bytes` and waits (bounded) until the server closes the connection.
@@ -28,6 +30,11 @@ fn attack(port: u16, bytes: &[u8]) {
 
 /// A generous bound that only proves "did not hang".
 const T: Duration = Duration::from_secs(20);
+
+/// Rank 0's worker at `127.0.0.1:port`.
+fn at(port: u16) -> PeerLocator {
+    PeerLocator { engine_id: "peer".into(), rank: 0, endpoint: Some(Endpoint::new("127.0.0.1", port)) }
+}
 const PAYLOAD: &[u8] = b"the handshake payload";
 /// Set in a child process of this test binary to the role it plays.
 const ROLE: &str = "KVX_HOSTILE_NET_ROLE";
@@ -81,7 +88,7 @@ async fn serving(config: NetConfig) -> SideChannel {
 /// A valid peer's fetch succeeds.
 async fn assert_served(port: u16, config: NetConfig) {
     let client = SideChannel::bind_with("127.0.0.1", 0, config).await.unwrap();
-    assert_eq!(client.fetch("127.0.0.1", port, T).await.unwrap(), PAYLOAD);
+    assert_eq!(client.fetch(&at(port), T).await.unwrap(), PAYLOAD);
 }
 
 async fn wait(server: &SideChannel, what: impl FnMut(&ServerStats) -> bool) -> ServerStats {
@@ -185,7 +192,7 @@ fn fetch_from_hostile_servers_fails_with_typed_errors_in_bounded_memory() {
             let port = hostile_server(how.clone()).await;
             // Every fetch ends by its own 2 s timeout at the latest (then `Timeout`, the kind
             // the silent server gets): the others fail on what they received, before it.
-            let e = client.fetch("127.0.0.1", port, Duration::from_secs(2)).await.unwrap_err();
+            let e = client.fetch(&at(port), Duration::from_secs(2)).await.unwrap_err();
             assert_eq!(e.kind(), kind, "{how:?}: {e}");
         }
         let grown = rss_mib().saturating_sub(before);
@@ -233,14 +240,14 @@ fn a_client_that_pipelines_and_never_reads_is_dropped_while_others_are_served() 
             s
         });
         let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
-        let got = client.fetch("127.0.0.1", server.port(), T).await.unwrap();
+        let got = client.fetch(&at(server.port()), T).await.unwrap();
         assert_eq!(got.len(), 4096, "a valid peer is served during the flood");
         let s = wait(&server, |s| s.slow == 1).await;
         assert!(s.requests > 1, "{s:?}");
         let _held = writer.join().unwrap();
         let grown = rss_mib().saturating_sub(before);
         assert!(grown < 64, "memory grew by {grown} MiB (the flood is {} MiB)", (one.len() * 200_000) >> 20);
-        assert_eq!(client.fetch("127.0.0.1", server.port(), T).await.unwrap().len(), 4096);
+        assert_eq!(client.fetch(&at(server.port()), T).await.unwrap().len(), 4096);
     });
 }
 
@@ -385,7 +392,7 @@ fn auth_matching_keys_fetch_and_every_mismatch_is_unauthenticated() {
         ];
         for (port, config) in mismatches {
             let client = SideChannel::bind_with("127.0.0.1", 0, config).await.unwrap();
-            let e = client.fetch("127.0.0.1", port, T).await.unwrap_err();
+            let e = client.fetch(&at(port), T).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
             assert!(!e.to_string().contains("handshake payload"), "no payload: {e}");
         }
@@ -462,7 +469,7 @@ fn a_replayed_or_forged_server_reply_is_refused() {
         let forged =
             impostor(|_| SessionReply::Reply { body: b"evil".to_vec(), tag: Some(vec![0; 32]) }).await;
         for port in [replayed, untagged, forged] {
-            let e = client.fetch("127.0.0.1", port, T).await.unwrap_err();
+            let e = client.fetch(&at(port), T).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
         }
     });

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod affinity;
+mod discovery;
 mod memory;
 mod scheduler;
 mod worker;

@@ -2,8 +2,8 @@
 //! with vLLM's arguments.
 
 use kvx_core::{
-    AuthKey, BlockId, ConnectorScheduler, Error, ErrorKind, FailedRecv, FinishReason, Finished, HostScope,
-    RequestId, SchedulerConfig, TransferParams, wire,
+    AuthKey, BlockId, ConnectorScheduler, Endpoint, Error, ErrorKind, FailedRecv, FinishReason, Finished,
+    HostScope, RequestId, SchedulerConfig, TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -47,13 +47,14 @@ pub(crate) fn auth_key(key: Option<&str>) -> PyResult<Option<AuthKey>> {
 #[pymethods]
 impl Scheduler {
     /// A scheduler for engine `engine_id` whose workers serve their side channels at
-    /// `side_channel_host:side_channel_port + rank`.
+    /// `side_channel_host:side_channel_port + rank`, or, with `discovery` an etcd URL, publish
+    /// their payloads in etcd: then the params it hands out carry no host or port.
     /// With `auth_key`, the params it hands out carry a MAC that the decode engines check.
     /// `lease_duration_s` is the deployment's `kv_lease_duration`: as a decode engine, it renews
     /// the leases of requests waiting for their KV every sixth of it.
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None,
-        lease_duration_s = 30.0))]
+        lease_duration_s = 30.0, discovery = None))]
     fn new(
         engine_id: String,
         block_size: u32,
@@ -61,12 +62,16 @@ impl Scheduler {
         side_channel_port: u16,
         auth_key: Option<&str>,
         lease_duration_s: f64,
+        discovery: Option<&str>,
     ) -> PyResult<Self> {
+        let side_channel = match crate::discovery::etcd_url(discovery)? {
+            Some(_) => None,
+            None => Some(Endpoint::new(side_channel_host, side_channel_port)),
+        };
         let config = SchedulerConfig {
             engine_id: engine_id.into(),
             block_size,
-            side_channel_host,
-            side_channel_port,
+            side_channel,
             auth_key: self::auth_key(auth_key)?,
             lease_duration: lease_duration(lease_duration_s)?,
             instance: None,
@@ -242,6 +247,8 @@ pub fn side_channel_host_warning(side_channel_host: &str, node_host: Option<&str
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
     use super::*;
 
     #[test]
@@ -259,6 +266,28 @@ mod tests {
             ("prefill-0", None),
         ] {
             assert_eq!(side_channel_host_warning(host, node), None, "{host} {node:?}");
+        }
+    }
+
+    /// The params a prefill scheduler hands out for a held request, with `discovery`.
+    fn handed_out(discovery: Option<&str>) -> TransferParams {
+        let mut s =
+            Scheduler::new("prefill".into(), 4, "10.0.0.1".into(), 5600, None, 30.0, discovery).unwrap();
+        let asked = r#"{"do_remote_decode": true}"#;
+        let (delay_free, params) = s.request_finished("r", Some(asked), "length", 8, vec![3, 4]).unwrap();
+        assert!(delay_free);
+        TransferParams::from_json(&params.unwrap()).unwrap()
+    }
+
+    #[test]
+    fn with_etcd_discovery_the_params_name_the_engine_without_host_or_port() {
+        let tcp = handed_out(None);
+        assert_eq!((tcp.remote_host.as_deref(), tcp.remote_port), (Some("10.0.0.1"), Some(5600)));
+        let by_id = handed_out(Some("etcd://127.0.0.1:2379"));
+        assert_eq!((&by_id.remote_host, by_id.remote_port), (&None, None));
+        assert_eq!(by_id.coordinates(), Some(kvx_core::RemoteCoordinates::by_id("prefill")));
+        for bad in ["zmq://h:1", "etcd://h"] {
+            assert!(Scheduler::new("p".into(), 4, "h".into(), 1, None, 30.0, Some(bad)).is_err(), "{bad}");
         }
     }
 }

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use kvx_core::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorWorker, Error, ErrorKind, LayerCache, RemoteCoordinates, RequestId,
-    Samples, SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
+    BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, ErrorKind, LayerCache, MetadataExchange,
+    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
 };
+use kvx_etcd::{EtcdConfig, EtcdExchange};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -52,6 +53,9 @@ pub struct WorkerOptions {
     /// Base port of the Prometheus `/metrics` endpoint on `side_channel_host`: this worker serves
     /// on `metrics_port + rank` (0: a free port, see `Worker.metrics_address`). None: no endpoint.
     pub metrics_port: Option<u16>,
+    /// How peers find this worker's payload: `None` or `"tcp"`, the side channel; an
+    /// `etcd://HOST:PORT[,HOST:PORT]` URL, that etcd cluster (the side channel is not bound).
+    pub discovery: Option<String>,
 }
 
 #[pymethods]
@@ -59,7 +63,7 @@ impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
         world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, lease_duration_s = 30.0,
-        runtime_threads = 1, auth_key = None, metrics_port = None))]
+        runtime_threads = 1, auth_key = None, metrics_port = None, discovery = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -74,6 +78,7 @@ impl WorkerOptions {
         runtime_threads: usize,
         auth_key: Option<String>,
         metrics_port: Option<u16>,
+        discovery: Option<String>,
     ) -> Self {
         WorkerOptions {
             engine_id,
@@ -88,6 +93,7 @@ impl WorkerOptions {
             runtime_threads,
             auth_key,
             metrics_port,
+            discovery,
         }
     }
 
@@ -113,18 +119,20 @@ struct State {
     metrics: Option<StepMetrics>,
 }
 
-/// The metrics of one worker and its side channel, updated at each step.
+/// The metrics of one worker and of its TCP side channel (none with etcd discovery), updated at
+/// each step.
 #[derive(Debug)]
 struct StepMetrics {
     worker: WorkerMetrics,
-    side_channel: SideChannelMetrics,
-    channel: Arc<SideChannel>,
+    side_channel: Option<(SideChannelMetrics, Arc<SideChannel>)>,
 }
 
 impl StepMetrics {
     fn observe(&mut self, worker: &ConnectorWorker) {
         self.worker.observe(worker);
-        self.side_channel.observe(&self.channel.stats());
+        if let Some((metrics, channel)) = &mut self.side_channel {
+            metrics.observe(&channel.stats());
+        }
     }
 }
 
@@ -236,15 +244,37 @@ impl Worker {
                 .build()
         })?
         .map_err(|e| PyRuntimeError::new_err(format!("starting the tokio runtime: {e}")))?;
-        let port = plus_rank(options.side_channel_port, options.rank, "side-channel")?;
-        let host = options.side_channel_host.clone();
         let auth_key = crate::scheduler::auth_key(options.auth_key.as_deref())?;
-        let net = NetConfig::with_key(auth_key.clone());
-        let channel = Arc::new(
-            runtime
-                .block_on(async move { SideChannel::bind_with(&host, port, net).await })
-                .map_err(py_err)?,
-        );
+        let engine_id: EngineId = options.engine_id.clone().into();
+        // This engine's own coordinates, where this worker's payload is published: a decode
+        // worker names them in each READ's release, and the prefill worker answers there whether
+        // its hold lived through the READ (set on both roles; only a decode worker uses it).
+        // The TCP side channel, when there is one, also feeds the metrics its server's counters.
+        let (exchange, own, channel): (Arc<dyn MetadataExchange>, _, _) =
+            match crate::discovery::etcd_url(options.discovery.as_deref())? {
+                Some(url) => {
+                    let config = EtcdConfig { auth_key: auth_key.clone(), ..EtcdConfig::new(url) };
+                    let connect = EtcdExchange::connect(config, &engine_id, options.rank);
+                    let exchange = runtime.block_on(connect).map_err(py_err)?;
+                    (Arc::new(exchange), RemoteCoordinates::by_id(engine_id.clone()), None)
+                }
+                None => {
+                    let port = plus_rank(options.side_channel_port, options.rank, "side-channel")?;
+                    let host = options.side_channel_host.clone();
+                    let net = NetConfig::with_key(auth_key.clone());
+                    let channel = Arc::new(
+                        runtime
+                            .block_on(async move { SideChannel::bind_with(&host, port, net).await })
+                            .map_err(py_err)?,
+                    );
+                    let own = RemoteCoordinates::at(
+                        engine_id.clone(),
+                        options.side_channel_host.clone(),
+                        options.side_channel_port,
+                    );
+                    (Arc::clone(&channel) as Arc<dyn MetadataExchange>, own, Some(channel))
+                }
+            };
         let mut config = WorkerConfig::new(
             options.engine_id.clone().into(),
             options.rank,
@@ -255,14 +285,7 @@ impl Worker {
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.lease_duration = crate::scheduler::lease_duration(options.lease_duration_s)?;
         config.auth_key = auth_key;
-        // This engine's own side channel, where this worker's payload is published: a decode
-        // worker names it in each READ's release, and the prefill worker answers there whether
-        // its hold lived through the READ (set on both roles; only a decode worker uses it).
-        config.side_channel = Some(RemoteCoordinates {
-            engine_id: options.engine_id.clone().into(),
-            host: options.side_channel_host.clone(),
-            port: options.side_channel_port,
-        });
+        config.side_channel = Some(own);
         let worker = ConnectorWorker::new(config, Arc::clone(&agent)).map_err(py_err)?;
         let (metrics, step_metrics) = match options.metrics_port {
             Some(base) => {
@@ -273,15 +296,15 @@ impl Worker {
                     .map_err(py_err)?;
                 let mut step = StepMetrics {
                     worker: registry.worker(&options.engine_id, options.rank),
-                    side_channel: registry.side_channel(&options.engine_id, options.rank),
-                    channel: Arc::clone(&channel),
+                    side_channel: channel
+                        .map(|channel| (registry.side_channel(&options.engine_id, options.rank), channel)),
                 };
                 step.observe(&worker);
                 (Some(server), Some(step))
             }
             None => (None, None),
         };
-        let driver = WorkerDriver::new(worker, channel, Arc::new(SingleRank), runtime.handle().clone());
+        let driver = WorkerDriver::new(worker, exchange, Arc::new(SingleRank), runtime.handle().clone());
         let state: SharedState = Arc::new(Mutex::new(Some(State {
             driver,
             loading: HashMap::new(),
@@ -532,6 +555,7 @@ mod tests {
             1,
             None,
             None,
+            None,
         );
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
         // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
@@ -581,6 +605,7 @@ mod tests {
             1,
             None,
             Some(0),
+            None,
         );
         assert_eq!(options.metrics_port, Some(0));
         let worker = Worker::create(&options, agent.clone()).unwrap();
@@ -601,5 +626,45 @@ mod tests {
         options.metrics_port = None;
         let plain = Worker::create(&options, agent).unwrap();
         assert_eq!(plain.metrics_address(), None);
+    }
+
+    /// With `discovery` an etcd URL, the worker publishes its payload in etcd under its engine
+    /// and rank (binding no side channel), where a decode worker finds it by id.
+    #[test]
+    fn with_etcd_discovery_the_payload_is_published_in_etcd() {
+        let test = "with_etcd_discovery_the_payload_is_published_in_etcd";
+        let Some(etcd) = kvx_testkit::etcd::EtcdServer::start_or_skip(test) else { return };
+        let agent = Arc::new(Fabric::new().agent("vllm-etcd-worker").unwrap());
+        // A host this machine cannot bind (TEST-NET-1): with etcd the worker binds no side channel.
+        let (host, discovery) = ("192.0.2.1".into(), Some(etcd.url()));
+        let options = WorkerOptions::new(
+            "prefill-7".into(),
+            4,
+            host,
+            1,
+            0,
+            1,
+            String::new(),
+            5.0,
+            30.0,
+            1,
+            None,
+            None,
+            discovery,
+        );
+        let mut worker = Worker::create(&options, agent).unwrap();
+        let tensor = HostMemory::new(8 * 2 * 4 * 8).unwrap();
+        let layers = vec![(tensor.region().addr, tensor.region().len, vec![8, 2, 4, 8], 1)];
+        worker.register_kv_caches(layers).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let payload = rt.block_on(async {
+            let config = EtcdConfig::new(kvx_etcd::EtcdUrl::parse(&etcd.url()).unwrap());
+            let decode = EtcdExchange::connect(config, &"decode".into(), 0).await.unwrap();
+            let peer = kvx_core::PeerLocator { engine_id: "prefill-7".into(), rank: 0, endpoint: None };
+            decode.fetch(&peer, Duration::from_secs(30)).await.unwrap()
+        });
+        let payload = wire::decode::<wire::HandshakePayload>(&payload).unwrap();
+        assert_eq!(payload.instance, worker.instance().unwrap());
+        worker.shut_down();
     }
 }

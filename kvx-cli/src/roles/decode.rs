@@ -15,6 +15,7 @@ use crate::workload::{ModelArgs, WorkloadArgs};
 
 use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use crate::discovery::DiscoveryArgs;
 
 /// What `kvx decode` does with a request whose KV load failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -67,6 +68,8 @@ pub(crate) struct DecodeArgs {
     auth: AuthArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    discovery: DiscoveryArgs,
 }
 
 /// Failed requests named on stderr, at most.
@@ -410,7 +413,8 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let config = engine_config("decode", (&args.host, None), 0, &args.model, key.clone(), args.lease);
+    let side_channel = args.discovery.discovery.side_channel((&args.host, None), 0, key.clone());
+    let config = engine_config("decode", side_channel, &args.model, key.clone(), args.lease);
     let engine = SimEngine::new(config, &backend)?;
     println!(
         "kvx decode: {} backend, {}; prefill at {}",
@@ -500,7 +504,7 @@ mod tests {
     }
 
     fn params_at(host: &str) -> TransferParams {
-        TransferParams::for_decode(vec![], "prefill".into(), host.into(), 5700)
+        TransferParams::for_decode(vec![], kvx_core::RemoteCoordinates::at("prefill", host, 5700))
     }
 
     #[test]

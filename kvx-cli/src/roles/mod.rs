@@ -1,8 +1,9 @@
 //! `kvx prefill` and `kvx decode`: the two engines as two processes.
 //!
 //! The engines find each other as in a real deployment: the decode workers fetch the prefill
-//! workers' handshake payloads over the TCP side channel (the port in the params), then READ the
-//! blocks with the chosen backend. In place of a router, the prefill process serves a tiny request
+//! workers' handshake payloads over the TCP side channel (the port in the params), or with
+//! `--discovery etcd://HOST:PORT` from etcd by engine id (the params carry no host or port), then
+//! READ the blocks with the chosen backend. In place of a router, the prefill process serves a tiny request
 //! API on kvx's bounded request/response server (`kvx_core::net::Server`, the one the side
 //! channels run on, with the same limits): the decode process sends each prompt, the prefill
 //! engine runs it with `do_remote_decode` and answers with the request's `kv_transfer_params`
@@ -75,12 +76,10 @@ impl AuthArgs {
     }
 }
 
-/// An engine whose side channels bind `host` and are advertised at `advertise_host` (`host` when
-/// `None`), with holds leased for `lease_secs`.
+/// An engine on `side_channel`, with holds leased for `lease_secs`.
 fn engine_config(
     id: &str,
-    (host, advertise_host): (&str, Option<&str>),
-    port: u16,
+    side_channel: SideChannel,
     model: &ModelArgs,
     auth_key: Option<AuthKey>,
     lease_secs: u64,
@@ -90,11 +89,7 @@ fn engine_config(
         tp: model.tp,
         num_blocks: model.blocks,
         model: model.model(),
-        side_channel: SideChannel::Tcp {
-            host: host.to_owned(),
-            port,
-            advertise_host: advertise_host.map(str::to_owned),
-        },
+        side_channel,
         auth_key,
         handshake_timeout: Duration::from_secs(10),
         lease_duration: Duration::from_secs(lease_secs),

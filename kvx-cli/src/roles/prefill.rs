@@ -16,6 +16,7 @@ use crate::workload::ModelArgs;
 
 use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use crate::discovery::DiscoveryArgs;
 
 /// Options of `kvx prefill`.
 #[derive(Debug, Args)]
@@ -45,6 +46,8 @@ pub(crate) struct PrefillArgs {
     auth: AuthArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    discovery: DiscoveryArgs,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
@@ -114,20 +117,19 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
     let bind = (args.host.as_str(), Some(advertised));
-    let config = engine_config("prefill", bind, args.side_channel_port, &args.model, key.clone(), args.lease);
+    let side_channel = args.discovery.discovery.side_channel(bind, args.side_channel_port, key.clone());
+    let config = engine_config("prefill", side_channel, &args.model, key.clone(), args.lease);
     let mut engine = SimEngine::new(config, &backend)?;
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
     let api = NetConfig::with_key(key);
     let server =
         rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
-    let base = engine.side_channel_port();
-    let last = u32::from(base) + args.model.tp.saturating_sub(1);
+    let handshakes = args.discovery.discovery.describe(engine.side_channel_port(), args.model.tp, advertised);
     let instance = format!("{:016x}", rand::random::<u64>());
     // The line a launcher waits for (the request API's endpoint comes last).
     println!(
-        "kvx prefill: {} backend, {}; instance {instance}; side channels on ports {base}-{last}; \
-         advertised as {advertised}; request API on tcp://{}",
+        "kvx prefill: {} backend, {}; instance {instance}; {handshakes}; request API on tcp://{}",
         args.backend.name(),
         args.model.describe(),
         server.local_addr()

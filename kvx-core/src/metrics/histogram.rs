@@ -46,8 +46,8 @@ impl EncodeMetric for DurationHistogram {
             let t = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
             (t.sum, t.count, t.buckets)
         };
-        // prometheus-client writes an upper bound of f64::MAX as +Inf.
-        let bounds = Histogram::BOUNDS.iter().map(|b| b.as_secs_f64()).chain([f64::MAX]);
+        // prometheus-client writes an infinite upper bound as +Inf.
+        let bounds = Histogram::BOUNDS.iter().map(|b| b.as_secs_f64()).chain([f64::INFINITY]);
         let buckets: Vec<(f64, u64)> = bounds.zip(buckets).collect();
         encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
     }

@@ -34,7 +34,7 @@ mod side_channel;
 pub use group::TcpGroup;
 pub use server::{Server, ServerStats, Service};
 pub use session::Connection;
-pub use side_channel::{MetadataRequest, SideChannel};
+pub use side_channel::{MetadataRequest, SideChannel, max_payload};
 
 /// What a kvx server or client accepts from a peer, and how long it waits. The defaults suit a
 /// side channel, a group and the `kvx` request API alike.
@@ -98,8 +98,8 @@ impl NetConfig {
     }
 }
 
-/// `host:port` for messages (IPv6 hosts in brackets).
-pub(crate) fn endpoint(host: &str, port: u16) -> String {
+/// `host:port` (IPv6 hosts in brackets), as [`parse_endpoint`] reads it.
+pub fn endpoint(host: &str, port: u16) -> String {
     if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 

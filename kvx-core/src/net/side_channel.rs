@@ -10,7 +10,8 @@ use super::server::{Server, ServerStats, Service};
 use super::session::Connection;
 use super::{NetConfig, endpoint};
 use crate::error::{Error, ErrorKind, Result};
-use crate::exchange::MetadataExchange;
+use crate::exchange::{MetadataExchange, PeerLocator};
+use crate::params::Endpoint;
 use crate::wire::{self, MessageKind, WireMessage};
 
 /// Room in a reply frame for the envelopes around a payload.
@@ -38,6 +39,12 @@ impl Service for Publisher {
         let slot = self.payload.read().map_err(|_| Error::new(ErrorKind::State, "payload lock poisoned"))?;
         slot.clone().ok_or_else(|| Error::new(ErrorKind::Handshake, "no metadata published yet"))
     }
+}
+
+/// The largest payload a side channel with `config` publishes: its frame limit less room for the
+/// envelopes around the payload.
+pub fn max_payload(config: &NetConfig) -> usize {
+    config.limits.max_frame.saturating_sub(FRAME_HEADROOM)
 }
 
 /// A worker's side channel over kvx's bounded framing ([`super::server`]): serves the published
@@ -89,7 +96,7 @@ impl SideChannel {
 #[async_trait]
 impl MetadataExchange for SideChannel {
     async fn publish(&self, payload: Vec<u8>) -> Result<()> {
-        let max = self.config.limits.max_frame.saturating_sub(FRAME_HEADROOM);
+        let max = max_payload(&self.config);
         if payload.len() > max {
             return Err(Error::invalid_argument(format!(
                 "a payload of {} bytes is over the side channel's frame limit ({max} bytes)",
@@ -102,7 +109,15 @@ impl MetadataExchange for SideChannel {
         Ok(())
     }
 
-    async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
+    async fn fetch(&self, peer: &PeerLocator, timeout: Duration) -> Result<Vec<u8>> {
+        let Some(Endpoint { host, port }) = &peer.endpoint else {
+            return Err(Error::invalid_argument(format!(
+                "the TCP side channel fetches from a host and port, and none was given for engine {} \
+                 (params without remote_host and remote_port need an exchange that finds engines by id)",
+                crate::error::quote(peer.engine_id.as_str())
+            )));
+        };
+        let (host, port) = (host.as_str(), *port);
         let fetch = async {
             let mut conn = Connection::connect(host, port, &self.config).await?;
             conn.request(wire::encode(&MetadataRequest {})?).await
@@ -128,17 +143,22 @@ mod tests {
 
     const T: Duration = Duration::from_secs(5);
 
+    /// The worker served at `127.0.0.1:port`.
+    fn at(port: u16) -> PeerLocator {
+        PeerLocator { engine_id: "peer".into(), rank: 0, endpoint: Some(Endpoint::new("127.0.0.1", port)) }
+    }
+
     #[test]
     fn fetch_returns_the_published_payload() {
         runtime().block_on(async {
             let server = SideChannel::bind("127.0.0.1", 0).await.unwrap();
-            let e = server.fetch("127.0.0.1", server.port(), T).await.unwrap_err();
+            let e = server.fetch(&at(server.port()), T).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Handshake, "nothing published yet: {e}");
             assert!(e.to_string().contains("no metadata published yet"), "{e}");
             server.publish(b"payload-1".to_vec()).await.unwrap();
             let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
             for _ in 0..3 {
-                assert_eq!(client.fetch("127.0.0.1", server.port(), T).await.unwrap(), b"payload-1");
+                assert_eq!(client.fetch(&at(server.port()), T).await.unwrap(), b"payload-1");
             }
             let s = server.server().wait_for_stats(|s| s.active == 0, T).await.unwrap();
             assert_eq!((s.accepted, s.requests, s.rejected, s.closed), (4, 3, 1, 3), "{s:?}");
@@ -151,7 +171,7 @@ mod tests {
         runtime().block_on(async {
             let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
             // `Handshake`, not the `Timeout` its 30 s bound would give: refused, not waited for.
-            let e = client.fetch("127.0.0.1", free_port, Duration::from_secs(30)).await.unwrap_err();
+            let e = client.fetch(&at(free_port), Duration::from_secs(30)).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
         });
     }
@@ -163,12 +183,24 @@ mod tests {
         let port = silent.local_addr().unwrap().port();
         runtime().block_on(async {
             let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
-            let fetch = client.fetch("127.0.0.1", port, Duration::from_millis(300));
+            let silent_peer = at(port);
+            let fetch = client.fetch(&silent_peer, Duration::from_millis(300));
             let e = tokio::time::timeout(T, fetch).await.expect("the fetch hung").unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
             assert!(e.to_string().contains("within 300ms"), "its own timeout ended it: {e}");
         });
         drop(silent);
+    }
+
+    #[test]
+    fn fetch_without_an_endpoint_is_refused_at_once() {
+        runtime().block_on(async {
+            let client = SideChannel::bind("127.0.0.1", 0).await.unwrap();
+            let by_id = PeerLocator { endpoint: None, ..at(1) };
+            let e = client.fetch(&by_id, Duration::from_secs(30)).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains("engine \"peer\""), "{e}");
+        });
     }
 
     #[test]
@@ -199,15 +231,15 @@ mod tests {
             let server = SideChannel::bind_with("127.0.0.1", 0, key("the-deployment-key")).await.unwrap();
             server.publish(b"secret".to_vec()).await.unwrap();
             let friend = SideChannel::bind_with("127.0.0.1", 0, key("the-deployment-key")).await.unwrap();
-            assert_eq!(friend.fetch("127.0.0.1", server.port(), T).await.unwrap(), b"secret");
+            assert_eq!(friend.fetch(&at(server.port()), T).await.unwrap(), b"secret");
             let stranger = SideChannel::bind_with("127.0.0.1", 0, key("another-key-entirely")).await.unwrap();
             let open = SideChannel::bind("127.0.0.1", 0).await.unwrap();
             for client in [&stranger, &open] {
-                let e = client.fetch("127.0.0.1", server.port(), T).await.unwrap_err();
+                let e = client.fetch(&at(server.port()), T).await.unwrap_err();
                 assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
             }
             open.publish(b"public".to_vec()).await.unwrap();
-            let e = friend.fetch("127.0.0.1", open.port(), T).await.unwrap_err();
+            let e = friend.fetch(&at(open.port()), T).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Unauthenticated, "a keyed client refuses an open server: {e}");
             let s = server.server().wait_for_stats(|s| s.active == 0, T).await.unwrap();
             assert_eq!((s.requests, s.unauthenticated), (1, 2), "{s:?}");

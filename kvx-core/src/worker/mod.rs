@@ -19,6 +19,7 @@ use tracing::debug;
 
 use crate::auth::AuthKey;
 use crate::error::{Error, ErrorKind, Result};
+use crate::exchange::PeerLocator;
 use crate::ids::{EngineId, RequestId};
 use crate::layout::{KvCacheLayout, LayerCache};
 use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases};
@@ -112,16 +113,9 @@ impl WorkerConfig {
 /// Network work the worker asks its driver to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerCommand {
-    /// Fetch the handshake payload served at `host:port` (already offset by this rank) and hand
-    /// the result to [`ConnectorWorker::handle_handshake`].
-    FetchHandshake {
-        /// The engine whose payload it is.
-        engine_id: EngineId,
-        /// Side-channel host.
-        host: String,
-        /// Side-channel port of the matching rank.
-        port: u16,
-    },
+    /// Fetch the handshake payload of the peer worker (the matching rank; its endpoint already
+    /// offset by the rank) and hand the result to [`ConnectorWorker::handle_handshake`].
+    FetchHandshake(PeerLocator),
 }
 
 /// Counters of one worker, for metrics and the demo's summary.

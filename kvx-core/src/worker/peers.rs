@@ -11,8 +11,9 @@ use tracing::{debug, info};
 
 use super::{ConnectorWorker, WorkerCommand};
 use crate::error::{Error, ErrorKind, Result};
+use crate::exchange::PeerLocator;
 use crate::ids::{AgentName, EngineId, RequestId};
-use crate::params::RemoteCoordinates;
+use crate::params::{Endpoint, RemoteCoordinates};
 use crate::transfer::{BlockList, DlistId, DlistOwner};
 use crate::wire::{self, HandshakePayload};
 
@@ -67,15 +68,23 @@ impl ConnectorWorker {
             }
             None => {}
         }
-        let RemoteCoordinates { engine_id, host, port } = remote;
-        let port = u16::try_from(u32::from(*port) + self.config.rank).map_err(|_| {
-            Error::invalid_peer_data(format!(
-                "side-channel port {port} + rank {} overflows",
-                self.config.rank
-            ))
-        })?;
-        debug!(%engine_id, %host, port, "handshake queued");
-        self.commands.push_back(WorkerCommand::fetch(engine_id, host, port));
+        let rank = self.config.rank;
+        let endpoint = match &remote.endpoint {
+            Some(Endpoint { host, port }) => {
+                let port = u16::try_from(u32::from(*port) + rank).map_err(|_| {
+                    Error::invalid_peer_data(format!("side-channel port {port} + rank {rank} overflows"))
+                })?;
+                Some(Endpoint::new(host.clone(), port))
+            }
+            None => None,
+        };
+        let engine_id = &remote.engine_id;
+        debug!(%engine_id, ?endpoint, "handshake queued");
+        self.commands.push_back(WorkerCommand::FetchHandshake(PeerLocator {
+            engine_id: engine_id.clone(),
+            rank,
+            endpoint,
+        }));
         let deadline = now + self.config.handshake_timeout;
         let h = Handshaking { started: now, deadline, waiting: vec![waiter], fetched: None };
         self.peers.insert(engine_id.clone(), Peer::Handshaking(h));
@@ -363,11 +372,5 @@ impl ConnectorWorker {
             }
         };
         Ok(Some(Connected { agent, dlist, num_blocks: p.num_blocks, instance: p.instance }))
-    }
-}
-
-impl WorkerCommand {
-    fn fetch(engine_id: &EngineId, host: &str, port: u16) -> Self {
-        WorkerCommand::FetchHandshake { engine_id: engine_id.clone(), host: host.to_owned(), port }
     }
 }

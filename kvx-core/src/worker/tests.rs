@@ -6,6 +6,7 @@ use crate::ids::{AgentName, BlockId};
 use crate::memory::HostMemory;
 use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
+use crate::params::Endpoint;
 use crate::transfer::Capabilities;
 use crate::transfer::{XferId, XferOp, XferState};
 use mockall::predicate::*;
@@ -103,7 +104,7 @@ fn caches(windows: &[Option<u32>]) -> Vec<LayerCache> {
 
 /// The decode engine's own side channel, where the prefill engine answers.
 fn decode_side_channel() -> RemoteCoordinates {
-    RemoteCoordinates { engine_id: "decode".into(), host: "d".into(), port: 5700 }
+    RemoteCoordinates::at("decode", "d", 5700)
 }
 
 fn config(rank: u32) -> WorkerConfig {
@@ -188,7 +189,7 @@ fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
         remote_read_from: remote.len().saturating_sub(local.len()) as u32,
         local_block_ids: local,
         remote_block_ids: remote,
-        remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: 5600 },
+        remote: RemoteCoordinates::at("prefill", "h", 5600),
         nonce: Some(nonce_of(id)),
         mac: None,
         remote_instance: None,
@@ -206,11 +207,11 @@ fn start_and_handshake(w: &mut ConnectorWorker, now: Instant, reqs: Vec<RecvRequ
     let rank = w.config().rank;
     assert_eq!(
         cmd,
-        WorkerCommand::FetchHandshake {
+        WorkerCommand::FetchHandshake(PeerLocator {
             engine_id: "prefill".into(),
-            host: "h".into(),
-            port: 5600 + rank as u16
-        }
+            rank,
+            endpoint: Some(Endpoint::new("h", 5600 + rank as u16)),
+        })
     );
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(rank, &[None, None], |_| {})));
 }
@@ -250,7 +251,10 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
     assert!(posts.lock().unwrap().is_empty(), "nothing is posted before the handshake");
     // A second request for the same peer waits on the same handshake.
     w.start_load_kv(now, &meta(vec![recv("b", vec![3], vec![12])]));
-    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { port: 5601, .. })));
+    assert!(matches!(
+        w.poll_command(),
+        Some(WorkerCommand::FetchHandshake(PeerLocator { endpoint: Some(Endpoint { port: 5601, .. }), .. }))
+    ));
     assert_eq!(w.poll_command(), None, "one handshake per peer");
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
     let posts = posts.lock().unwrap();
@@ -341,7 +345,7 @@ fn the_prefill_engines_request_id_names_every_notification() {
 /// Answers every queued handshake with a compatible peer of `instance`.
 fn answer_handshakes(w: &mut ConnectorWorker, now: Instant, instance: u64) {
     let rank = w.config().rank;
-    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = w.poll_command() {
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
         w.handle_handshake(now, &engine_id, Ok(peer_payload(rank, &[None, None], |p| p.instance = instance)));
     }
 }
@@ -482,37 +486,26 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         (
             "a 10 MB engine id",
             RecvRequest {
-                remote: RemoteCoordinates {
-                    engine_id: "e".repeat(10 << 20).into(),
-                    host: "h".into(),
-                    port: 1,
-                },
+                remote: RemoteCoordinates::at("e".repeat(10 << 20), "h", 1),
                 ..recv("r", vec![1], vec![1])
             },
         ),
         (
             "a 10 MB host",
             RecvRequest {
-                remote: RemoteCoordinates {
-                    engine_id: "prefill".into(),
-                    host: "h".repeat(10 << 20),
-                    port: 1,
-                },
+                remote: RemoteCoordinates::at("prefill", "h".repeat(10 << 20), 1),
                 ..recv("r", vec![1], vec![1])
             },
         ),
         ("duplicate local block", recv("r", vec![1, 1], vec![1, 2])),
         (
             "our own engine id",
-            RecvRequest {
-                remote: RemoteCoordinates { engine_id: "decode".into(), host: "h".into(), port: 1 },
-                ..recv("r", vec![1], vec![1])
-            },
+            RecvRequest { remote: RemoteCoordinates::at("decode", "h", 1), ..recv("r", vec![1], vec![1]) },
         ),
         (
             "port overflow",
             RecvRequest {
-                remote: RemoteCoordinates { engine_id: "prefill".into(), host: "h".into(), port: u16::MAX },
+                remote: RemoteCoordinates::at("prefill", "h", u16::MAX),
                 ..recv("r", vec![1], vec![1])
             },
         ),
@@ -697,7 +690,7 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
         ),
         ("another host", {
             let r = signed(recv("a", vec![1], vec![1]));
-            RecvRequest { remote: RemoteCoordinates { host: "evil".into(), ..r.remote.clone() }, ..r }
+            RecvRequest { remote: RemoteCoordinates::at(r.remote.engine_id.clone(), "evil", 5600), ..r }
         }),
         ("notify-only, unsigned", recv("n", vec![], vec![1])),
     ];
@@ -791,7 +784,7 @@ fn the_same_request_twice_while_its_handshake_runs_loads_once() {
     w.start_load_kv(now, &meta(vec![recv("a", vec![2], vec![2])]));
     let f = w.get_finished(now);
     assert_eq!(f.failed_recving.len(), 1, "the second is refused");
-    while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = w.poll_command() {
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
         w.handle_handshake(now, &engine_id, Ok(peer_payload(0, &[None, None], |_| {})));
     }
     assert_eq!(posts.lock().unwrap().len(), 1, "one READ");
@@ -866,7 +859,11 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
     // The answer goes to the decode engine's side channel: handshake first, then notify.
     assert_eq!(
         w.poll_command(),
-        Some(WorkerCommand::FetchHandshake { engine_id: "decode".into(), host: "d".into(), port: 5700 })
+        Some(WorkerCommand::FetchHandshake(PeerLocator {
+            engine_id: "decode".into(),
+            rank: 0,
+            endpoint: Some(Endpoint::new("d", 5700)),
+        }))
     );
     w.handle_handshake(now, &"decode".into(), Ok(decode_payload(7)));
     assert_eq!(answers(&sent), [("live".to_owned(), true)]);
@@ -885,7 +882,7 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
     w.start_load_kv(now + lease, &ConnectorMetadata { reqs_to_send: held(&["next"]), ..Default::default() });
     inbox.lock().unwrap().push(release_asking("next", 8));
     w.get_finished(now + lease);
-    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { .. })));
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(_))));
     w.handle_handshake(now + lease, &"decode".into(), Ok(decode_payload(8)));
     assert_eq!(answers(&sent).last(), Some(&("next".to_owned(), true)));
     let s = w.stats();
@@ -959,7 +956,10 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
     let holds = held(&ids.iter().map(String::as_str).collect::<Vec<_>>());
     let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, holds };
     w.start_load_kv(now, &ConnectorMetadata { heartbeats: vec![beat], ..Default::default() });
-    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { port: 5601, .. })));
+    assert!(matches!(
+        w.poll_command(),
+        Some(WorkerCommand::FetchHandshake(PeerLocator { endpoint: Some(Endpoint { port: 5601, .. }), .. }))
+    ));
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
     let renewed: Vec<usize> =
         sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
@@ -1023,7 +1023,7 @@ fn a_load_that_drops_its_peer_does_not_fail_the_others_waiting_on_the_handshake(
     let loads = vec![recv_from("newer", vec![1], vec![1], 2), recv("any", vec![2], vec![2])];
     w.start_load_kv(now, &meta(loads));
     // The first handshake finds instance 1 (the engine restarted since it made the offer).
-    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake { .. })));
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(_))));
     w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |p| p.instance = 1)));
     let f = w.get_finished(now);
     assert!(

@@ -48,8 +48,7 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
     ConnectorScheduler::new(SchedulerConfig {
         engine_id: engine.into(),
         block_size,
-        side_channel_host: "10.0.0.2".into(),
-        side_channel_port: 5700,
+        side_channel: Some(kvx_core::Endpoint::new("10.0.0.2", 5700)),
         auth_key,
         lease_duration: std::time::Duration::from_secs(30),
         instance: None,

@@ -100,8 +100,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
         ConnectorScheduler::new(SchedulerConfig {
             engine_id: engine.into(),
             block_size: 4,
-            side_channel_host: "10.0.0.1".into(),
-            side_channel_port: 5600,
+            side_channel: Some(kvx_core::Endpoint::new("10.0.0.1", 5600)),
             auth_key: Some(auth_key()),
             lease_duration: std::time::Duration::from_secs(30),
             instance: None,
@@ -142,7 +141,6 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
         "alloc",
     );
     let decode_meta = decode.build_connector_meta(std::time::Instant::now());
-    let remote = RemoteCoordinates { engine_id: "prefill".into(), host: "10.0.0.1".into(), port: 5600 };
     vec![
         ("decode-step", decode_meta),
         ("prefill-step", prefill_meta),
@@ -156,14 +154,14 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     local_block_ids: vec![u32::MAX, 0],
                     remote_block_ids: vec![],
                     remote_read_from: u32::MAX,
-                    remote: RemoteCoordinates { port: u16::MAX, ..remote.clone() },
+                    remote: RemoteCoordinates::at("prefill", "10.0.0.1", u16::MAX),
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),
                     remote_instance: Some(kvx_core::HexBytes([0xff; 8])),
                 }],
                 reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
                 heartbeats: vec![kvx_core::Heartbeat {
-                    remote: RemoteCoordinates { host: "h".repeat(300), ..remote.clone() },
+                    remote: RemoteCoordinates::at("prefill", "h".repeat(300), 5600),
                     holds: vec![HeldRequest { request_id: "x".into(), nonce: NONCE }; 3],
                 }],
             },
@@ -207,7 +205,7 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 request_id: "r".into(),
                 nonce: NONCE,
                 reply_to: Some(ReplyTo {
-                    engine: RemoteCoordinates { engine_id: "".into(), host: "h".repeat(300), port: u16::MAX },
+                    engine: RemoteCoordinates::at("", "h".repeat(300), u16::MAX),
                     instance: u64::MAX,
                     token: kvx_core::HexBytes([0xff; 16]),
                 }),

@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{
-    AuthKey, Clock, EngineId, Error, FinishReason, Handshakes, RequestId, Result, SystemClock, TransferAgent,
+    AuthKey, Clock, EngineId, Error, FinishReason, Handshakes, MetadataExchange, RequestId, Result,
+    SystemClock, TransferAgent,
 };
+use tokio::runtime::Handle;
 
 use super::model::ModelSpec;
 use super::side_channel::InProcessSideChannels;
@@ -63,6 +65,38 @@ impl fmt::Debug for SimBackend {
     }
 }
 
+type ExchangeFactory = dyn Fn(&EngineId, u32, &Handle) -> Result<Arc<dyn MetadataExchange>> + Send + Sync;
+
+/// Creates the exchange of each rank of an engine that finds its peers by id.
+#[derive(Clone)]
+pub struct Exchanges(Arc<ExchangeFactory>);
+
+impl Exchanges {
+    /// Exchanges that `exchange(engine, rank, runtime)` creates; `runtime` is the engine's (it
+    /// runs the driver's fetches and may run the exchange's background tasks).
+    pub fn new(
+        exchange: impl Fn(&EngineId, u32, &Handle) -> Result<Arc<dyn MetadataExchange>> + Send + Sync + 'static,
+    ) -> Self {
+        Exchanges(Arc::new(exchange))
+    }
+
+    /// The exchange of `rank` of `engine`.
+    pub fn exchange(
+        &self,
+        engine: &EngineId,
+        rank: u32,
+        runtime: &Handle,
+    ) -> Result<Arc<dyn MetadataExchange>> {
+        (self.0)(engine, rank, runtime)
+    }
+}
+
+impl fmt::Debug for Exchanges {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exchanges").finish_non_exhaustive()
+    }
+}
+
 /// How an engine's ranks serve their handshake payloads.
 #[derive(Debug, Clone)]
 pub enum SideChannel {
@@ -78,6 +112,9 @@ pub enum SideChannel {
         /// bound on every interface, `0.0.0.0`, is reached at one of its addresses).
         advertise_host: Option<String>,
     },
+    /// Exchanges that find engines by id (over a registry such as etcd, kvx-etcd): the engine's
+    /// params name no host or port, and its decode workers fetch peers by engine id and rank.
+    ById(Exchanges),
 }
 
 /// Configuration of a [`SimEngine`](super::SimEngine).
@@ -112,7 +149,8 @@ pub struct EngineConfig {
     pub seed: Option<u64>,
     /// What a request whose KV load failed does.
     pub load_failure: LoadFailurePolicy,
-    /// In-process side channels only (TCP ones take theirs in [`SideChannel::Tcp`]): the base port
+    /// In-process side channels only (TCP ones take theirs in [`SideChannel::Tcp`], exchanges by id
+    /// have none): the base port
     /// to bind (a restarted engine takes its predecessor's); `None`: the next free one.
     pub side_channel_port: Option<u16>,
 }

@@ -24,7 +24,8 @@ mod side_channel;
 
 pub use cluster::{ClientHook, ClientRequest, Cluster, NextEvent, SimTime};
 pub use config::{
-    EndedRequest, EngineConfig, EngineStats, LoadFailurePolicy, RequestState, SideChannel, SimBackend,
+    EndedRequest, EngineConfig, EngineStats, Exchanges, LoadFailurePolicy, RequestState, SideChannel,
+    SimBackend,
 };
 pub use engine::SimEngine;
 #[cfg(feature = "metrics")]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 use kvx_core::net::{NetConfig, SideChannel};
-use kvx_core::{Clock, Error, ErrorKind, MetadataExchange, Result};
+use kvx_core::{Clock, Endpoint, Error, ErrorKind, MetadataExchange, PeerLocator, Result};
 
 use super::model::mix;
 use super::rng::SimRng;
@@ -246,7 +246,14 @@ impl MetadataExchange for InProcessSideChannel {
         }
     }
 
-    async fn fetch(&self, host: &str, port: u16, timeout: Duration) -> Result<Vec<u8>> {
+    async fn fetch(&self, peer: &PeerLocator, timeout: Duration) -> Result<Vec<u8>> {
+        let Some(Endpoint { host, port }) = &peer.endpoint else {
+            return Err(Error::invalid_argument(format!(
+                "in-process side channels fetch from a host and port, and none was given for engine {}",
+                peer.engine_id
+            )));
+        };
+        let (host, port) = (host.as_str(), *port);
         match self.channels.fate((&self.host, self.port), (host, port), timeout)? {
             Fate::Answer => self.channels.answer(host, port),
             Fate::Refuse => Err(Error::new(
@@ -334,6 +341,11 @@ pub fn bind_tcp(
 mod tests {
     use super::*;
 
+    /// Rank 0's worker at `host:port`.
+    fn at(host: &str, port: u16) -> PeerLocator {
+        PeerLocator { engine_id: "peer".into(), rank: 0, endpoint: Some(Endpoint::new(host, port)) }
+    }
+
     #[test]
     fn in_process_channels_serve_what_each_rank_published() {
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
@@ -343,11 +355,13 @@ mod tests {
         assert_eq!(b.base_port, a.base_port + 2);
         rt.block_on(async {
             let t = Duration::from_secs(1);
-            let e = b.ranks[0].fetch("h", a.base_port + 1, t).await.unwrap_err();
+            let e = b.ranks[0].fetch(&at("h", a.base_port + 1), t).await.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Handshake);
             a.ranks[1].publish(b"one".to_vec()).await.unwrap();
-            assert_eq!(b.ranks[0].fetch("h", a.base_port + 1, t).await.unwrap(), b"one");
-            assert!(b.ranks[0].fetch("other", a.base_port + 1, t).await.is_err());
+            assert_eq!(b.ranks[0].fetch(&at("h", a.base_port + 1), t).await.unwrap(), b"one");
+            assert!(b.ranks[0].fetch(&at("other", a.base_port + 1), t).await.is_err());
+            let by_id = PeerLocator { endpoint: None, ..at("h", a.base_port + 1) };
+            assert_eq!(b.ranks[0].fetch(&by_id, t).await.unwrap_err().kind(), ErrorKind::InvalidArgument);
         });
     }
 
@@ -361,11 +375,11 @@ mod tests {
         assert_eq!(net.bind_at("h", base + 1, 1).unwrap_err().kind(), ErrorKind::Io, "still bound");
         drop(a);
         let t = Duration::from_secs(1);
-        let e = rt.block_on(other.ranks[0].fetch("h", base, t)).unwrap_err();
+        let e = rt.block_on(other.ranks[0].fetch(&at("h", base), t)).unwrap_err();
         assert!(e.to_string().contains("nothing listens"), "{e}");
         let again = net.bind_at("h", base, 2).unwrap();
         rt.block_on(again.ranks[0].publish(b"new".to_vec())).unwrap();
-        assert_eq!(rt.block_on(other.ranks[0].fetch("h", base, t)).unwrap(), b"new");
+        assert_eq!(rt.block_on(other.ranks[0].fetch(&at("h", base), t)).unwrap(), b"new");
         assert_eq!(net.bind("h", 1).unwrap().base_port, other.base_port + 1, "fresh ports come after");
     }
 
@@ -393,7 +407,8 @@ mod tests {
             let bound = net.bind("h", 1).unwrap();
             let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
             rt.block_on(bound.ranks[0].publish(b"p".to_vec())).unwrap();
-            let mut fetch = bound.ranks[0].fetch("h", bound.base_port, t);
+            let peer = at("h", bound.base_port);
+            let mut fetch = bound.ranks[0].fetch(&peer, t);
             let first = fetch.as_mut().poll(&mut cx);
             assert_eq!(first.is_pending(), late);
             if late {
@@ -419,7 +434,8 @@ mod tests {
         assert_eq!(bound.ranks.len(), 3);
         rt.block_on(async {
             bound.ranks[2].publish(b"r2".to_vec()).await.unwrap();
-            let got = bound.ranks[0].fetch("127.0.0.1", bound.base_port + 2, Duration::from_secs(5)).await;
+            let got =
+                bound.ranks[0].fetch(&at("127.0.0.1", bound.base_port + 2), Duration::from_secs(5)).await;
             assert_eq!(got.unwrap(), b"r2");
         });
     }

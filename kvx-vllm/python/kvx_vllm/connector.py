@@ -17,6 +17,13 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
   Decode engines on other hosts need an address of this host: a prefill engine warns at start when
   the host is unspecified (``0.0.0.0``, ``::``), or loopback while ``VLLM_HOST_IP`` names another
   address of this node.
+- ``discovery``: how engines find each other's handshake payloads: ``"tcp"`` (default; the side
+  channel above, whose host and port the ``kv_transfer_params`` carry) or
+  ``"etcd://HOST:PORT[,HOST:PORT]"``: every worker publishes its payload in that etcd cluster
+  under ``/kvx/handshake/{engine_id}/{rank}`` on a lease (a dead engine's entry expires), binds no
+  side channel, and decode engines find prefill engines by engine id, so the params carry no
+  host or port. Every engine of the deployment uses the same. Fallback: the environment variable
+  ``KVX_DISCOVERY``.
 - ``progress_thread``: progress the transfer agent in the background. Default: on for a producer
   with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
   an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
@@ -251,6 +258,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
         self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
+        self._discovery = str(extra.get("discovery") or os.environ.get("KVX_DISCOVERY", "tcp"))
         self._lease_s = float(extra.get("kv_lease_duration", _DEFAULT_LEASE_S))
         self._sched = None
         self._worker = None
@@ -271,17 +279,19 @@ class KvxConnector(KVConnectorBase_V1):
                 self._port,
                 auth_key=self._auth_key,
                 lease_duration_s=self._lease_s,
+                discovery=self._discovery,
             )
-            if cfg.is_kv_producer:
+            if cfg.is_kv_producer and self._discovery == "tcp":
                 # Decode engines connect to the host in the params this engine hands out.
                 warning = native.side_channel_host_warning(self._host, os.environ.get("VLLM_HOST_IP") or None)
                 if warning:
                     logger.warning("kvx: %s", warning)
         else:
             self._create_worker(extra, cfg, vllm_config)
+        handshakes = self._discovery if self._discovery != "tcp" else f"side channel {self._host}:{self._port}"
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, side channel %s:%d, lease %gs, %s",
-            role.name, self._backend, self._engine_id, self._host, self._port, self._lease_s,
+            "kvx connector (%s, %s backend) for engine %s, %s, lease %gs, %s",
+            role.name, self._backend, self._engine_id, handshakes, self._lease_s,
             "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
         )
 
@@ -303,6 +313,7 @@ class KvxConnector(KVConnectorBase_V1):
             lease_duration_s=self._lease_s,
             auth_key=self._auth_key,
             metrics_port=None if extra.get("metrics_port") is None else int(extra["metrics_port"]),
+            discovery=self._discovery,
         )
         default_progress = self._backend == "ucx" and cfg.is_kv_producer
         progress = bool(extra.get("progress_thread", default_progress))

@@ -45,9 +45,9 @@ impl Session {
             1 => (decode, instance),
             2 => (decode, instance ^ 1),
             3 => (prefill_coordinates(), instance),
-            4 => (RemoteCoordinates { host: "h".repeat(MAX_HOST_LEN + 1), ..decode }, instance),
-            5 => (RemoteCoordinates { host: "h".repeat(MAX_HOST_LEN), ..decode }, instance),
-            6 => (RemoteCoordinates { port: u16::MAX, ..decode }, instance),
+            4 => (RemoteCoordinates::at(decode.engine_id, "h".repeat(MAX_HOST_LEN + 1), 5700), instance),
+            5 => (RemoteCoordinates::at(decode.engine_id, "h".repeat(MAX_HOST_LEN), 5700), instance),
+            6 => (RemoteCoordinates::at(decode.engine_id, "10.0.0.2", u16::MAX), instance),
             7 => (RemoteCoordinates { engine_id: "elsewhere".into(), ..decode }, instance),
             _ => (RemoteCoordinates { engine_id: "e".repeat(MAX_ID_LEN + 1).into(), ..decode }, src.u64()),
         };
@@ -179,7 +179,7 @@ impl Session {
                 let remote = match src.below(3) {
                     0 => prefill_coordinates(),
                     1 => RemoteCoordinates { engine_id: "elsewhere".into(), ..prefill_coordinates() },
-                    _ => RemoteCoordinates { port: u16::MAX, ..prefill_coordinates() },
+                    _ => RemoteCoordinates::at(prefill_coordinates().engine_id, "10.0.0.1", u16::MAX),
                 };
                 let meta =
                     ConnectorMetadata { heartbeats: vec![Heartbeat { remote, holds }], ..Default::default() };

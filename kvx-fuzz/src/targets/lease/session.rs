@@ -132,7 +132,9 @@ impl Session {
     /// The decode rank's handshakes: the prefill engine's payload; any other engine is
     /// unreachable.
     pub(super) fn answer_decode_fetches(&mut self) {
-        while let Some(WorkerCommand::FetchHandshake { engine_id, .. }) = self.decode.worker.poll_command() {
+        while let Some(WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, .. })) =
+            self.decode.worker.poll_command()
+        {
             let result = if engine_id.as_str() == PREFILL {
                 Ok(self.prefill.payload.clone())
             } else {
@@ -164,7 +166,7 @@ impl Session {
             fetches.push(command);
         }
         self.prefill_fetches += fetches.len() as u64;
-        for WorkerCommand::FetchHandshake { engine_id, .. } in fetches {
+        for WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, .. }) in fetches {
             let result = if engine_id.as_str() == DECODE {
                 Ok(self.decode.payload.clone())
             } else {

@@ -163,7 +163,7 @@ fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
             let remote = block_ids(src, remote_len, i * 5, PREFILL_BLOCKS);
             let mut r = recv(&format!("req-{i}"), local, remote);
             if src.below(4) == 3 {
-                r.remote.port = u16::MAX;
+                r.remote = kvx_core::RemoteCoordinates::at(r.remote.engine_id, "10.0.0.1", u16::MAX);
             }
             if src.below(4) == 3 {
                 r.remote_read_from = src.edgy_u32();

@@ -70,7 +70,7 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
                 holds: vec![HeldRequest { request_id: "unreachable".into(), nonce: nonce_of("unreachable") }],
             },
             Heartbeat {
-                remote: kvx_core::RemoteCoordinates { host: "h".repeat(300), ..prefill_coordinates() },
+                remote: kvx_core::RemoteCoordinates::at(PREFILL, "h".repeat(300), 5600),
                 holds: vec![HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") }],
             },
         ],
@@ -154,7 +154,7 @@ fn fuzzed_metadata(
                     _ => src.edgy_u32(),
                 })
                 .collect();
-            let engine_id = match src.below(4) {
+            let engine_id: kvx_core::EngineId = match src.below(4) {
                 0 => PREFILL.into(),
                 1 => DECODE.into(),
                 2 => "elsewhere".into(),
@@ -185,7 +185,7 @@ fn fuzzed_metadata(
                 local_block_ids,
                 remote_block_ids,
                 remote_read_from,
-                remote: kvx_core::RemoteCoordinates { engine_id, host: "10.0.0.1".into(), port },
+                remote: kvx_core::RemoteCoordinates::at(engine_id, "10.0.0.1", port),
                 nonce,
                 mac: None,
                 remote_instance: None,

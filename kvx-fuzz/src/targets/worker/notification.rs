@@ -13,7 +13,7 @@ use kvx_loopback::Fabric;
 
 use crate::seeds::Seed;
 use crate::targets::fixture::{
-    NONCE, PREFILL, PREFILL_BLOCKS, caches, config, decode_side_channel, must, prefill_coordinates,
+    DECODE, NONCE, PREFILL, PREFILL_BLOCKS, caches, config, decode_side_channel, must, prefill_coordinates,
 };
 
 /// Notification bytes to a prefill rank that holds requests, through a loopback peer's
@@ -111,14 +111,11 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
             ("answer-this-engine", reply_to(prefill_coordinates(), 7)),
             (
                 "answer-a-huge-host",
-                reply_to(
-                    kvx_core::RemoteCoordinates { host: "h".repeat(32 << 10), ..decode_side_channel() },
-                    7,
-                ),
+                reply_to(kvx_core::RemoteCoordinates::at(DECODE, "h".repeat(32 << 10), 5700), 7),
             ),
             (
                 "answer-the-last-port",
-                reply_to(kvx_core::RemoteCoordinates { port: u16::MAX, ..decode_side_channel() }, u64::MAX),
+                reply_to(kvx_core::RemoteCoordinates::at(DECODE, "10.0.0.2", u16::MAX), u64::MAX),
             ),
         ],
     ]

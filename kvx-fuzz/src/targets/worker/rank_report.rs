@@ -31,8 +31,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
         ConnectorScheduler::new(SchedulerConfig {
             engine_id: PREFILL.into(),
             block_size: 16,
-            side_channel_host: "10.0.0.1".into(),
-            side_channel_port: 5600,
+            side_channel: Some(kvx_core::Endpoint::new("10.0.0.1", 5600)),
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,

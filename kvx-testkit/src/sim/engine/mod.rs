@@ -9,8 +9,8 @@ use tokio::runtime::Runtime;
 
 use kvx_core::net::{NetConfig, ServerStats};
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, EngineId, Error, FinishReason, Finished,
-    InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result, SchedulerConfig,
+    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, Endpoint, EngineId, Error, FinishReason,
+    Finished, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result, SchedulerConfig,
     TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
@@ -131,26 +131,40 @@ impl SimEngine {
             .enable_all()
             .build()?;
         let host = match &config.side_channel {
-            SideChannel::InProcess(_) => "in-process".to_owned(),
-            SideChannel::Tcp { host, advertise_host, .. } => advertise_host.as_ref().unwrap_or(host).clone(),
+            SideChannel::InProcess(_) => "in-process",
+            SideChannel::Tcp { host, advertise_host, .. } => advertise_host.as_deref().unwrap_or(host),
+            SideChannel::ById(_) => "",
         };
-        let BoundSideChannels { base_port, ranks: exchanges, tcp } =
-            match (&config.side_channel, config.side_channel_port) {
-                (SideChannel::InProcess(net), None) => net.bind(&host, config.tp)?,
-                (SideChannel::InProcess(net), Some(base)) => net.bind_at(&host, base, config.tp)?,
-                (SideChannel::Tcp { host, port, .. }, None) => bind_tcp(
-                    runtime.handle(),
-                    host,
-                    *port,
-                    config.tp,
-                    &NetConfig::with_key(config.auth_key.clone()),
-                )?,
-                (SideChannel::Tcp { .. }, Some(_)) => {
-                    return Err(Error::invalid_argument(
-                        "TCP side channels take their port in SideChannel::Tcp, not side_channel_port",
-                    ));
-                }
-            };
+        let bound = match (&config.side_channel, config.side_channel_port) {
+            (SideChannel::InProcess(net), None) => net.bind(host, config.tp)?,
+            (SideChannel::InProcess(net), Some(base)) => net.bind_at(host, base, config.tp)?,
+            (SideChannel::Tcp { host, port, .. }, None) => bind_tcp(
+                runtime.handle(),
+                host,
+                *port,
+                config.tp,
+                &NetConfig::with_key(config.auth_key.clone()),
+            )?,
+            (SideChannel::ById(exchanges), None) => BoundSideChannels {
+                base_port: 0,
+                ranks: (0..config.tp)
+                    .map(|rank| exchanges.exchange(&config.engine_id, rank, runtime.handle()))
+                    .collect::<Result<_>>()?,
+                tcp: Vec::new(),
+            },
+            (SideChannel::Tcp { .. } | SideChannel::ById(_), Some(_)) => {
+                return Err(Error::invalid_argument(
+                    "only in-process side channels take side_channel_port (TCP ones take theirs in \
+                     SideChannel::Tcp, exchanges by id have none)",
+                ));
+            }
+        };
+        // Exchanges by id hand out no endpoint: decode engines find this one by its id.
+        let endpoint = match config.side_channel {
+            SideChannel::ById(_) => None,
+            _ => Some(Endpoint::new(host, bound.base_port)),
+        };
+        let BoundSideChannels { base_port, ranks: exchanges, tcp } = bound;
         // One instance for the scheduler and the workers: the params name the one the workers
         // publish, so a decode engine never reads them through a connection to an earlier start.
         let instance = match config.seed {
@@ -160,8 +174,7 @@ impl SimEngine {
         let scheduler_config = SchedulerConfig {
             engine_id: config.engine_id.clone(),
             block_size: model.block_size,
-            side_channel_host: host.clone(),
-            side_channel_port: base_port,
+            side_channel: endpoint.clone(),
             auth_key: config.auth_key.clone(),
             lease_duration: config.lease_duration,
             instance: Some(instance),
@@ -172,8 +185,7 @@ impl SimEngine {
             }
             None => ConnectorScheduler::new(scheduler_config),
         }?;
-        let own_side_channel =
-            RemoteCoordinates { engine_id: config.engine_id.clone(), host, port: base_port };
+        let own_side_channel = RemoteCoordinates { engine_id: config.engine_id.clone(), endpoint };
         let groups = InProcessGroup::new_group(config.tp, Duration::from_secs(10));
         let shape = model.layer_shape(config.num_blocks, config.tp);
         let regions = model.kind().regions_per_layer() as usize;
@@ -241,7 +253,7 @@ impl SimEngine {
         &self.config.engine_id
     }
 
-    /// The base port of the engine's side channel.
+    /// The base port of the engine's side channel (0 with [`SideChannel::ById`]).
     pub fn side_channel_port(&self) -> u16 {
         self.side_channel_port
     }
