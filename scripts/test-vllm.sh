@@ -101,7 +101,7 @@ kvcfg() { # config role policy side_port
     fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
     case $cfg in
         kvx-ucx | kvx-nixl)
-            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S}}" ;;
+            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
         nixl-*)
             echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
     esac
@@ -301,6 +301,32 @@ PY
         then
             echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
             is_kvx "$cfg" && status=1
+        fi
+    fi
+    if is_kvx "$cfg"; then
+        # kvx's own /metrics of each server's worker (metrics_port: 9300 prefill, 9310 decode) and
+        # the same counts through vLLM's KVConnectorStats in the decode server's /metrics.
+        for p in 9300 9310 8200; do curl -sf --max-time 10 "http://127.0.0.1:$p/metrics" >"$OUT/$cfg-metrics-$p.txt" || true; done
+        if ! python3 - "$OUT/$cfg-metrics-9300.txt" "$OUT/$cfg-metrics-9310.txt" "$OUT/$cfg-metrics-8200.txt" <<'PY'
+import re, sys
+def total(path, name):
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", open(path).read(), re.M)]
+    return sum(vals) if vals else None
+prefill, decode, vllm = sys.argv[1:]
+got = {"decode kvx_reads_done_total": total(decode, "kvx_reads_done_total"),
+       "decode kvx_reads_failed_total": total(decode, "kvx_reads_failed_total"),
+       "decode kvx_read_bytes_total": total(decode, "kvx_read_bytes_total"),
+       "prefill kvx_holds_released_total": total(prefill, "kvx_holds_released_total"),
+       "prefill kvx_holds_live": total(prefill, "kvx_holds_live"),
+       "vllm:kvx_read_count_total": total(vllm, "vllm:kvx_read_count_total")}
+print(f"test-vllm: metrics: {got}")
+ok = (got["decode kvx_reads_done_total"] or 0) > 0 and got["decode kvx_reads_failed_total"] == 0 \
+    and (got["prefill kvx_holds_released_total"] or 0) > 0 and got["prefill kvx_holds_live"] == 0 \
+    and (got["vllm:kvx_read_count_total"] or 0) > 0
+sys.exit(0 if ok else 1)
+PY
+        then
+            echo "test-vllm: $cfg: kvx's metrics (its /metrics or vLLM's) do not show the transfers" >&2; status=1
         fi
     fi
     grep -h "kvx worker stats" "$OUT/$cfg-decode.log" | tail -1 || true
