@@ -10,16 +10,9 @@ NIXL_WHEEL_VERSION="1.5.1"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv-nixl"
 
-missing=()
-dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
-command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
-if ((${#missing[@]})); then
-    echo "install-nixl: apt-get install ${missing[*]}"
-    SUDO=""
-    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
-fi
+# shellcheck source=scripts/apt.sh
+source "$ROOT/scripts/apt.sh"
+apt_ensure install-nixl libclang-dev pkg-config
 
 installed_version() {
     "$VENV/bin/python" - <<'PY' 2>/dev/null

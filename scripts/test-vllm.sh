@@ -30,6 +30,12 @@
 # restart probe after the prefill server's restart goes through the router too, once the router's
 # health check has taken the new server back into rotation (its /health answers 200 again).
 #
+# The configs in KVX_VLLM_ETCD_CONFIGS (default: kvx-nixl) find each other through etcd
+# (`discovery: etcd://`, kvx-etcd) instead of the side channel's host and port in the params: an
+# etcd server (Debian's etcd-server, scripts/install-etcd.sh) runs on 127.0.0.1:23790 for that
+# config, its data in a temporary directory, and stops with the servers. The restart check then
+# also shows a restarted prefill engine's new payload replacing the old one in etcd.
+#
 # kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
 # small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
@@ -48,6 +54,8 @@ RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
 LEASE_S="${KVX_VLLM_LEASE_S:-120}"
 ROUTER="${KVX_VLLM_ROUTER:-1}"
+ETCD_CONFIGS="${KVX_VLLM_ETCD_CONFIGS-kvx-nixl}"
+ETCD_URL=etcd://127.0.0.1:23790
 ROUTER_URL=http://127.0.0.1:8300
 PY="$VENV/bin/python"
 
@@ -95,13 +103,15 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 fixed_ids() { case " $FIXED_IDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+uses_etcd() { case " $ETCD_CONFIGS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 kvcfg() { # config role policy side_port
-    local cfg=$1 role=$2 policy=$3 side=$4 id=""
+    local cfg=$1 role=$2 policy=$3 side=$4 id="" discovery=""
     fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
+    uses_etcd "$cfg" && discovery="\"discovery\":\"$ETCD_URL\","
     case $cfg in
         kvx-ucx | kvx-nixl)
-            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
+            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
         nixl-*)
             echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
     esac
@@ -167,7 +177,8 @@ since() { python3 -c "print(round($(now_s)-$1,1))"; }
 restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if a check failed
     # Runs in this shell (not in a command substitution): the restarted server's process group
     # must reach PGIDS, which the EXIT trap stops.
-    local cfg=$1 ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
+    local cfg=$1
+    local ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
     local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg")
     [ "$ROUTER" = 1 ] && probe+=(--router "$ROUTER_URL")
     waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
@@ -225,6 +236,23 @@ wait_ready() { # config name port t0 -> prints seconds since t0, fails after REA
     done
 }
 
+start_etcd() { # config: an etcd server for this config's engines, stopped with them
+    local dir
+    dir=$(mktemp -d "$OUT/etcd.XXXXXX")
+    setsid etcd --name kvx-test --data-dir "$dir" \
+        --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
+        --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
+        --initial-cluster kvx-test=http://127.0.0.1:23800 >"$OUT/$1-etcd.log" 2>&1 </dev/null &
+    PGIDS+=($!)
+    for _ in $(seq 1 120); do
+        grep -q "ready to serve client requests" "$OUT/$1-etcd.log" && return 0
+        sleep 0.5
+    done
+    echo "test-vllm: $1: etcd not ready after 60 s; log tail:" >&2
+    tail -20 "$OUT/$1-etcd.log" >&2
+    return 1
+}
+
 start_router() { # config: kvx router in front of the prefill and decode servers
     setsid "$KVX" router --host 127.0.0.1 --port 8300 --prefill http://127.0.0.1:8100 \
         --decode http://127.0.0.1:8200 >"$OUT/$1-router.log" 2>&1 </dev/null &
@@ -249,6 +277,10 @@ for cfg in $CONFIGS; do
     echo "=== $cfg"
     policy=fail
     [ "$cfg" = kvx-nixl ] && policy=recompute
+    if uses_etcd "$cfg" && ! start_etcd "$cfg"; then
+        echo "{\"label\":\"$cfg\",\"etcd\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1
+        continue
+    fi
     t0=$(date +%s.%N)
     start "$cfg" prefill 8100 5600 kv_producer fail
     start "$cfg" decode 8200 5610 kv_consumer "$policy"

@@ -288,8 +288,10 @@ def main():
         ids = [rng.randrange(3, 2048) for _ in range(2 * a.block_size + 5)]
         _, s_ids, *_ = c.single(ids)
         ktp = dict(template)
-        ktp["remote_port"] = 1  # nothing listens there
-        ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"  # no cached peer
+        if ktp.get("remote_port") is not None:
+            ktp["remote_port"] = 1  # nothing listens there
+        # No cached peer, and none under that id in a registry (kvx's etcd discovery: no port).
+        ktp["remote_engine_id"] = "kvx-test-engine-that-does-not-exist"
         ktp["remote_request_id"] = f"kvx-test-missing-{rng.randrange(1 << 30)}"
         t0 = time.perf_counter()
         try:
