@@ -21,7 +21,9 @@
 //!
 //! The router checks every server's health (`GET /health`, bounded by `--health-timeout`) before it
 //! serves, then every `--health-interval`. A server that fails a request (connection refused or
-//! reset, a timeout, an HTTP 5xx answer) or a health check is taken out of rotation until a health
+//! reset, a timeout, an HTTP 5xx answer) is taken out of rotation at once, one that fails
+//! `--unhealthy-after` health checks in a row (3: a loaded vLLM server misses one now and then)
+//! too, and one that has not passed a check yet at its first failed one; it returns once a health
 //! check passes again. One that answered 5xx is checked at once, before the request moves on: vLLM
 //! answers 500 for a single request's failure too (a KV load that failed under
 //! `kv_load_failure_policy` `fail`), which must not take a healthy server out.
@@ -94,9 +96,13 @@ pub(crate) struct RouterArgs {
     /// Seconds between health checks of every server.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     health_interval: u64,
-    /// Bound in seconds on one health check.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bound in seconds on one health check (a loaded vLLM server can take seconds to answer).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     health_timeout: u64,
+    /// Consecutive failed health checks that take a server in rotation out of it (a failed
+    /// request takes it out at once).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    unhealthy_after: u32,
     /// Further servers a request may try per stage (prefill, decode) after its first one failed.
     #[arg(long, default_value_t = 2)]
     retries: usize,
@@ -114,6 +120,7 @@ pub(crate) struct Config {
     pub(crate) connect_timeout: Duration,
     pub(crate) health_interval: Duration,
     pub(crate) health_timeout: Duration,
+    pub(crate) unhealthy_after: u32,
     pub(crate) retries: usize,
     pub(crate) max_body_bytes: usize,
 }
@@ -131,6 +138,7 @@ impl RouterArgs {
             connect_timeout: Duration::from_secs(self.connect_timeout),
             health_interval: Duration::from_secs(self.health_interval),
             health_timeout: Duration::from_secs(self.health_timeout),
+            unhealthy_after: self.unhealthy_after,
             retries: self.retries,
             max_body_bytes: self.max_body_bytes,
         }

@@ -246,8 +246,8 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(config: Config) -> Result<Arc<Self>> {
         let metrics = Metrics::new();
-        let prefill = Pool::new(Role::Prefill, &config.prefill, &metrics)?;
-        let decode = Pool::new(Role::Decode, &config.decode, &metrics)?;
+        let prefill = Pool::new(Role::Prefill, &config.prefill, config.unhealthy_after, &metrics)?;
+        let decode = Pool::new(Role::Decode, &config.decode, config.unhealthy_after, &metrics)?;
         let client = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(config.connect_timeout)

@@ -188,6 +188,7 @@ async fn router(prefill: &[&str], decode: &[&str]) -> (Arc<Shared>, String) {
         connect_timeout: LIMIT,
         health_interval: LIMIT,
         health_timeout: LIMIT,
+        unhealthy_after: 3,
         retries: 2,
         max_body_bytes: 1 << 20,
     };
@@ -417,6 +418,33 @@ async fn failed_servers_leave_rotation_and_return_after_a_passed_health_check() 
         assert_eq!(complete(&url, body.clone()).await.status(), 200);
     }
     assert_eq!((revived.requests(), failing.requests()), (1, 2));
+}
+
+#[tokio::test]
+async fn a_server_leaves_rotation_after_unhealthy_after_failed_checks_in_a_row() {
+    let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
+    let (router, _) = router(&[&p.url], &[&d.url]).await;
+    // Not checked yet: on probation, the first failed check takes it out.
+    p.health.store(503, Ordering::SeqCst);
+    router.check_health().await;
+    assert!(!router.prefill.is_healthy(0));
+    // Once a check passed, it takes three failed checks in a row (unhealthy_after).
+    p.health.store(200, Ordering::SeqCst);
+    router.check_health().await;
+    assert!(router.prefill.is_healthy(0));
+    p.health.store(503, Ordering::SeqCst);
+    router.check_health().await;
+    router.check_health().await;
+    assert!(router.prefill.is_healthy(0), "two failed checks keep it in rotation");
+    p.health.store(200, Ordering::SeqCst);
+    router.check_health().await;
+    p.health.store(503, Ordering::SeqCst);
+    router.check_health().await;
+    router.check_health().await;
+    assert!(router.prefill.is_healthy(0), "a passed check starts the count again");
+    router.check_health().await;
+    assert!(!router.prefill.is_healthy(0), "the third failed check in a row takes it out");
+    assert!(router.decode.is_healthy(0));
 }
 
 #[tokio::test]

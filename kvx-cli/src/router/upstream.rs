@@ -86,6 +86,8 @@ pub(crate) fn base_url(url: &str) -> Result<String> {
 struct Slot {
     outstanding: usize,
     healthy: bool,
+    /// Health checks failed in a row.
+    failed_checks: u32,
     outstanding_gauge: Gauge,
     healthy_gauge: Gauge,
 }
@@ -104,10 +106,17 @@ pub(crate) struct Pool {
     urls: Vec<String>,
     state: Mutex<PoolState>,
     failures: Family<FailureLabels, Counter>,
+    /// Failed health checks in a row that take a server in rotation out.
+    unhealthy_after: u32,
 }
 
 impl Pool {
-    pub(crate) fn new(role: Role, urls: &[String], metrics: &Metrics) -> Result<Arc<Self>> {
+    pub(crate) fn new(
+        role: Role,
+        urls: &[String],
+        unhealthy_after: u32,
+        metrics: &Metrics,
+    ) -> Result<Arc<Self>> {
         if urls.is_empty() {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("router: no {} server", role.name())));
         }
@@ -131,6 +140,8 @@ impl Pool {
                 Slot {
                     outstanding: 0,
                     healthy: true,
+                    // On probation until a check passes: the first failed one takes it out.
+                    failed_checks: unhealthy_after.saturating_sub(1),
                     outstanding_gauge: metrics.outstanding.get_or_create(&labels).clone(),
                     healthy_gauge,
                 }
@@ -141,6 +152,7 @@ impl Pool {
             urls,
             state: Mutex::new(PoolState { slots, next: 0 }),
             failures: metrics.failures.clone(),
+            unhealthy_after,
         }))
     }
 
@@ -185,6 +197,11 @@ impl Pool {
                 failure.name()
             );
         }
+        self.count(index, failure);
+    }
+
+    /// Counts `failure` of server `index` in the metrics.
+    fn count(&self, index: usize, failure: Failure) {
         self.failures
             .get_or_create(&FailureLabels {
                 role: self.role.name(),
@@ -199,6 +216,7 @@ impl Pool {
     fn recover(&self, index: usize) {
         let mut state = self.state();
         let slot = &mut state.slots[index];
+        slot.failed_checks = 0;
         let was_healthy = std::mem::replace(&mut slot.healthy, true);
         slot.healthy_gauge.set(1);
         drop(state);
@@ -225,12 +243,26 @@ impl Pool {
     }
 
     /// Checks server `index`'s `GET /health` within `timeout`: a success (2xx) puts it in
-    /// rotation, anything else takes it out.
+    /// rotation; anything else is counted, and keeps it out of rotation or, the
+    /// `unhealthy_after`-th time in a row, takes it out.
     async fn check_one(&self, index: usize, client: &reqwest::Client, timeout: Duration) {
         let url = format!("{}/health", self.urls[index]);
         match client.get(url).timeout(timeout).send().await {
             Ok(response) if response.status().is_success() => self.recover(index),
-            _ => self.fail(index, Failure::HealthCheck),
+            _ => self.failed_check(index),
+        }
+    }
+
+    fn failed_check(&self, index: usize) {
+        let mut state = self.state();
+        let slot = &mut state.slots[index];
+        slot.failed_checks = slot.failed_checks.saturating_add(1);
+        let out = !slot.healthy || slot.failed_checks >= self.unhealthy_after;
+        drop(state);
+        if out {
+            self.fail(index, Failure::HealthCheck);
+        } else {
+            self.count(index, Failure::HealthCheck);
         }
     }
 }
