@@ -11,7 +11,9 @@
 #   - a prefill engine bound to its veth address but advertising 127.0.0.1: it warns at start, the
 #     decode engine refuses every request's params (the misconfiguration named), and the prefill
 #     engine still ends with 0 blocks leaked once its short leases expire;
-#   - `kvx prefill --host 0.0.0.0` without `--advertise-host` is refused at start.
+#   - `kvx prefill --host 0.0.0.0` without `--advertise-host` is refused at start;
+#   - kvx-ucx again with the engines finding each other through an etcd server in namespace A
+#     (`--discovery etcd://`, no side-channel address in the params).
 # The namespaces, the veth pair and the child processes go on every exit path.
 #
 # Usage: scripts/test-netns.sh [KVX]   (KVX: a kvx binary built with `--features ucx,nixl`;
@@ -152,21 +154,24 @@ ucx_env() {
     echo "UCX_TLS=tcp UCX_NET_DEVICES=$dev UCX_LOG_LEVEL=error NIXL_LOG_LEVEL=WARN"
 }
 
+# Options of both processes of the next `transfer` (the discovery).
+both=()
+
 # `transfer BACKEND PREFILL_HOST_ARGS..`: kvx-ucx or kvx-nixl across the pair, the prefill process
 # bound as the arguments say: every request and byte, 0 leaked, bytes on the veth.
 transfer() {
     local backend=$1 requests=32
     shift
-    step "$backend: kvx prefill in $ns_a ($*), kvx decode in $ns_b"
+    step "$backend: kvx prefill in $ns_a ($* ${both[*]}), kvx decode in $ns_b"
     local before
     before=$(tx_bytes)
     # shellcheck disable=SC2046 # ucx_env's words
     start "$ns_a" "$backend-prefill" $(ucx_env a) -- prefill --backend "$backend" "$@" \
-        --api-port 5600 --timeout 100
+        --api-port 5600 --timeout 100 "${both[@]}"
     local prefill=$last
     # shellcheck disable=SC2046
     start "$ns_b" "$backend-decode" $(ucx_env b) -- decode --backend "$backend" --host "$ip_b" \
-        --prefill "tcp://$ip_a:5600" --requests "$requests" --reconnect-timeout 30 --timeout 90
+        --prefill "tcp://$ip_a:5600" --requests "$requests" --reconnect-timeout 30 --timeout 90 "${both[@]}"
     local decode=$last
     local rc_decode rc_prefill
     wait_for "$decode"
@@ -202,6 +207,26 @@ transfer() {
 transfer ucx --host "$ip_a"
 # Bound on every interface of A (lo and the veth), advertising the veth's address.
 transfer nixl --host 0.0.0.0 --advertise-host "$ip_a"
+
+# The engines find each other through an etcd server on A's veth address (kvx-etcd): the params
+# carry no side-channel host or port.
+step "etcd in $ns_a on $ip_a:2379"
+etcd_log="$logs/etcd.log"
+ip netns exec "$ns_a" timeout --kill-after=5 "$RUN_LIMIT" etcd --name kvx-netns --data-dir "$logs/etcd" \
+    --listen-client-urls "http://$ip_a:2379" --advertise-client-urls "http://$ip_a:2379" \
+    --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+    --initial-cluster kvx-netns=http://127.0.0.1:2380 >"$etcd_log" 2>&1 &
+children+=("$!")
+for _ in $(seq 300); do
+    grep -q "ready to serve client requests" "$etcd_log" && break
+    sleep 0.1
+done
+grep -q "ready to serve client requests" "$etcd_log" || { tail -20 "$etcd_log"; fail "etcd not ready after 30 s"; }
+both=(--discovery "etcd://$ip_a:2379")
+transfer ucx --host "$ip_a"
+grep -q "handshakes through etcd://$ip_a:2379" "$logs/ucx-prefill.out" ||
+    fail "the prefill engine did not publish through etcd"
+both=()
 
 step "misconfiguration: prefill binds $ip_a but advertises 127.0.0.1"
 # Leases of 2 s: the holds the decode engine never reads expire soon after the refusals.
