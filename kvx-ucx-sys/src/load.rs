@@ -3,7 +3,7 @@
 use std::cell::Cell;
 use std::ffi::{CStr, CString, c_char, c_void};
 use std::fmt;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
@@ -51,17 +51,23 @@ impl Lib {
     /// by each call of this, not the program's: the program's `setenv` may free the array its
     /// own C library reads. A copy is kept for good (UCX may still be reading the previous one on
     /// another thread), and a new one is made only when the environment changed.
-    pub fn refresh_environment(&self) {
+    ///
+    /// `defaults` are variables UCX sees with these values when the program's environment does
+    /// not set them (the program's own environment is left alone).
+    pub fn refresh_environment(&self, defaults: &[(&str, &str)]) {
         static GIVEN: Mutex<&'static [CString]> = Mutex::new(&[]);
-        let current: Vec<CString> = std::env::vars_os()
-            .filter_map(|(name, value)| {
-                let mut entry = name.into_vec();
-                entry.push(b'=');
-                entry.extend_from_slice(value.as_bytes());
-                // The environment holds C strings: an entry with a NUL cannot be there.
-                CString::new(entry).ok()
-            })
+        let entry = |name: &[u8], value: &[u8]| {
+            let mut entry = name.to_vec();
+            entry.push(b'=');
+            entry.extend_from_slice(value);
+            // The environment holds C strings: an entry with a NUL cannot be there.
+            CString::new(entry).ok()
+        };
+        let mut current: Vec<CString> = std::env::vars_os()
+            .filter_map(|(name, value)| entry(name.as_bytes(), value.as_bytes()))
             .collect();
+        let unset = defaults.iter().filter(|(name, _)| std::env::var_os(name).is_none());
+        current.extend(unset.filter_map(|(name, value)| entry(name.as_bytes(), value.as_bytes())));
         // The guarded data is a slice that is only ever replaced whole: never inconsistent.
         let mut given = GIVEN.lock().unwrap_or_else(PoisonError::into_inner);
         if **given == current[..] {
@@ -242,6 +248,6 @@ fn open() -> Result<Lib, LoadError> {
     let environ = unsafe { &*lookup(c"environ")?.cast::<AtomicPtr<*mut c_char>>() };
     let lib = Lib { dir, version: (major, minor, release), functions, uselocale, environ };
     // Until now the namespace read the program's own array, which a later `setenv` may free.
-    lib.refresh_environment();
+    lib.refresh_environment(&[]);
     Ok(lib)
 }

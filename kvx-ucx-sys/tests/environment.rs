@@ -26,10 +26,23 @@ fn ucx_reads_the_environment_as_of_the_last_refresh() {
     // SAFETY: this binary's only test; no other thread reads or writes the environment.
     unsafe { std::env::set_var("UCX_RNDV_THRESH", "not-a-size") };
     assert_eq!(config_read(), UCS_OK, "not seen before a refresh");
-    lib.refresh_environment();
+    lib.refresh_environment(&[]);
     assert_ne!(config_read(), UCS_OK, "a bad value seen after a refresh");
     // SAFETY: as above.
     unsafe { std::env::remove_var("UCX_RNDV_THRESH") };
-    lib.refresh_environment();
+    lib.refresh_environment(&[]);
+    assert_eq!(config_read(), UCS_OK);
+
+    // A default is seen when the program's environment does not set the variable, and only then.
+    let defaults = [("UCX_RNDV_THRESH", "not-a-size")];
+    lib.refresh_environment(&defaults);
+    assert_ne!(config_read(), UCS_OK, "the default seen");
+    // SAFETY: as above.
+    unsafe { std::env::set_var("UCX_RNDV_THRESH", "8K") };
+    lib.refresh_environment(&defaults);
+    assert_eq!(config_read(), UCS_OK, "the program's value wins over the default");
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("UCX_RNDV_THRESH") };
+    lib.refresh_environment(&[]);
     assert_eq!(config_read(), UCS_OK);
 }
