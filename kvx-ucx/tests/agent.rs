@@ -209,6 +209,86 @@ fn handles_outlive_running_transfers() {
     assert_eq!(Arc::strong_count(&heap), 1, "the target released its memory on drop");
 }
 
+/// Thousands of gets in flight at once, in several transfers over TCP, while the target serves
+/// nothing until the reader drains: `drain_completions` reports every transfer exactly once and
+/// a released one never, every block arrives, and the released one ends on its own and lets the
+/// reader's memory go.
+#[test]
+fn thousands_of_outstanding_gets_complete_exactly_once() {
+    const SMALL: usize = 4 << 10;
+    const XFERS: usize = 8;
+    const PER_XFER: usize = 512;
+    const RELEASED: usize = 3;
+    let blocks = XFERS * PER_XFER;
+    let small_list = |base: u64| BlockList {
+        kind: MemKind::Dram,
+        device: 0,
+        bases: vec![base],
+        num_blocks: blocks as u32,
+        block_len: SMALL as u64,
+    };
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let target = UcxAgent::with_config("busy-target", &tcp).unwrap();
+    let heap = Arc::new(HostMemory::new(blocks * SMALL).unwrap());
+    for b in 0..blocks {
+        heap.write(b * SMALL, &(0..SMALL).map(|i| pattern(b, i)).collect::<Vec<u8>>()).unwrap();
+    }
+    target.register(heap.clone()).unwrap();
+    let agent = UcxAgent::with_config("many-gets", &tcp).unwrap();
+    let local = Arc::new(HostMemory::new(blocks * SMALL).unwrap());
+    let registration = agent.register(local.clone()).unwrap();
+    agent.load_remote(&target.local_metadata().unwrap()).unwrap();
+    let local_list = agent.prep_dlist(&DlistOwner::Local, &small_list(local.region().addr)).unwrap();
+    let remote_list = agent
+        .prep_dlist(&DlistOwner::Remote(target.name().clone()), &small_list(heap.region().addr))
+        .unwrap();
+
+    // Slot s receives remote block `blocks - 1 - s`; transfer t fills slots t*PER_XFER.. .
+    let mut xfers = Vec::new();
+    for t in 0..XFERS {
+        let slots: Vec<u32> = (t * PER_XFER..(t + 1) * PER_XFER).map(|s| s as u32).collect();
+        let remote: Vec<u32> = slots.iter().map(|&s| (blocks - 1) as u32 - s).collect();
+        xfers.push(agent.post(XferOp::Read, local_list, &slots, remote_list, &remote, None).unwrap());
+    }
+    // Over TCP the target serves the emulated gets: until it progresses, all of them wait.
+    assert!(xfers.iter().all(|&x| agent.poll(x).unwrap() == XferState::Pending));
+    agent.release(xfers[RELEASED]).unwrap();
+
+    let mut reported: Vec<XferId> = Vec::new();
+    let deadline = Instant::now() + DEADLINE;
+    while reported.len() < XFERS - 1 {
+        assert!(Instant::now() < deadline, "{} of {} transfers reported", reported.len(), XFERS - 1);
+        target.progress().unwrap();
+        agent.drain_completions(&mut reported).unwrap();
+    }
+    // Later drains report nothing again.
+    for _ in 0..100 {
+        target.progress().unwrap();
+        agent.drain_completions(&mut reported).unwrap();
+    }
+    let mut expected: Vec<XferId> =
+        xfers.iter().enumerate().filter(|&(t, _)| t != RELEASED).map(|(_, &x)| x).collect();
+    reported.sort_by_key(|x| x.0);
+    expected.sort_by_key(|x| x.0);
+    assert_eq!(reported, expected, "each transfer reported once, the released one never");
+    for &x in &expected {
+        assert_eq!(agent.poll(x).unwrap(), XferState::Done);
+        agent.release(x).unwrap();
+    }
+    // The released transfer holds the reader's memory until UCX is done with it.
+    agent.deregister(registration).unwrap();
+    while Arc::strong_count(&local) > 1 {
+        assert!(Instant::now() < deadline, "the released READ did not end within {DEADLINE:?}");
+        target.progress().unwrap();
+        agent.progress().unwrap();
+    }
+    let got = local.to_vec();
+    for (slot, chunk) in got.chunks(SMALL).enumerate() {
+        let b = blocks - 1 - slot;
+        assert!(chunk.iter().enumerate().all(|(i, &v)| v == pattern(b, i)), "block {b} in slot {slot}");
+    }
+}
+
 /// A peer that never answers (over TCP without peer failure detection, a READ of its memory can
 /// neither finish nor be cancelled): dropping the reader's agent returns, within its teardown
 /// bound, without aborting. UCX 1.13 would abort in ucp_worker_destroy, so the agent leaks its

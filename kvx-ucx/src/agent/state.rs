@@ -1,14 +1,14 @@
 //! The agent's state behind its lock ([`Inner`]): registrations, peers, descriptor lists and
 //! transfers; progress; teardown.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use kvx_core::post::DlistView;
-use kvx_core::{AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Result};
+use kvx_core::{AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Result, XferId};
 use kvx_ucx_sys as sys;
 
 use crate::context::Context;
@@ -16,7 +16,7 @@ use crate::memory::PoolMapping;
 use crate::status::{check, error, ucx_error};
 
 use super::inbox::{Inbox, on_notification};
-use super::request::{PendingSend, Request, reap};
+use super::request::{Completions, PendingSend, Request, reap};
 use super::xfer::Xfer;
 use super::{AM_NOTIFY, PROGRESS_BURST, TEARDOWN_BOUND};
 
@@ -35,14 +35,14 @@ pub(super) struct Inner {
     pub(super) peers: HashMap<u64, Peer>,
     pub(super) peer_ids: HashMap<AgentName, u64>,
     pub(super) dlists: HashMap<u64, Dlist>,
+    /// Posted transfers: those not released, and those released while running (dropped once
+    /// UCX is done with them).
     pub(super) xfers: HashMap<u64, Xfer>,
-    /// The posted transfers not yet `Done` or `Failed`: what a progress pass advances.
-    pub(super) pending: HashSet<u64>,
+    /// The transfers whose requests all completed: what a progress pass advances.
+    pub(super) moved: Arc<Completions>,
     /// The posted transfers that became `Done` or `Failed` and that `drain_completions` has not
     /// reported yet. A released one is skipped when they are drained.
     pub(super) completed: Vec<u64>,
-    /// Transfers released while still running: progressed until UCX is done with them.
-    pub(super) orphans: Vec<Xfer>,
     pub(super) sends: Vec<PendingSend>,
     pub(super) closing: Vec<Request>,
     pub(super) pools: Vec<Weak<PoolMapping>>,
@@ -148,9 +148,8 @@ impl Inner {
             peer_ids: HashMap::new(),
             dlists: HashMap::new(),
             xfers: HashMap::new(),
-            pending: HashSet::new(),
+            moved: Arc::default(),
             completed: Vec::new(),
-            orphans: Vec::new(),
             sends: Vec::new(),
             closing: Vec::new(),
             pools: Vec::new(),
@@ -212,34 +211,10 @@ impl Inner {
         let events = self.progress_worker();
         self.settle_failed_endpoints();
         // Posted transfers move on too (their flushes and notifications go out) even when the
-        // owner only calls progress(). One pass over those not yet final.
-        if !self.pending.is_empty() {
-            let mut xfers = std::mem::take(&mut self.xfers);
-            let mut pending = std::mem::take(&mut self.pending);
-            pending.retain(|&id| {
-                let Some(xfer) = xfers.get_mut(&id) else { return false };
-                self.advance(xfer);
-                if xfer.is_terminal() {
-                    self.completed.push(id);
-                }
-                !xfer.is_terminal()
-            });
-            self.xfers = xfers;
-            self.pending = pending;
-            // A caller that releases without draining leaves released ids behind: drop them once
-            // they outnumber the live transfers (amortised constant time per transfer).
-            if self.completed.len() > 2 * self.xfers.len() + 64 {
-                let xfers = &self.xfers;
-                self.completed.retain(|id| xfers.contains_key(id));
-            }
-        }
-        if !self.orphans.is_empty() {
-            let mut orphans = std::mem::take(&mut self.orphans);
-            for xfer in &mut orphans {
-                self.advance(xfer);
-            }
-            orphans.retain(|x| !x.is_terminal());
-            self.orphans.append(&mut orphans);
+        // owner only calls progress(): those whose requests completed since the last pass.
+        let moved = std::mem::take(&mut *self.moved.lock().unwrap_or_else(PoisonError::into_inner));
+        for id in moved {
+            self.settle(id);
         }
         self.sends.retain(|s| match s.outcome() {
             None => true,
@@ -253,6 +228,35 @@ impl Inner {
             let _ = reap(&mut self.closing);
         }
         events
+    }
+
+    /// The transfer `id`, unless unknown or released (`NotFound`).
+    pub(super) fn live_xfer(&self, id: XferId) -> Result<&Xfer> {
+        self.xfers
+            .get(&id.0)
+            .filter(|x| !x.released)
+            .ok_or_else(|| error(ErrorKind::NotFound, format!("{id} unknown")))
+    }
+
+    /// Advances transfer `id` after its requests completed; a transfer that becomes final is
+    /// kept for `drain_completions`, or dropped if its owner released it.
+    pub(super) fn settle(&mut self, id: u64) {
+        let Some(mut xfer) = self.xfers.remove(&id) else { return };
+        if !xfer.is_terminal() {
+            self.advance(&mut xfer);
+            if xfer.is_terminal() && !xfer.released {
+                self.completed.push(id);
+                // A caller that releases without draining leaves released ids behind: drop them
+                // once they outnumber the live transfers (amortised constant time per transfer).
+                if self.completed.len() > 2 * self.xfers.len() + 64 {
+                    let xfers = &self.xfers;
+                    self.completed.retain(|id| xfers.contains_key(id));
+                }
+            }
+        }
+        if !(xfer.released && xfer.is_terminal()) {
+            self.xfers.insert(id, xfer);
+        }
     }
 
     /// Marks the peers whose endpoints UCX reported failed: later posts and notifications to them
@@ -333,7 +337,7 @@ impl Inner {
     /// Forgets every UCX handle and everything UCX may still reference (see `Drop`).
     pub(super) fn leak_all(&mut self) {
         std::mem::forget(std::mem::take(&mut self.closing));
-        std::mem::forget(std::mem::take(&mut self.orphans));
+        std::mem::forget(std::mem::take(&mut self.xfers));
         std::mem::forget(std::mem::take(&mut self.sends));
         std::mem::forget(std::mem::take(&mut self.peers));
         std::mem::forget(std::mem::take(&mut self.regs));
@@ -346,12 +350,12 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Give running transfers a bounded chance to finish (no new notifications are sent).
-        let mut xfers: Vec<Xfer> = self.xfers.drain().map(|(_, x)| x).collect();
-        for x in &mut xfers {
+        for x in self.xfers.values_mut() {
             x.notify = None;
+            x.released = true;
         }
-        self.orphans.append(&mut xfers);
-        let drained = self.progress_for(TEARDOWN_BOUND, |s| s.orphans.is_empty() && s.sends.is_empty());
+        self.xfers.retain(|_, x| !x.is_terminal());
+        let drained = self.progress_for(TEARDOWN_BOUND, |s| s.xfers.is_empty() && s.sends.is_empty());
         let closed = drained && {
             // Endpoints, each after its rkeys; then a bounded wait for the closes.
             self.dlists.clear();

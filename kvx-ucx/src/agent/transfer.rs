@@ -17,7 +17,7 @@ use crate::wire::{AgentMetadata, RegionMetadata};
 
 use super::UcxAgent;
 use super::inbox::{Inbox, on_endpoint_error};
-use super::request::{PendingSend, Request};
+use super::request::{PendingSend, Tracker};
 use super::state::{
     Dlist, DlistTarget, Inner, LocalMemh, LocalReg, Peer, RemoteRegion, pack_rkey, unmap_reg,
 };
@@ -242,6 +242,8 @@ impl TransferAgent for UcxAgent {
         let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
         let checked = request.check(&self.capabilities(), |id| inner.dlists.get(&id.0).map(Dlist::view))?;
         let ops = plan(inner, &checked, local, remote)?;
+        let id = inner.next_id();
+        let tracker = Tracker::new(id, &inner.moved);
 
         let peer = inner
             .peers
@@ -250,12 +252,11 @@ impl TransferAgent for UcxAgent {
         if let Some(why) = &peer.failed {
             return Err(why.clone());
         }
-        let mut requests = Vec::new();
         let mut failure = None;
+        tracker.begin();
         for (laddr, memh, raddr, region) in &ops.descs {
-            // SAFETY: all-zero is "no fields set" for this plain C struct.
-            let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMH;
+            let mut param = tracker.param();
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
             param.memh = *memh;
             let rkey = peer.regions[*region].rkey.as_ptr();
             let (status_ptr, what) = match op {
@@ -290,14 +291,12 @@ impl TransferAgent for UcxAgent {
                     "ucp_put_nbx",
                 ),
             };
-            match Request::from_status_ptr(status_ptr, ErrorKind::Transfer, what) {
-                Ok(request) => requests.extend(request),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
+            if let Err(e) = tracker.record(status_ptr, what) {
+                failure = Some(e);
+                break;
             }
         }
+        tracker.end();
 
         // The transfer holds its peer and registrations until UCX is done with it.
         if let Some(peer) = inner.peers.get_mut(&ops.peer) {
@@ -312,66 +311,61 @@ impl TransferAgent for UcxAgent {
             op,
             peer: ops.peer,
             regs: ops.regs,
-            requests,
+            tracker,
             notify: notify.map(<[u8]>::to_vec),
             send: None,
             stage: Stage::Data,
             failure: None,
             holds_refs: true,
+            released: false,
         };
         if let Some(e) = failure {
             // What was posted still runs: settle it in the background, without notification.
             xfer.notify = None;
             xfer.failure = Some(e.clone());
+            xfer.released = true;
             inner.advance(&mut xfer);
             if !xfer.is_terminal() {
-                inner.orphans.push(xfer);
+                inner.xfers.insert(id, xfer);
             }
             return Err(e);
         }
         inner.advance(&mut xfer);
-        let id = inner.next_id();
         if xfer.is_terminal() {
             inner.completed.push(id);
-        } else {
-            inner.pending.insert(id);
         }
         inner.xfers.insert(id, xfer);
         Ok(XferId(id))
     }
 
-    /// Drives the worker and advances every transfer not yet final (as `progress`) unless this
-    /// one is final already.
+    /// Drives the worker and advances the transfers whose requests completed (as `progress`)
+    /// unless this one is final already.
     fn poll(&self, xfer: XferId) -> Result<XferState> {
         let mut inner = self.shared.lock()?;
-        let unknown = || error(ErrorKind::NotFound, format!("{xfer} unknown"));
-        if !inner.xfers.get(&xfer.0).ok_or_else(unknown)?.is_terminal() {
+        if !inner.live_xfer(xfer)?.is_terminal() {
             inner.progress_all();
         }
-        Ok(inner.xfers.get(&xfer.0).ok_or_else(unknown)?.state())
+        Ok(inner.live_xfer(xfer)?.state())
     }
 
-    /// Drives the worker once and advances the transfers not yet final (one pass over them),
-    /// then reports those that became final: linear in the transfers in flight.
+    /// Drives the worker once, advances the transfers whose requests completed, then reports
+    /// those that became final: O(1) plus the transfers that moved, however many are in flight.
     fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
         let mut inner = self.shared.lock()?;
         inner.progress_all();
         let Inner { xfers, completed, .. } = &mut *inner;
-        out.extend(completed.drain(..).filter(|id| xfers.contains_key(id)).map(XferId));
+        out.extend(completed.drain(..).filter(|id| xfers.get(id).is_some_and(|x| !x.released)).map(XferId));
         Ok(())
     }
 
     fn release(&self, xfer: XferId) -> Result<()> {
         let mut inner = self.shared.lock()?;
-        let mut x = inner
-            .xfers
-            .remove(&xfer.0)
-            .ok_or_else(|| error(ErrorKind::NotFound, format!("{xfer} unknown")))?;
-        inner.pending.remove(&xfer.0);
-        if !x.is_terminal() {
+        if inner.live_xfer(xfer)?.is_terminal() {
+            inner.xfers.remove(&xfer.0);
+        } else if let Some(x) = inner.xfers.get_mut(&xfer.0) {
             // UCX cannot cancel RMA: let it finish in the background, but send no notification.
             x.notify = None;
-            inner.orphans.push(x);
+            x.released = true;
         }
         Ok(())
     }

@@ -1,11 +1,13 @@
 //! A transfer's stages (data, flush, notification), and how a checked post maps to UCX.
 
+use std::sync::Arc;
+
 use kvx_core::{DlistId, Error, ErrorKind, PostPlan, Result, XferOp, XferState};
 use kvx_ucx_sys as sys;
 
-use crate::status::error;
+use crate::status::{error, ucx_error};
 
-use super::request::{PendingSend, Request, reap};
+use super::request::{SendBuffers, Tracker, send_notification};
 use super::state::{DlistTarget, Inner};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,27 +22,43 @@ pub(super) enum Stage {
     Failed(Error),
 }
 
+impl Stage {
+    /// What the stage's requests do, for an error of one of them.
+    fn what(&self) -> &'static str {
+        match self {
+            Stage::Data => "a get or put of the transfer",
+            Stage::Flush => "flushing the transfer's puts",
+            _ => "sending the transfer's notification",
+        }
+    }
+}
+
 pub(super) struct Xfer {
     pub(super) op: XferOp,
     pub(super) peer: u64,
     pub(super) regs: Vec<u64>,
-    pub(super) requests: Vec<Request>,
+    /// Counts the current stage's requests in flight (see [`Tracker`]).
+    pub(super) tracker: Arc<Tracker>,
     pub(super) notify: Option<Vec<u8>>,
-    pub(super) send: Option<PendingSend>,
+    /// The notification's buffers while its send may be in flight.
+    pub(super) send: Option<SendBuffers>,
     pub(super) stage: Stage,
     pub(super) failure: Option<Error>,
     pub(super) holds_refs: bool,
+    /// Released by its owner while running: dropped, unreported, once UCX is done with it.
+    pub(super) released: bool,
 }
 
 impl Inner {
-    /// Moves a transfer through its stages as far as UCX allows.
+    /// Moves a transfer through its stages as far as UCX allows: called when it is posted and
+    /// whenever its tracker reports its requests done.
     pub(super) fn advance(&mut self, xfer: &mut Xfer) {
         loop {
-            if let Some(failure) = reap(&mut xfer.requests) {
-                xfer.failure.get_or_insert(failure);
+            if !xfer.tracker.is_idle() {
+                return; // the last request's callback queues the transfer again
             }
-            if !xfer.requests.is_empty() {
-                return;
+            if let Some(status) = xfer.tracker.take_failure() {
+                xfer.failure.get_or_insert_with(|| ucx_error(ErrorKind::Transfer, xfer.stage.what(), status));
             }
             let next = match (&xfer.stage, &xfer.failure) {
                 (Stage::Done | Stage::Failed(_), _) => break,
@@ -57,21 +75,11 @@ impl Inner {
                     }
                     Stage::Notify
                 }
-                (Stage::Notify, None) => match xfer.send.as_ref().and_then(PendingSend::outcome) {
-                    _ if xfer.send.is_none() => Stage::Done,
-                    None => return,
-                    Some(Ok(())) => {
-                        xfer.send = None;
-                        Stage::Done
-                    }
-                    Some(Err(e)) => {
-                        xfer.send = None;
-                        Stage::Failed(e)
-                    }
-                },
+                (Stage::Notify, None) => Stage::Done,
             };
             xfer.stage = next;
         }
+        xfer.send = None;
         self.drop_refs(xfer);
     }
 
@@ -80,14 +88,13 @@ impl Inner {
             xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
             return;
         };
-        // SAFETY: all-zero is "no fields set" for this plain C struct.
-        let param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        xfer.tracker.begin();
         // SAFETY: the endpoint is live (the transfer holds a reference on the peer).
-        let status_ptr = unsafe { sys::ucp_ep_flush_nbx(peer.ep.as_ptr(), &param) };
-        match Request::from_status_ptr(status_ptr, ErrorKind::Transfer, "ucp_ep_flush_nbx") {
-            Ok(request) => xfer.requests.extend(request),
-            Err(e) => xfer.failure = Some(e),
+        let status_ptr = unsafe { sys::ucp_ep_flush_nbx(peer.ep.as_ptr(), &xfer.tracker.param()) };
+        if let Err(e) = xfer.tracker.record(status_ptr, "ucp_ep_flush_nbx") {
+            xfer.failure = Some(e);
         }
+        xfer.tracker.end();
     }
 
     pub(super) fn post_notification(&mut self, xfer: &mut Xfer, msg: &[u8]) {
@@ -95,10 +102,13 @@ impl Inner {
             xfer.failure = Some(error(ErrorKind::Backend, "the transfer's peer vanished"));
             return;
         };
-        match PendingSend::post(peer.ep, &self.name, msg) {
-            Ok(send) => xfer.send = Some(send),
-            Err(e) => xfer.failure = Some(e),
+        xfer.tracker.begin();
+        let (buffers, status_ptr) = send_notification(peer.ep, &self.name, msg, xfer.tracker.param());
+        xfer.send = Some(buffers);
+        if let Err(e) = xfer.tracker.record(status_ptr, "ucp_am_send_nbx") {
+            xfer.failure = Some(e);
         }
+        xfer.tracker.end();
     }
 
     /// Releases the transfer's hold on its peer and registrations (once, when it is terminal).
