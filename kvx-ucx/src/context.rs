@@ -30,7 +30,13 @@ impl UcxConfig {
     /// faster here (4.4 against 1.3 GB/s, `cargo bench -p kvx-ucx --bench read_bandwidth`), and
     /// larger ones gained nothing more. They matter only where TCP carries the transfer. They are
     /// transport options, read from the environment: [`with_option`](UcxConfig::with_option)
-    /// cannot change them (through `ucp_config_modify` they had no effect, measured).
+    /// cannot change them (through `ucp_config_modify` they had no effect: strace counts the same
+    /// `sendto` calls with and without it).
+    ///
+    /// Nothing else is set: socket buffers (`UCX_TCP_SNDBUF`/`RCVBUF`), other segment sizes and
+    /// a target without a progress thread were measured against a plain TCP stream in the same
+    /// run, and none moved kvx-ucx's share of it (about half at 64 KiB and 1 MiB blocks) beyond
+    /// the run-to-run noise; the README's performance section has the figures and why.
     pub const ENV_DEFAULTS: [(&'static str, &'static str); 2] =
         [("UCX_TCP_TX_SEG_SIZE", "256K"), ("UCX_TCP_RX_SEG_SIZE", "512K")];
 
