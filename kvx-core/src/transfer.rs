@@ -195,7 +195,7 @@ impl BlockPost<'_> {
     /// Appends the descriptor indices (`region * num_blocks + block`) of this post to `local` and
     /// `remote`, region by region: what [`TransferAgent::post`] takes. Fails with
     /// `InvalidArgument` for a block id out of range of its side's `num_blocks`, for slices of
-    /// unequal lengths, and for an index past `u32::MAX`; what it appended is then unspecified.
+    /// unequal lengths, and for an index past `u32::MAX`, before it appends anything.
     pub fn descriptor_indices(&self, local: &mut Vec<u32>, remote: &mut Vec<u32>) -> Result<()> {
         let pairs = self.local_blocks.len();
         if pairs != self.remote_blocks.len() {
@@ -204,24 +204,29 @@ impl BlockPost<'_> {
                 self.remote_blocks.len()
             )));
         }
-        let index = |region: usize, block: u32, num_blocks: u32| {
-            let index = u32::try_from(region).ok()?.checked_mul(num_blocks)?.checked_add(block)?;
-            (block < num_blocks).then_some(index)
-        };
-        for region in 0..self.regions.count() {
-            let first = self.regions.first_pair(region, pairs);
-            for (&l, &r) in self.local_blocks[first..].iter().zip(&self.remote_blocks[first..]) {
-                let (Some(li), Some(ri)) =
-                    (index(region, l, self.local_num_blocks), index(region, r, self.remote_num_blocks))
-                else {
-                    return Err(Error::invalid_argument(format!(
-                        "block pair ({l}, {r}) of region {region} out of range ({} local, {} remote blocks per region) or past u32 descriptor indices",
-                        self.local_num_blocks, self.remote_num_blocks
-                    )));
-                };
-                local.push(li);
-                remote.push(ri);
+        let regions = self.regions.count();
+        for (blocks, num_blocks) in
+            [(self.local_blocks, self.local_num_blocks), (self.remote_blocks, self.remote_num_blocks)]
+        {
+            if let Some(b) = blocks.iter().find(|&&b| b >= num_blocks) {
+                return Err(Error::invalid_argument(format!(
+                    "block {b} out of range ({num_blocks} blocks per region)"
+                )));
             }
+            // The last index, regions * num_blocks - 1, must fit.
+            if (regions as u64).saturating_mul(u64::from(num_blocks)) > 1 << 32 {
+                return Err(Error::invalid_argument(format!(
+                    "{regions} regions of {num_blocks} blocks: descriptor indices past u32::MAX"
+                )));
+            }
+        }
+        for region in 0..regions {
+            let first = self.regions.first_pair(region, pairs);
+            // Checked above: region * num_blocks + block < 2^32.
+            let (lbase, rbase) =
+                (region as u32 * self.local_num_blocks, region as u32 * self.remote_num_blocks);
+            local.extend(self.local_blocks[first..].iter().map(|&b| lbase + b));
+            remote.extend(self.remote_blocks[first..].iter().map(|&b| rbase + b));
         }
         Ok(())
     }
