@@ -403,6 +403,7 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
     /// lengths, no block at all in any covered region, and blocks of unequal lengths are
     /// `InvalidArgument`, then a `local_num_blocks` or `remote_num_blocks` other than its list's,
     /// a covered region missing from a list, or a block id out of range is `InvalidArgument`.
+    /// (The default implementation cannot see the lists: it takes the two `num_blocks` as given.)
     ///
     /// The default implementation numbers the descriptors and calls `post` (lists of at most
     /// `u32::MAX` descriptors); for a block id out of range it first calls `post` without

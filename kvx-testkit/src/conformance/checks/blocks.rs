@@ -90,8 +90,10 @@ pub fn check_block_post_whole_regions<H: Harness + ?Sized>(h: &H) {
 }
 
 /// `post_blocks` refuses what `post` refuses, with the same kinds and in the same order: unknown
-/// and wrong lists before bad blocks, unequal lengths, empty posts, the lists' block counts and
-/// regions, block ids out of range. Nothing moves and no notification arrives.
+/// and wrong lists before bad blocks, unequal lengths, empty posts, more regions than the lists
+/// have, block ids out of range. Nothing moves and no notification arrives. (A `num_blocks` other
+/// than the list's is refused by backends that override `post_blocks`; the default numbering
+/// takes it as given, as `post` takes indices: kvx-core's unit tests check the refusal.)
 pub fn check_block_post_rejects_like_post<H: Harness + ?Sized>(h: &H) {
     let ini = h.initiator();
     let mut f = Fixture::new(h, 0x5eed_0b05);
@@ -158,20 +160,6 @@ pub fn check_block_post_rejects_like_post<H: Harness + ?Sized>(h: &H) {
             local,
             remote,
             f.block_post(&[0], &[0], RegionBlocks::All(3)),
-            ErrorKind::InvalidArgument,
-        ),
-        (
-            "another local num_blocks",
-            local,
-            remote,
-            BlockPost { local_num_blocks: n + 1, ..ok_blocks },
-            ErrorKind::InvalidArgument,
-        ),
-        (
-            "another remote num_blocks",
-            local,
-            remote,
-            BlockPost { remote_num_blocks: n / 2, ..ok_blocks },
             ErrorKind::InvalidArgument,
         ),
     ];
