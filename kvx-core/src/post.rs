@@ -264,7 +264,7 @@ mod tests {
     use super::*;
     use crate::memory::MemKind;
 
-    const CAPS: Capabilities = Capabilities {
+    pub(super) const CAPS: Capabilities = Capabilities {
         backend: "test",
         dram: true,
         vram: false,
@@ -272,8 +272,8 @@ mod tests {
         write: true,
         notifications: true,
     };
-    const LOCAL: DlistId = DlistId(1);
-    const REMOTE: DlistId = DlistId(2);
+    pub(super) const LOCAL: DlistId = DlistId(1);
+    pub(super) const REMOTE: DlistId = DlistId(2);
     const HALF: DlistId = DlistId(3);
 
     struct Lists {

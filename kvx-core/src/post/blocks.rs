@@ -392,18 +392,9 @@ mod tests {
     use crate::ErrorKind;
     use crate::memory::MemKind;
     use crate::post::PostRequest;
+    use crate::post::tests::{CAPS, LOCAL, REMOTE};
     use crate::transfer::{BlockList, DlistOwner};
 
-    const CAPS: Capabilities = Capabilities {
-        backend: "test",
-        dram: true,
-        vram: false,
-        read: true,
-        write: true,
-        notifications: true,
-    };
-    const LOCAL: DlistId = DlistId(1);
-    const REMOTE: DlistId = DlistId(2);
     const NB: u32 = 8;
     const LEN: u64 = 16;
     const REGION: u64 = NB as u64 * LEN;
