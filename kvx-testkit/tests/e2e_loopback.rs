@@ -129,7 +129,9 @@ fn chunked_local_attention_layers_transfer_only_their_window() {
     assert_eq!(c.decodes[0].stats().blocks_verified, expected_verified(&m, 2, 5));
     assert_eq!(c.decodes[0].stats().blocks_verified, 8 * 2 * 2);
     for w in c.decodes[0].worker_stats() {
-        assert_eq!(w.descriptors, 8 * 2, "only the window's descriptors are read");
+        assert_eq!(w.block_descriptors, 8 * 2, "only the window's descriptors are read");
+        // The prompt's blocks were allocated together on both sides: one run per region.
+        assert_eq!(w.descriptors, 3 * 2, "coalesced: one descriptor per region");
     }
 }
 

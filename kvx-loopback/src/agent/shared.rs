@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvx_core::post::DlistView;
+use kvx_core::post::{BlockRuns, DlistView};
 use kvx_core::{
     AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Notification, Result, XferOp,
 };
@@ -68,7 +68,8 @@ pub(super) struct Remote {
 pub(super) struct Dlist {
     pub(super) owner: DlistOwner,
     pub(super) blocks: BlockList,
-    /// A local list: the registration holding each of its regions (empty for a remote list).
+    /// The registration holding each of its regions: this agent's for a local list, the peer's
+    /// (as its metadata names them) for a remote list.
     pub(super) registrations: Vec<u64>,
 }
 
@@ -98,6 +99,27 @@ pub(super) enum Stage {
     Failed(Error),
 }
 
+/// The memory a transfer copies, resolved and validated at post time.
+#[derive(Debug)]
+pub(super) enum Copies {
+    /// (local address, remote address) of each block of `post`, blocks of `block_len` bytes.
+    Blocks { spans: Vec<(u64, u64)>, block_len: u64 },
+    /// The coalesced ranges of `post_blocks`.
+    Runs(BlockRuns),
+}
+
+impl Copies {
+    /// (local address, remote address, length) of each copy.
+    pub(super) fn ranges(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let (blocks, runs) = match self {
+            Copies::Blocks { spans, block_len } => (Some((spans, *block_len)), None),
+            Copies::Runs(runs) => (None, Some(runs)),
+        };
+        let blocks = blocks.into_iter().flat_map(|(spans, len)| spans.iter().map(move |&(l, r)| (l, r, len)));
+        blocks.chain(runs.into_iter().flat_map(|runs| runs.iter().map(|r| (r.local, r.remote, r.len))))
+    }
+}
+
 /// What a transfer does, resolved and validated at post time.
 #[derive(Debug)]
 pub(super) struct Job {
@@ -107,9 +129,8 @@ pub(super) struct Job {
     /// The local registrations the blocks lie in, captured at post time: the transfer keeps them
     /// (and so the memory) until it settles, whatever is deregistered meanwhile.
     pub(super) local: PinnedSet,
-    /// (local address, remote address) of each block.
-    pub(super) spans: Vec<(u64, u64)>,
-    pub(super) block_len: u64,
+    /// What to copy.
+    pub(super) copies: Copies,
     pub(super) notify: Option<Vec<u8>>,
     /// Injected failure: what the fault says.
     pub(super) fail: Option<String>,
@@ -203,11 +224,10 @@ impl AgentShared {
             Ok(st) => pin(&st.registrations),
             Err(e) => return Stage::Failed(e),
         };
-        let len = job.block_len;
-        if job.spans.iter().any(|&(_, ra)| !remote.holds(ra, len)) {
+        if job.copies.ranges().any(|(_, ra, len)| !remote.holds(ra, len)) {
             return failed(format!("agent {} no longer serves the memory of the transfer", job.peer));
         }
-        for &(la, ra) in &job.spans {
+        for (la, ra, len) in job.copies.ranges() {
             let copied = match job.op {
                 XferOp::Read => copy_checked(&remote, ra, &job.local, la, len),
                 XferOp::Write => copy_checked(&job.local, la, &remote, ra, len),

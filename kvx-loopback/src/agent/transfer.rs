@@ -2,13 +2,13 @@
 //!
 //! [`TransferAgent`]: kvx_core::TransferAgent
 
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
-use kvx_core::post::{check_notification, place_dlist};
+use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
-    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind,
+    MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 use crate::copy::{Pinned, PinnedSet};
@@ -16,7 +16,7 @@ use crate::faults::{TransferFate, message_key};
 use crate::metadata::{AgentMetadata, RemoteRegion};
 use crate::{BACKEND, lock};
 
-use super::shared::{AgentState, Dlist, Job, Registration, Remote, Stage, Xfer};
+use super::shared::{AgentState, Copies, Dlist, Job, Registration, Remote, Stage, Xfer};
 use super::{CAPABILITIES, LoopbackAgent, err};
 
 impl TransferAgent for LoopbackAgent {
@@ -52,7 +52,9 @@ impl TransferAgent for LoopbackAgent {
         let mut st = self.shared.state()?;
         let removed = st.registrations.remove(&registration.0);
         if removed.is_some() {
-            st.dlists.retain(|_, d| !d.registrations.contains(&registration.0));
+            // Remote lists name the peer's registrations: not this agent's.
+            st.dlists
+                .retain(|_, d| d.owner != DlistOwner::Local || !d.registrations.contains(&registration.0));
         }
         drop(st);
         // The memory's Arc drops here, outside the lock: transfers in flight hold their own.
@@ -113,20 +115,19 @@ impl TransferAgent for LoopbackAgent {
 
     fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
         let mut st = self.shared.state()?;
-        // (registration id, region); remote regions carry no id of this agent.
-        let registered: Vec<(Option<u64>, MemRegion)> = match owner {
-            DlistOwner::Local => st.registrations.iter().map(|(&id, r)| (Some(id), r.region)).collect(),
+        // (registration id, region): this agent's, or the peer's as its metadata names them.
+        let registered: Vec<(u64, MemRegion)> = match owner {
+            DlistOwner::Local => st.registrations.iter().map(|(&id, r)| (id, r.region)).collect(),
             DlistOwner::Remote(agent) => st
                 .remotes
                 .get(agent)
                 .ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?
                 .regions
                 .iter()
-                .map(|r| (None, r.region()))
+                .map(|r| (r.id, r.region()))
                 .collect(),
         };
-        let registrations =
-            place_dlist(&CAPABILITIES, owner, blocks, &registered)?.into_iter().flatten().collect();
+        let registrations = place_dlist(&CAPABILITIES, owner, blocks, &registered)?;
         let id = Self::next_id(&mut st);
         st.dlists.insert(id, Dlist { owner: owner.clone(), blocks: blocks.clone(), registrations });
         Ok(DlistId(id))
@@ -148,59 +149,37 @@ impl TransferAgent for LoopbackAgent {
         remote_descs: &[u32],
         notify: Option<&[u8]>,
     ) -> Result<XferId> {
-        let mut st = self.shared.state()?;
+        let st = self.shared.state()?;
         let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
         let plan = request.check(&CAPABILITIES, |id| st.dlists.get(&id.0).map(Dlist::view))?;
-        let peer = plan.peer().clone();
-        // Lists of a forgotten peer are released with it, so a remote list's peer is loaded.
-        let peer_instance = st
-            .remotes
-            .get(&peer)
-            .ok_or_else(|| err(ErrorKind::State, format!("a list of agent {peer}, which is not loaded")))?
-            .instance;
-        // The registrations the local blocks lie in, once each. Deregistering releases the lists
-        // over the memory, so all of them are registered (a bug would fail the copy, see `run`).
-        let list_regs = st.dlists.get(&local.0).map(|d| d.registrations.as_slice()).unwrap_or_default();
-        let mut used: Vec<u64> =
-            plan.pairs().iter().filter_map(|(l, _)| list_regs.get(l.region).copied()).collect();
-        used.sort_unstable();
-        used.dedup();
-        let pinned = used
-            .iter()
-            .filter_map(|id| st.registrations.get(id))
-            .map(|r| Pinned { region: r.region, memory: r.memory.clone() })
-            .collect();
+        let used = used_registrations(&st, local, plan.pairs().iter().map(|(l, _)| l.region));
         let spans: Vec<(u64, u64)> = plan.pairs().iter().map(|(l, r)| (l.addr, r.addr)).collect();
-        // Everything is valid: count the transfer for the faults and queue it. Its notification
-        // names it for the seeded faults.
-        let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
-        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
-        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
-        let fate = mine.combine(fabric);
-        lock(&self.shared.fabric.injected, "fabric fault counts")?.count_transfer(&fate);
-        let TransferFate { fail, delay_passes, delay } = fate;
-        let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
-        let job = Job {
-            op,
-            peer,
-            peer_instance,
-            local: PinnedSet::new(pinned),
-            spans,
-            block_len: plan.block_len(),
-            notify: notify.map(<[u8]>::to_vec),
-            fail,
+        let copies = Copies::Blocks { spans, block_len: plan.block_len() };
+        let peer = plan.peer().clone();
+        self.queue(st, op, peer, &used, copies, notify)
+    }
+
+    /// Checks and plans with kvx-core ([`BlockPostRequest::check`]) and keeps the plan's runs:
+    /// O(blocks + regions) to post, one copy per range when the transfer runs.
+    fn post_blocks(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        remote: DlistId,
+        blocks: &BlockPost<'_>,
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        let st = self.shared.state()?;
+        let request = BlockPostRequest { op, local, remote, blocks: *blocks, notify };
+        let joinable = |id: DlistId, region: usize| {
+            let holders = st.dlists.get(&id.0).map(|d| d.registrations.as_slice()).unwrap_or_default();
+            matches!(holders.get(region..region + 2), Some([a, b]) if a == b)
         };
-        let id = Self::next_id(&mut st);
-        st.xfers.insert(
-            id,
-            Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
-        );
-        st.queued.insert(id);
-        drop(st);
-        if let Some(t) = &self.thread {
-            t.wake()?;
-        }
-        Ok(XferId(id))
+        let plan = request.check(&CAPABILITIES, |id| st.dlists.get(&id.0).map(Dlist::view), joinable)?;
+        let used = used_registrations(&st, local, plan.runs().regions());
+        let peer = plan.peer().clone();
+        let runs = plan.into_runs();
+        self.queue(st, op, peer, &used, Copies::Runs(runs), notify)
     }
 
     /// A lookup: moves nothing (see [`drain_completions`](TransferAgent::drain_completions)).
@@ -270,4 +249,70 @@ impl TransferAgent for LoopbackAgent {
     fn progress(&self) -> Result<()> {
         self.drive()
     }
+}
+
+impl LoopbackAgent {
+    /// Queues a checked transfer: pins the local registrations `used`, draws its faults, and
+    /// wakes the progress thread.
+    fn queue(
+        &self,
+        mut st: MutexGuard<'_, AgentState>,
+        op: XferOp,
+        peer: AgentName,
+        used: &[u64],
+        copies: Copies,
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        // Lists of a forgotten peer are released with it, so a remote list's peer is loaded.
+        let peer_instance = st
+            .remotes
+            .get(&peer)
+            .ok_or_else(|| err(ErrorKind::State, format!("a list of agent {peer}, which is not loaded")))?
+            .instance;
+        let pinned = used
+            .iter()
+            .filter_map(|id| st.registrations.get(id))
+            .map(|r| Pinned { region: r.region, memory: r.memory.clone() })
+            .collect();
+        // Everything is valid: count the transfer for the faults and queue it. Its notification
+        // names it for the seeded faults.
+        let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
+        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
+        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
+        let fate = mine.combine(fabric);
+        lock(&self.shared.fabric.injected, "fabric fault counts")?.count_transfer(&fate);
+        let TransferFate { fail, delay_passes, delay } = fate;
+        let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
+        let job = Job {
+            op,
+            peer,
+            peer_instance,
+            local: PinnedSet::new(pinned),
+            copies,
+            notify: notify.map(<[u8]>::to_vec),
+            fail,
+        };
+        let id = Self::next_id(&mut st);
+        st.xfers.insert(
+            id,
+            Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
+        );
+        st.queued.insert(id);
+        drop(st);
+        if let Some(t) = &self.thread {
+            t.wake()?;
+        }
+        Ok(XferId(id))
+    }
+}
+
+/// The registrations the local blocks of `regions` (of list `local`) lie in, once each.
+/// Deregistering releases the lists over the memory, so all of them are registered (a bug would
+/// fail the copy, see `AgentShared::run`).
+fn used_registrations(st: &AgentState, local: DlistId, regions: impl Iterator<Item = usize>) -> Vec<u64> {
+    let list_regs = st.dlists.get(&local.0).map(|d| d.registrations.as_slice()).unwrap_or_default();
+    let mut used: Vec<u64> = regions.filter_map(|r| list_regs.get(r).copied()).collect();
+    used.sort_unstable();
+    used.dedup();
+    used
 }

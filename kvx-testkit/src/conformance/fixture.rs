@@ -3,8 +3,8 @@
 //! drop, also when a check panics.
 
 use kvx_core::{
-    AgentName, BlockList, DlistId, DlistOwner, MemRegion, RegistrationId, Result, TransferAgent, XferId,
-    XferOp,
+    AgentName, BlockList, BlockPost, DlistId, DlistOwner, MemRegion, RegionBlocks, RegistrationId, Result,
+    TransferAgent, XferId, XferOp,
 };
 
 use super::harness::{Harness, Side, TestBuffer};
@@ -20,10 +20,21 @@ pub(crate) struct Shape {
     pub(crate) regions: usize,
     pub(crate) num_blocks: u32,
     pub(crate) block_len: u64,
+    /// All regions back to back in one buffer per side (one registration), not one buffer each.
+    pub(crate) joined: bool,
 }
 
 impl Shape {
-    pub(crate) const DEFAULT: Shape = Shape { regions: 2, num_blocks: 64, block_len: 4096 };
+    pub(crate) const DEFAULT: Shape = Shape { regions: 2, num_blocks: 64, block_len: 4096, joined: false };
+
+    /// Buffers per side.
+    fn buffers(&self) -> usize {
+        if self.joined { 1 } else { self.regions }
+    }
+
+    fn region_len(&self) -> usize {
+        self.num_blocks as usize * self.block_len as usize
+    }
 
     /// Descriptors per list.
     pub(crate) fn len(&self) -> u32 {
@@ -32,16 +43,21 @@ impl Shape {
     }
 
     fn buffer_len(&self) -> usize {
-        PAD * 2 + self.num_blocks as usize * self.block_len as usize
+        PAD * 2 + self.region_len() * (self.regions / self.buffers())
     }
 
-    /// The list over `bufs`, one region per buffer.
+    /// The list over `bufs`: one region per buffer, or every region in the one buffer.
     pub(crate) fn list(&self, bufs: &[TestBuffer]) -> BlockList {
         let first = bufs.first().map(|b| b.region()).unwrap_or(MemRegion::dram(0, 0));
+        let bases = if self.joined {
+            (0..self.regions).map(|r| first.addr + (PAD + r * self.region_len()) as u64).collect()
+        } else {
+            bufs.iter().map(|b| b.region().addr + PAD as u64).collect()
+        };
         BlockList {
             kind: first.kind,
             device: first.device,
-            bases: bufs.iter().map(|b| b.region().addr + PAD as u64).collect(),
+            bases,
             num_blocks: self.num_blocks,
             block_len: self.block_len,
         }
@@ -51,7 +67,11 @@ impl Shape {
     pub(crate) fn locate(&self, index: u32) -> (usize, usize) {
         let region = (index / self.num_blocks) as usize;
         let block = (index % self.num_blocks) as usize;
-        (region, PAD + block * self.block_len as usize)
+        if self.joined {
+            (0, PAD + region * self.region_len() + block * self.block_len as usize)
+        } else {
+            (region, PAD + block * self.block_len as usize)
+        }
     }
 }
 
@@ -77,7 +97,10 @@ pub(crate) struct Fixture<'h, H: Harness + ?Sized> {
 
 impl<'h, H: Harness + ?Sized> Fixture<'h, H> {
     pub(crate) fn new(h: &'h H, seed: u64) -> Self {
-        let shape = Shape::DEFAULT;
+        Self::with_shape(h, seed, Shape::DEFAULT)
+    }
+
+    pub(crate) fn with_shape(h: &'h H, seed: u64, shape: Shape) -> Self {
         let (ini, tgt) = (h.initiator(), h.target());
         // Leftovers of an earlier failed check must not be taken for this check's notifications.
         let mut stale = Vec::new();
@@ -101,7 +124,7 @@ impl<'h, H: Harness + ?Sized> Fixture<'h, H> {
             rng: SplitMix(seed),
         };
         for side in [Side::Initiator, Side::Target] {
-            for _ in 0..shape.regions {
+            for _ in 0..shape.buffers() {
                 let buf = ok(h.alloc(side, shape.buffer_len()), "alloc");
                 let mut image = vec![0u8; buf.len()];
                 f.rng.fill(&mut image);
@@ -169,6 +192,11 @@ impl<'h, H: Harness + ?Sized> Fixture<'h, H> {
         l.into_iter().zip(r).collect()
     }
 
+    /// `n` distinct random block ids of a region (of either side).
+    pub(crate) fn random_blocks(&mut self, n: usize) -> Vec<u32> {
+        self.rng.distinct(self.shape.num_blocks, n)
+    }
+
     pub(crate) fn post(&self, op: XferOp, pairs: &[(u32, u32)], notify: Option<&[u8]>) -> Result<XferId> {
         let (l, r): (Vec<u32>, Vec<u32>) = pairs.iter().copied().unzip();
         self.post_indices(op, &l, &r, notify)
@@ -183,6 +211,41 @@ impl<'h, H: Harness + ?Sized> Fixture<'h, H> {
     ) -> Result<XferId> {
         let (local, remote) = self.lists();
         self.h.initiator().post(op, local, l, remote, r, notify)
+    }
+
+    /// A block post over every region of both lists.
+    pub(crate) fn block_post<'a>(
+        &self,
+        local: &'a [u32],
+        remote: &'a [u32],
+        regions: RegionBlocks<'a>,
+    ) -> BlockPost<'a> {
+        let num_blocks = self.shape.num_blocks;
+        BlockPost {
+            local_blocks: local,
+            local_num_blocks: num_blocks,
+            remote_blocks: remote,
+            remote_num_blocks: num_blocks,
+            regions,
+        }
+    }
+
+    pub(crate) fn post_blocks(
+        &self,
+        op: XferOp,
+        blocks: &BlockPost<'_>,
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        let (local, remote) = self.lists();
+        self.h.initiator().post_blocks(op, local, remote, blocks, notify)
+    }
+
+    /// Updates the expected images as a block post does to the memory.
+    pub(crate) fn apply_blocks(&mut self, op: XferOp, blocks: &BlockPost<'_>) {
+        let (mut l, mut r) = (Vec::new(), Vec::new());
+        ok(blocks.descriptor_indices(&mut l, &mut r), "numbering the descriptors of a block post");
+        let pairs: Vec<(u32, u32)> = l.into_iter().zip(r).collect();
+        self.apply(op, &pairs);
     }
 
     /// The local and remote list (ids that no agent uses when they were released).

@@ -16,6 +16,8 @@
 //! - [`checks::agents`]: capabilities, registrations, metadata, descriptor lists.
 //! - [`checks::data`]: READ and WRITE of scattered blocks, notifications, many transfers in flight.
 //! - [`checks::validation`]: every argument `post` refuses, with its kind.
+//! - [`checks::blocks`]: `post_blocks` of runs, scattered blocks, windows and whole regions,
+//!   every byte checked, and what it refuses.
 //! - [`checks::lifetimes`]: deregistering, forgetting and releasing, also while transfers are in
 //!   flight.
 //! - [`checks::failures`]: a transfer that fails in its transport reports a typed error.
@@ -33,6 +35,10 @@ mod support;
 pub use checks::agents::{
     check_capabilities, check_dlist_outside_registration, check_garbage_metadata, check_metadata_round_trip,
     check_registration, check_unsupported_operations,
+};
+pub use checks::blocks::{
+    check_block_post_contiguous, check_block_post_rejects_like_post, check_block_post_scattered,
+    check_block_post_whole_regions, check_block_post_windowed,
 };
 pub use checks::completions::{
     check_completions_reported_once, check_failed_completion_reported_once,
@@ -93,6 +99,11 @@ macro_rules! conformance_tests {
             check_unequal_block_lengths_rejected,
             check_out_of_range_rejected,
             check_oversized_notification_rejected,
+            check_block_post_contiguous,
+            check_block_post_scattered,
+            check_block_post_windowed,
+            check_block_post_whole_regions,
+            check_block_post_rejects_like_post,
             check_forget_remote,
             check_deregister_in_flight,
             check_release_in_flight,

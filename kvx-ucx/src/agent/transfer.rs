@@ -4,11 +4,11 @@ use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, PoisonError, Weak};
 
-use kvx_core::post::{check_notification, place_dlist};
+use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind, MemRegion,
-    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind,
+    MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 use kvx_ucx_sys as sys;
 
@@ -21,7 +21,7 @@ use super::request::{PendingSend, Tracker};
 use super::state::{
     Dlist, DlistTarget, Inner, LocalMemh, LocalReg, Peer, RemoteRegion, pack_rkey, unmap_reg,
 };
-use super::xfer::{Stage, Xfer, plan};
+use super::xfer::{Plan, Stage, Xfer, joinable, plan, plan_runs};
 
 impl TransferAgent for UcxAgent {
     fn name(&self) -> &AgentName {
@@ -242,100 +242,26 @@ impl TransferAgent for UcxAgent {
         let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
         let checked = request.check(&self.capabilities(), |id| inner.dlists.get(&id.0).map(Dlist::view))?;
         let ops = plan(inner, &checked, local, remote)?;
-        let id = inner.next_id();
-        let tracker = Tracker::new(id, &inner.moved);
+        submit(inner, op, ops, notify)
+    }
 
-        let peer = inner
-            .peers
-            .get(&ops.peer)
-            .ok_or_else(|| error(ErrorKind::Backend, "the list's peer vanished"))?;
-        if let Some(why) = &peer.failed {
-            return Err(why.clone());
-        }
-        let mut failure = None;
-        tracker.begin();
-        for (laddr, memh, raddr, region) in &ops.descs {
-            let mut param = tracker.param();
-            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
-            param.memh = *memh;
-            let rkey = peer.regions[*region].rkey.as_ptr();
-            let (status_ptr, what) = match op {
-                // SAFETY: the local range lies in a live registration (checked by `plan`), the
-                // remote range in the peer's region whose rkey this is; both stay alive until the
-                // transfer settles (it holds references on the registrations and the peer).
-                XferOp::Read => (
-                    unsafe {
-                        sys::ucp_get_nbx(
-                            peer.ep.as_ptr(),
-                            *laddr as *mut c_void,
-                            ops.len,
-                            *raddr,
-                            rkey,
-                            &param,
-                        )
-                    },
-                    "ucp_get_nbx",
-                ),
-                // SAFETY: as for the read.
-                XferOp::Write => (
-                    unsafe {
-                        sys::ucp_put_nbx(
-                            peer.ep.as_ptr(),
-                            *laddr as *const c_void,
-                            ops.len,
-                            *raddr,
-                            rkey,
-                            &param,
-                        )
-                    },
-                    "ucp_put_nbx",
-                ),
-            };
-            if let Err(e) = tracker.record(status_ptr, what) {
-                failure = Some(e);
-                break;
-            }
-        }
-        tracker.end();
-
-        // The transfer holds its peer and registrations until UCX is done with it.
-        if let Some(peer) = inner.peers.get_mut(&ops.peer) {
-            peer.inflight += 1;
-        }
-        for id in &ops.regs {
-            if let Some(reg) = inner.regs.get_mut(id) {
-                reg.inflight += 1;
-            }
-        }
-        let mut xfer = Xfer {
-            op,
-            peer: ops.peer,
-            regs: ops.regs,
-            tracker,
-            notify: notify.map(<[u8]>::to_vec),
-            send: None,
-            stage: Stage::Data,
-            failure: None,
-            holds_refs: true,
-            released: false,
-        };
-        if let Some(e) = failure {
-            // What was posted still runs: settle it in the background, without notification.
-            xfer.notify = None;
-            xfer.failure = Some(e.clone());
-            xfer.released = true;
-            inner.advance(&mut xfer);
-            if !xfer.is_terminal() {
-                inner.xfers.insert(id, xfer);
-            }
-            return Err(e);
-        }
-        inner.advance(&mut xfer);
-        if xfer.is_terminal() {
-            inner.completed.push(id);
-        }
-        inner.xfers.insert(id, xfer);
-        Ok(XferId(id))
+    /// Checks and plans with kvx-core ([`BlockPostRequest::check`]): one get or put per
+    /// coalesced range (per region and run of blocks contiguous on both sides).
+    fn post_blocks(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        remote: DlistId,
+        blocks: &BlockPost<'_>,
+        notify: Option<&[u8]>,
+    ) -> Result<XferId> {
+        let mut guard = self.shared.lock()?;
+        let inner = &mut *guard;
+        let request = BlockPostRequest { op, local, remote, blocks: *blocks, notify };
+        let lists = |id: DlistId| inner.dlists.get(&id.0).map(Dlist::view);
+        let checked = request.check(&self.capabilities(), lists, |id, r| joinable(inner, id, r))?;
+        let ops = plan_runs(inner, checked.runs(), local, remote)?;
+        submit(inner, op, ops, notify)
     }
 
     /// Drives the worker and advances the transfers whose requests completed (as `progress`)
@@ -400,4 +326,86 @@ impl TransferAgent for UcxAgent {
         self.shared.lock()?.progress_all();
         Ok(())
     }
+}
+
+/// Posts a planned transfer: one get or put per range, then the transfer's stages.
+fn submit(inner: &mut Inner, op: XferOp, ops: Plan, notify: Option<&[u8]>) -> Result<XferId> {
+    let id = inner.next_id();
+    let tracker = Tracker::new(id, &inner.moved);
+
+    let peer =
+        inner.peers.get(&ops.peer).ok_or_else(|| error(ErrorKind::Backend, "the list's peer vanished"))?;
+    if let Some(why) = &peer.failed {
+        return Err(why.clone());
+    }
+    let mut failure = None;
+    tracker.begin();
+    for (laddr, memh, raddr, region, len) in &ops.descs {
+        let mut param = tracker.param();
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = *memh;
+        let rkey = peer.regions[*region].rkey.as_ptr();
+        let (status_ptr, what) = match op {
+            // SAFETY: the local range lies in a live registration (checked by `plan`), the
+            // remote range in the peer's region whose rkey this is; both stay alive until the
+            // transfer settles (it holds references on the registrations and the peer).
+            XferOp::Read => (
+                unsafe {
+                    sys::ucp_get_nbx(peer.ep.as_ptr(), *laddr as *mut c_void, *len, *raddr, rkey, &param)
+                },
+                "ucp_get_nbx",
+            ),
+            // SAFETY: as for the read.
+            XferOp::Write => (
+                unsafe {
+                    sys::ucp_put_nbx(peer.ep.as_ptr(), *laddr as *const c_void, *len, *raddr, rkey, &param)
+                },
+                "ucp_put_nbx",
+            ),
+        };
+        if let Err(e) = tracker.record(status_ptr, what) {
+            failure = Some(e);
+            break;
+        }
+    }
+    tracker.end();
+
+    // The transfer holds its peer and registrations until UCX is done with it.
+    if let Some(peer) = inner.peers.get_mut(&ops.peer) {
+        peer.inflight += 1;
+    }
+    for id in &ops.regs {
+        if let Some(reg) = inner.regs.get_mut(id) {
+            reg.inflight += 1;
+        }
+    }
+    let mut xfer = Xfer {
+        op,
+        peer: ops.peer,
+        regs: ops.regs,
+        tracker,
+        notify: notify.map(<[u8]>::to_vec),
+        send: None,
+        stage: Stage::Data,
+        failure: None,
+        holds_refs: true,
+        released: false,
+    };
+    if let Some(e) = failure {
+        // What was posted still runs: settle it in the background, without notification.
+        xfer.notify = None;
+        xfer.failure = Some(e.clone());
+        xfer.released = true;
+        inner.advance(&mut xfer);
+        if !xfer.is_terminal() {
+            inner.xfers.insert(id, xfer);
+        }
+        return Err(e);
+    }
+    inner.advance(&mut xfer);
+    if xfer.is_terminal() {
+        inner.completed.push(id);
+    }
+    inner.xfers.insert(id, xfer);
+    Ok(XferId(id))
 }

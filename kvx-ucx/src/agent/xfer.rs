@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use kvx_core::post::BlockRuns;
 use kvx_core::{DlistId, Error, ErrorKind, PostPlan, Result, XferOp, XferState};
 use kvx_ucx_sys as sys;
 
@@ -148,41 +149,85 @@ impl Xfer {
     }
 }
 
-/// A checked transfer mapped to UCX: every descriptor resolved, nothing posted yet.
+/// A checked transfer mapped to UCX: every range resolved, nothing posted yet.
 pub(super) struct Plan {
     pub(super) peer: u64,
-    pub(super) len: usize,
     /// Distinct local registrations used.
     pub(super) regs: Vec<u64>,
-    /// (local address, local memh, remote address, remote region index) per descriptor.
-    pub(super) descs: Vec<(u64, sys::ucp_mem_h, u64, usize)>,
+    /// (local address, local memh, remote address, remote region index, length) per range.
+    pub(super) descs: Vec<(u64, sys::ucp_mem_h, u64, usize, usize)>,
 }
 
-/// Maps a post that passed kvx-core's checks to this agent's memory handles and rkeys.
+/// Maps a post that passed kvx-core's checks to this agent's memory handles and rkeys: one get
+/// or put per block.
 pub(super) fn plan(inner: &Inner, checked: &PostPlan<'_>, local: DlistId, remote: DlistId) -> Result<Plan> {
+    let len = checked.block_len();
+    let ranges = checked.pairs().iter().map(|(l, r)| (l.region, l.addr, r.region, r.addr, len));
+    plan_ranges(inner, local, remote, checked.pairs().len(), ranges)
+}
+
+/// The same for a block post: one get or put per coalesced range.
+pub(super) fn plan_runs(inner: &Inner, runs: &BlockRuns, local: DlistId, remote: DlistId) -> Result<Plan> {
+    let ranges = runs.iter().map(|r| (r.region, r.local, r.region, r.remote, r.len));
+    plan_ranges(inner, local, remote, runs.len(), ranges)
+}
+
+/// Whether one range of list `id` may run from region `region` into the next: both lie in one
+/// registration (local) or one remote region (one rkey).
+pub(super) fn joinable(inner: &Inner, id: DlistId, region: usize) -> bool {
+    match inner.dlists.get(&id.0).map(|d| &d.target) {
+        Some(DlistTarget::Local(regs)) => matches!(regs.get(region..region + 2), Some([a, b]) if a == b),
+        Some(DlistTarget::Remote { regions, .. }) => {
+            matches!(regions.get(region..region + 2), Some([a, b]) if a == b)
+        }
+        None => false,
+    }
+}
+
+/// Maps (local region, local address, remote region, remote address, length) ranges of a
+/// checked post to memory handles and rkeys.
+fn plan_ranges(
+    inner: &Inner,
+    local: DlistId,
+    remote: DlistId,
+    count: usize,
+    ranges: impl Iterator<Item = (usize, u64, usize, u64, u64)>,
+) -> Result<Plan> {
     let target = |id: DlistId| inner.dlists.get(&id.0).map(|d| &d.target);
     let (Some(DlistTarget::Local(lregs)), Some(DlistTarget::Remote { peer, regions })) =
         (target(local), target(remote))
     else {
         return Err(error(ErrorKind::Backend, "a checked list has no UCX target of its kind"));
     };
-    let len = usize::try_from(checked.block_len())
-        .map_err(|_| error(ErrorKind::InvalidArgument, "block length exceeds the address space"))?;
-    let mut descs = Vec::with_capacity(checked.pairs().len());
+    let mut descs = Vec::with_capacity(count);
     let mut regs = Vec::new();
-    for (l, r) in checked.pairs() {
-        // The list has one registration per region, and deregistering releases the lists over
-        // it: the registration is live.
-        let (Some(&reg_id), Some(&region)) = (lregs.get(l.region), regions.get(r.region)) else {
+    // Ranges come region by region: look each region's registration up once.
+    let mut last: Option<(usize, sys::ucp_mem_h)> = None;
+    for (lregion, laddr, rregion, raddr, len) in ranges {
+        let len = usize::try_from(len)
+            .map_err(|_| error(ErrorKind::InvalidArgument, "a range exceeds the address space"))?;
+        let Some(&region) = regions.get(rregion) else {
             return Err(error(ErrorKind::Backend, "a descriptor outside its list's regions"));
         };
-        let reg = inner.regs.get(&reg_id).filter(|r| !r.retired).ok_or_else(|| {
-            error(ErrorKind::Backend, format!("{local} lies in memory that was deregistered"))
-        })?;
-        regs.push(reg_id);
-        descs.push((l.addr, reg.memh.raw(), r.addr, region));
+        let memh = match last {
+            Some((r, memh)) if r == lregion => memh,
+            _ => {
+                // The list has one registration per region, and deregistering releases the lists
+                // over it: the registration is live.
+                let Some(&reg_id) = lregs.get(lregion) else {
+                    return Err(error(ErrorKind::Backend, "a descriptor outside its list's regions"));
+                };
+                let reg = inner.regs.get(&reg_id).filter(|r| !r.retired).ok_or_else(|| {
+                    error(ErrorKind::Backend, format!("{local} lies in memory that was deregistered"))
+                })?;
+                regs.push(reg_id);
+                last = Some((lregion, reg.memh.raw()));
+                reg.memh.raw()
+            }
+        };
+        descs.push((laddr, memh, raddr, region, len));
     }
     regs.sort_unstable();
     regs.dedup();
-    Ok(Plan { peer: *peer, len, regs, descs })
+    Ok(Plan { peer: *peer, regs, descs })
 }

@@ -2,6 +2,7 @@
 //! message on failure, like `assert!`.
 
 pub mod agents;
+pub mod blocks;
 pub mod completions;
 pub mod data;
 pub mod failures;

@@ -8,7 +8,11 @@ use crate::conformance::harness::Harness;
 use crate::conformance::support::{any_op, assert_no_more_notifications, expect_kind, ok, ops, wait_done};
 
 /// What every refused post must leave behind: no byte moved, no notification, a working agent.
-fn assert_refused_posts_left_no_trace<H: Harness + ?Sized>(h: &H, f: &mut Fixture<'_, H>, what: &str) {
+pub(crate) fn assert_refused_posts_left_no_trace<H: Harness + ?Sized>(
+    h: &H,
+    f: &mut Fixture<'_, H>,
+    what: &str,
+) {
     f.settle_and_verify(&format!("after {what} (destination touched?)"));
     assert_no_more_notifications(h, &format!("after {what}"));
     let op = any_op(h.initiator().capabilities());
@@ -21,7 +25,7 @@ fn assert_refused_posts_left_no_trace<H: Harness + ?Sized>(h: &H, f: &mut Fixtur
 }
 
 /// A notification for posts that must be refused, when the backend has notifications.
-fn must_not_arrive<H: Harness + ?Sized>(h: &H) -> Option<&'static [u8]> {
+pub(crate) fn must_not_arrive<H: Harness + ?Sized>(h: &H) -> Option<&'static [u8]> {
     h.initiator().capabilities().notifications.then_some(&b"kvx-must-not-arrive"[..])
 }
 
