@@ -476,12 +476,10 @@ fn plot(path: &Path, rows: &[Row]) -> Result<()> {
     use plotters::prelude::*;
     let draw_error =
         |e: &dyn std::fmt::Display| Error::new(ErrorKind::Io, format!("--plot {}: {e}", path.display()));
-    let kib = |row: &Row| row.shape.block_len as f64 / 1024.0;
-    let (mut lo, mut hi) = rows.iter().map(kib).fold((f64::MAX, 0f64), |(lo, hi), k| (lo.min(k), hi.max(k)));
-    if rows.is_empty() {
-        (lo, hi) = (1.0, 1024.0);
-    }
-    let (lo, hi) = (lo / 1.5, hi * 1.5);
+    // Block sizes on a log2 axis, one tick per power of two.
+    let log2 = |row: &Row| (row.shape.block_len as f64).log2();
+    let (lo, hi) = rows.iter().map(log2).fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let (lo, hi) = if rows.is_empty() { (10.0, 20.0) } else { (lo.floor() - 1.0, hi.ceil() + 1.0) };
     let top = rows.iter().flat_map(|r| [r.gbps, r.baseline_gbps]).fold(1.0, f64::max) * 1.15;
 
     let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
@@ -491,13 +489,14 @@ fn plot(path: &Path, rows: &[Row]) -> Result<()> {
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(56)
-        .build_cartesian_2d((lo..hi).log_scale(), 0f64..top)
+        .build_cartesian_2d(lo..hi, 0f64..top)
         .map_err(|e| draw_error(&e))?;
     chart
         .configure_mesh()
-        .x_desc("block size (KiB)")
+        .x_desc("block size")
         .y_desc("GB/s")
-        .x_label_formatter(&|k| format!("{k:.0}"))
+        .x_labels((hi - lo) as usize + 1)
+        .x_label_formatter(&|x| size_text(x.exp2().round() as usize))
         .draw()
         .map_err(|e| draw_error(&e))?;
     let mut pairs: Vec<(Backend, Transport)> = Vec::new();
@@ -511,8 +510,8 @@ fn plot(path: &Path, rows: &[Row]) -> Result<()> {
         let mut of_pair: Vec<&Row> =
             rows.iter().filter(|r| (r.backend, r.transport) == (backend, transport)).collect();
         of_pair.sort_by_key(|r| r.shape.block_len);
-        let kvx: Vec<(f64, f64)> = of_pair.iter().map(|r| (kib(r), r.gbps)).collect();
-        let base: Vec<(f64, f64)> = of_pair.iter().map(|r| (kib(r), r.baseline_gbps)).collect();
+        let kvx: Vec<(f64, f64)> = of_pair.iter().map(|r| (log2(r), r.gbps)).collect();
+        let base: Vec<(f64, f64)> = of_pair.iter().map(|r| (log2(r), r.baseline_gbps)).collect();
         chart
             .draw_series(LineSeries::new(kvx.clone(), color.stroke_width(3)))
             .map_err(|e| draw_error(&e))?
@@ -531,7 +530,7 @@ fn plot(path: &Path, rows: &[Row]) -> Result<()> {
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::UpperRight)
         .draw()
         .map_err(|e| draw_error(&e))?;
     root.present().map_err(|e| draw_error(&e))
