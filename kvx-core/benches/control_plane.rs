@@ -82,14 +82,14 @@ impl TransferAgent for StubAgent {
     fn release_dlist(&self, _: DlistId) -> Result<()> {
         Ok(())
     }
-    fn post<'a>(
+    fn post(
         &self,
         _: XferOp,
         _: DlistId,
         _: &[u32],
         _: DlistId,
         _: &[u32],
-        _: Option<&'a [u8]>,
+        _: Option<&[u8]>,
     ) -> Result<XferId> {
         Ok(XferId(self.next()))
     }
