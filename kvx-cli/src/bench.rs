@@ -139,35 +139,29 @@ impl Row {
         self.gbps / self.baseline_gbps
     }
 
-    fn csv(&self) -> String {
-        format!(
-            "{},{},{},{},{:.3},{},{:.3},{:.3},{:.1},{:.1}",
-            self.backend.name(),
-            self.transport.name(),
-            self.shape.block_len,
-            self.shape.reads,
-            self.gbps,
-            self.transport.baseline(),
-            self.baseline_gbps,
-            self.ratio(),
-            micros(self.p50),
-            micros(self.p99),
-        )
+    /// The row's CSV cells, in [`CSV_HEADER`]'s order.
+    fn cells(&self) -> [String; 10] {
+        [
+            self.backend.name().to_owned(),
+            self.transport.name().to_owned(),
+            self.shape.block_len.to_string(),
+            self.shape.reads.to_string(),
+            format!("{:.3}", self.gbps),
+            self.transport.baseline().to_owned(),
+            format!("{:.3}", self.baseline_gbps),
+            format!("{:.3}", self.ratio()),
+            format!("{:.1}", micros(self.p50)),
+            format!("{:.1}", micros(self.p99)),
+        ]
     }
 
     fn table_line(&self) -> String {
+        let [backend, transport, _, _, gbps, baseline, baseline_gbps, ratio, p50, p99] = self.cells();
+        let block = size_text(self.shape.block_len);
         format!(
-            "{:<9} {:<5} {:>8} {:>8.2} {:<10} {:>8.2} {:>6.2} {:>10.1} {:>10.1}  yes ({} rounds)",
-            self.backend.name(),
-            self.transport.name(),
-            size_text(self.shape.block_len),
-            self.gbps,
-            self.transport.baseline(),
-            self.baseline_gbps,
-            self.ratio(),
-            micros(self.p50),
-            micros(self.p99),
-            self.verified,
+            "{backend:<9} {transport:<5} {block:>8} {gbps:>8} {baseline:<10} {baseline_gbps:>8} {ratio:>6} {p50:>10} \
+             {p99:>10}  yes ({} rounds)",
+            self.verified
         )
     }
 }
@@ -269,7 +263,7 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     if let Some(path) = &args.csv {
         let mut csv = format!("{CSV_HEADER}\n");
         for row in &rows {
-            let _ = writeln!(csv, "{}", row.csv());
+            let _ = writeln!(csv, "{}", row.cells().join(","));
         }
         std::fs::write(path, csv).map_err(|e| io_error(path, e))?;
         eprintln!("kvx bench: wrote {}", path.display());
