@@ -7,7 +7,8 @@
 //! a target in another process: `kvx bench` starts itself again as the reader of each row, with
 //! the row's `UCX_TLS` (NIXL's UCX reads only the environment), and the reader starts itself again
 //! as the target ([`kvx_testkit::xproc`]). The READs, the memcpy and the TCP stream all move the
-//! blocks of one [`Shape`].
+//! blocks of one [`Shape`], and each round of the baseline runs right before the same round of
+//! READs, in the reader's process.
 
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{Error, ErrorKind, HostMemory, KvMemory, Result, TransferAgent};
+use kvx_testkit::baseline::TcpStreamBaseline;
 use kvx_testkit::child::SelfChild;
 use kvx_testkit::xproc::{self, PROCESS_DEADLINE, Reader, Shape, TRANSFER_DEADLINE};
 
@@ -181,11 +183,45 @@ fn size_text(bytes: usize) -> String {
     }
 }
 
-/// A row's kvx READ times: the timed rounds, and how many rounds were checked byte for byte.
+/// A row's timed rounds, the kvx READs' and the baseline's (interleaved, round by round), and how
+/// many rounds of each were checked byte for byte.
 #[derive(Debug)]
 struct Rounds {
     times: Vec<Duration>,
+    baseline: Vec<Duration>,
     verified: usize,
+}
+
+/// A row's baseline, a round at a time.
+#[derive(Debug)]
+enum Baseline {
+    Memcpy(xproc::Memcpy),
+    Tcp(TcpStreamBaseline),
+}
+
+impl Baseline {
+    /// The transport's baseline for `shape`: a TCP stream starts its sender process.
+    fn start(transport: Transport, shape: Shape) -> Result<Baseline> {
+        Ok(match transport {
+            Transport::Shm => Baseline::Memcpy(xproc::Memcpy::new(shape)),
+            Transport::Tcp => Baseline::Tcp(TcpStreamBaseline::start(&[], shape)?),
+        })
+    }
+
+    /// One round; `check`: its bytes are checked (a memcpy's always are what it copied).
+    fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
+        match self {
+            Baseline::Memcpy(memcpy) => Ok(memcpy.round(round)),
+            Baseline::Tcp(stream) => stream.round(round, check),
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        match self {
+            Baseline::Memcpy(_) => Ok(()),
+            Baseline::Tcp(stream) => stream.finish(),
+        }
+    }
 }
 
 const ROUNDS_LINE: &str = "KVX-BENCH-ROUNDS ";
@@ -245,17 +281,16 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     for &(backend, transport) in &pairs {
         for &shape in &shapes {
             let what = format!("{} {} {}", backend.name(), transport.name(), size_text(shape.block_len));
-            eprintln!("kvx bench: [{}/{total}] {what}: {} baseline", rows.len() + 1, transport.baseline());
-            let baseline = match transport {
-                Transport::Shm => shape.memcpy_rounds(args.rounds),
-                Transport::Tcp => kvx_testkit::baseline::tcp_stream_rounds(&[], shape, args.rounds)?,
-            };
-            eprintln!("kvx bench: [{}/{total}] {what}: kvx READ", rows.len() + 1);
+            let baseline = transport.baseline();
+            eprintln!(
+                "kvx bench: [{}/{total}] {what}: kvx READ and {baseline}, round by round",
+                rows.len() + 1
+            );
             let measured = match backend {
                 Backend::Loopback => loopback_rounds(shape, args.rounds)?,
                 native => native_rounds(native, transport, shape, args.rounds)?,
             };
-            let row = row(backend, transport, shape, &measured, &baseline)?;
+            let row = row(backend, transport, shape, &measured)?;
             println!("{}", row.table_line());
             rows.push(row);
         }
@@ -275,17 +310,11 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn row(
-    backend: Backend,
-    transport: Transport,
-    shape: Shape,
-    measured: &Rounds,
-    baseline: &[Duration],
-) -> Result<Row> {
+fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) -> Result<Row> {
     let gbps = |d: Duration| shape.read_len() as f64 / d.as_secs_f64() / 1e9;
     let mut times = measured.times.clone();
     times.sort_unstable();
-    let mut base = baseline.to_vec();
+    let mut base = measured.baseline.clone();
     base.sort_unstable();
     let (Some(&p50), Some(&p99), Some(&base_p50)) = (
         times.get(times.len() / 2),
@@ -307,16 +336,19 @@ fn row(
 }
 
 /// Runs `rounds` timed READs after a warm-up, each with a notification (as a decode engine posts
-/// them); the warm-up's and the last round's bytes are checked. `service` runs between polls.
+/// them), each right after the same round of `transport`'s baseline, so that both see the same
+/// machine; the warm-up's and the last round's bytes are checked. `service` runs between polls.
 fn timed_rounds<A: TransferAgent>(
     reader: &Reader<A>,
+    transport: Transport,
     rounds: usize,
     service: &mut dyn FnMut() -> Result<()>,
 ) -> Result<Rounds> {
-    let mut times = Vec::new();
-    let mut verified = 0;
+    let mut baseline = Baseline::start(transport, reader.shape())?;
+    let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0 };
     for round in 0..=rounds {
         let check = round == 0 || round == rounds;
+        let base = baseline.round(round, check)?;
         if check {
             reader.clear();
         }
@@ -324,13 +356,15 @@ fn timed_rounds<A: TransferAgent>(
         let elapsed = reader.try_read_round(round, Some(note.as_bytes()), service)?;
         if check {
             reader.check(round)?;
-            verified += 1;
+            measured.verified += 1;
         }
         if round > 0 {
-            times.push(elapsed);
+            measured.times.push(elapsed);
+            measured.baseline.push(base);
         }
     }
-    Ok(Rounds { times, verified })
+    baseline.finish()?;
+    Ok(measured)
 }
 
 /// Two loopback agents of this process, progressed explicitly while the reader polls.
@@ -342,7 +376,7 @@ fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
     target.register(pool.clone())?;
     let reader = Reader::open(fabric.agent(READER)?, &target.local_metadata()?, pool.region().addr, shape)?;
     let mut notes = Vec::new();
-    timed_rounds(&reader, rounds, &mut || {
+    timed_rounds(&reader, Transport::Shm, rounds, &mut || {
         reader.agent.progress()?;
         target.progress()?;
         target.drain_notifications(&mut notes)
@@ -350,7 +384,8 @@ fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
 }
 
 /// A native row: `kvx bench --reader-row` in a process with the transport's `UCX_TLS`, which
-/// reads from its own target process and prints its round times.
+/// reads from its own target process, runs the baseline between its READs, and prints the round
+/// times of both.
 fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: usize) -> Result<Rounds> {
     let args = [
         "bench".to_owned(),
@@ -371,42 +406,51 @@ fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: u
     let bad = || Error::invalid_peer_data(format!("reader's rounds line {line:?}"));
     let mut fields = line.split(' ').map(|f| f.parse::<u64>().map_err(|_| bad()));
     let verified = fields.next().ok_or_else(bad)?? as usize;
-    let times = fields.map(|ns| ns.map(Duration::from_nanos)).collect::<Result<Vec<_>>>()?;
-    if times.len() != rounds {
+    let mut times = fields.map(|ns| ns.map(Duration::from_nanos)).collect::<Result<Vec<_>>>()?;
+    if times.len() != 2 * rounds {
         return Err(bad());
     }
-    Ok(Rounds { times, verified })
+    let baseline = times.split_off(rounds);
+    Ok(Rounds { times, baseline, verified })
 }
 
-/// The reader of one native row (`--reader-row`): prints its verified rounds and round times.
+/// The reader of one native row (`--reader-row`): prints its verified rounds, its READs' and
+/// its baseline's round times.
 fn reader_row(backend: Backend, transports: &[Transport], shapes: &[Shape], rounds: usize) -> Result<()> {
     let ([transport], [shape]) = (transports, shapes) else {
         return Err(Error::invalid_argument("--reader-row takes one transport and one size"));
     };
     let spec = format!("{} {}", backend.name(), transport.name());
     let target = xproc::Target::start(&[], &spec, *shape)?;
-    let measured = native_reads(backend, &target, *shape, rounds)?;
+    let measured = native_reads(backend, *transport, &target, *shape, rounds)?;
     target.wait_done(READER)?;
-    let times: Vec<String> = measured.times.iter().map(|t| t.as_nanos().to_string()).collect();
+    let times: Vec<String> =
+        measured.times.iter().chain(&measured.baseline).map(|t| t.as_nanos().to_string()).collect();
     println!("{ROUNDS_LINE}{} {}", measured.verified, times.join(" "));
     Ok(())
 }
 
 /// The reads of `backend`'s agent from `target`.
-fn native_reads(backend: Backend, target: &xproc::Target, shape: Shape, rounds: usize) -> Result<Rounds> {
+fn native_reads(
+    backend: Backend,
+    transport: Transport,
+    target: &xproc::Target,
+    shape: Shape,
+    rounds: usize,
+) -> Result<Rounds> {
     match backend {
         #[cfg(feature = "ucx")]
         Backend::Ucx => {
             let agent = kvx_ucx::UcxAgent::with_config(READER, &kvx_ucx::UcxConfig::default())?;
-            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, rounds)
+            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
         }
         #[cfg(feature = "nixl")]
         Backend::Nixl => {
             let agent = kvx_nixl::NixlAgent::new(READER, &kvx_nixl::NixlConfig::default())?;
-            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, rounds)
+            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
         }
         other => {
-            let _ = (target, shape, rounds);
+            let _ = (transport, target, shape, rounds);
             Err(Error::new(ErrorKind::Unsupported, format!("no reader process for {}", other.name())))
         }
     }
@@ -414,8 +458,8 @@ fn native_reads(backend: Backend, target: &xproc::Target, shape: Shape, rounds: 
 
 /// The timed rounds from a target in another process, then its [`xproc::DONE`].
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn read_from<A: TransferAgent>(reader: Reader<A>, rounds: usize) -> Result<Rounds> {
-    let measured = timed_rounds(&reader, rounds, &mut || Ok(()))?;
+fn read_from<A: TransferAgent>(reader: Reader<A>, transport: Transport, rounds: usize) -> Result<Rounds> {
+    let measured = timed_rounds(&reader, transport, rounds, &mut || Ok(()))?;
     reader.agent.notify(reader.peer(), xproc::DONE)?;
     Ok(measured)
 }

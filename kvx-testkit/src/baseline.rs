@@ -2,8 +2,8 @@
 //! two processes over 127.0.0.1, moving the same scattered blocks as an [`xproc`](crate::xproc)
 //! READ of the same [`Shape`]. (Single-thread memcpy of the blocks is [`Shape::memcpy_rounds`].)
 //!
-//! [`tcp_stream_rounds`] starts this executable again as the sender ([`SENDER_ENV`] set; the
-//! child calls [`serve_if_child`] first thing). Per round the receiver sends the round's number,
+//! [`TcpStreamBaseline::start`] starts this executable again as the sender ([`SENDER_ENV`] set;
+//! the child calls [`serve_if_child`] first thing). Per round the receiver sends the round's number,
 //! the sender writes the round's scattered blocks straight from its memory, one write per block,
 //! and the receiver reads each straight into its local slot: the time from request to last byte
 //! is what a READ over TCP could take at best with one stream and no framing.
@@ -22,7 +22,7 @@ pub const SENDER_ENV: &str = "KVX_TCP_BASELINE_SENDER";
 
 const PORT_LINE: &str = "KVX-TCP-BASELINE-PORT ";
 
-/// If this process is a sender child (started by [`tcp_stream_rounds`]), serves one receiver and
+/// If this process is a sender child (started by [`TcpStreamBaseline::start`]), serves one receiver and
 /// returns how that went; otherwise returns `None` at once.
 pub fn serve_if_child() -> Option<Result<()>> {
     std::env::var_os(SENDER_ENV)?;
@@ -57,40 +57,55 @@ fn send(shape: Shape) -> Result<()> {
     Ok(())
 }
 
-/// Times of `rounds` transfers of `shape`'s scattered blocks over a TCP stream from a sender
-/// process (one untimed warm-up round first); the first and last rounds' bytes are checked.
-/// `args` select the child's entry point, as for [`Target::start`](crate::xproc::Target::start).
-pub fn tcp_stream_rounds(args: &[&str], shape: Shape, rounds: usize) -> Result<Vec<Duration>> {
-    let mut child = SelfChild::spawn(args, &[(SENDER_ENV, "1"), (SHAPE_ENV, &shape.to_env())])?;
-    let port = child.wait_line(PORT_LINE, PROCESS_DEADLINE)?;
-    let port: u16 = port.parse().map_err(|_| Error::invalid_peer_data(format!("sender port {port:?}")))?;
-    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
-    stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
-    let bl = shape.block_len;
-    let mut dst = vec![0u8; shape.read_len()];
-    let mut times = Vec::new();
-    for round in 0..=rounds {
-        dst.fill(0);
+/// A TCP stream from a sender process, one round at a time (so that a bench can interleave it
+/// with its READs, round by round); the sender is killed on drop if still running.
+#[derive(Debug)]
+pub struct TcpStreamBaseline {
+    child: SelfChild,
+    stream: TcpStream,
+    shape: Shape,
+    dst: Vec<u8>,
+}
+
+impl TcpStreamBaseline {
+    /// Starts the sender (this executable again, `args` selecting its entry point) and connects.
+    pub fn start(args: &[&str], shape: Shape) -> Result<TcpStreamBaseline> {
+        let mut child = SelfChild::spawn(args, &[(SENDER_ENV, "1"), (SHAPE_ENV, &shape.to_env())])?;
+        let port = child.wait_line(PORT_LINE, PROCESS_DEADLINE)?;
+        let port: u16 =
+            port.parse().map_err(|_| Error::invalid_peer_data(format!("sender port {port:?}")))?;
+        let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
+        stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
+        Ok(TcpStreamBaseline { child, stream, shape, dst: vec![0u8; shape.read_len()] })
+    }
+
+    /// Moves round `round`'s blocks into their slots; returns the time from request to last
+    /// byte. `check`: every byte is checked after (untimed).
+    pub fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
+        let (shape, bl) = (self.shape, self.shape.block_len);
+        self.dst.fill(0);
         let start = Instant::now();
-        stream.write_all(&(round as u64).to_le_bytes()).map_err(io("write"))?;
+        self.stream.write_all(&(round as u64).to_le_bytes()).map_err(io("write"))?;
         for i in 0..shape.reads {
             let d = shape.local_slot(i) * bl;
-            stream.read_exact(&mut dst[d..d + bl]).map_err(io("read"))?;
+            self.stream.read_exact(&mut self.dst[d..d + bl]).map_err(io("read"))?;
         }
         let elapsed = start.elapsed();
-        if round == 0 || round == rounds {
+        if check {
             shape.check_round(round, |slot, block| {
-                block.copy_from_slice(&dst[slot * bl..slot * bl + bl]);
+                block.copy_from_slice(&self.dst[slot * bl..slot * bl + bl]);
                 Ok(())
             })?;
         }
-        if round > 0 {
-            times.push(elapsed);
-        }
+        Ok(elapsed)
     }
-    drop(stream);
-    child.wait_success(PROCESS_DEADLINE)?;
-    Ok(times)
+
+    /// Closes the stream and waits (bounded) for the sender to exit successfully.
+    pub fn finish(self) -> Result<()> {
+        let TcpStreamBaseline { child, stream, .. } = self;
+        drop(stream);
+        child.wait_success(PROCESS_DEADLINE)
+    }
 }
 
 fn io(what: &'static str) -> impl Fn(std::io::Error) -> Error {

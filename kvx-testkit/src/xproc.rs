@@ -119,24 +119,8 @@ impl Shape {
     /// between two buffers of this process (one untimed warm-up round first): the baseline the
     /// benches compare against.
     pub fn memcpy_rounds(&self, rounds: usize) -> Vec<Duration> {
-        let src: Vec<u8> = (0..self.target_blocks).flat_map(|b| self.block_bytes(b)).collect();
-        let mut dst = vec![0u8; self.read_len()];
-        let bl = self.block_len;
-        let mut times = Vec::new();
-        for round in 0..=rounds {
-            dst.fill(0);
-            let start = Instant::now();
-            for i in 0..self.reads {
-                let (s, d) = (self.remote_block(i, round) * bl, self.local_slot(i) * bl);
-                dst[d..d + bl].copy_from_slice(&src[s..s + bl]);
-            }
-            let elapsed = start.elapsed();
-            std::hint::black_box(&dst);
-            if round > 0 {
-                times.push(elapsed);
-            }
-        }
-        times
+        let mut memcpy = Memcpy::new(*self);
+        (0..=rounds).map(|round| memcpy.round(round)).skip(1).collect()
     }
 
     /// Checks that `slots` (the reader's local slots) hold round `round`'s blocks; the error names
@@ -176,6 +160,37 @@ impl Shape {
             [block_len, target_blocks, reads] => Shape::new(block_len, target_blocks, reads),
             _ => Err(Error::invalid_argument(format!("{SHAPE_ENV}={text:?}: expected three numbers"))),
         }
+    }
+}
+
+/// Single-thread memcpy of a [`Shape`]'s scattered blocks between two buffers of this process,
+/// one round at a time (so that a bench can interleave it with its READs).
+#[derive(Debug)]
+pub struct Memcpy {
+    shape: Shape,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Memcpy {
+    /// The source filled with the target's pattern, and the destination slots.
+    pub fn new(shape: Shape) -> Memcpy {
+        let src = (0..shape.target_blocks).flat_map(|b| shape.block_bytes(b)).collect();
+        Memcpy { shape, src, dst: vec![0u8; shape.read_len()] }
+    }
+
+    /// Copies round `round`'s blocks into their slots; returns the time the copies took.
+    pub fn round(&mut self, round: usize) -> Duration {
+        let (shape, bl) = (self.shape, self.shape.block_len);
+        self.dst.fill(0);
+        let start = Instant::now();
+        for i in 0..shape.reads {
+            let (s, d) = (shape.remote_block(i, round) * bl, shape.local_slot(i) * bl);
+            self.dst[d..d + bl].copy_from_slice(&self.src[s..s + bl]);
+        }
+        let elapsed = start.elapsed();
+        std::hint::black_box(&self.dst);
+        elapsed
     }
 }
 
@@ -406,6 +421,11 @@ impl<A: TransferAgent> Reader<A> {
         let remote_list =
             agent.prep_dlist(&DlistOwner::Remote(peer.clone()), &list(base, shape.target_blocks))?;
         Ok(Reader { agent, shape, local, peer, local_list, remote_list })
+    }
+
+    /// The shape it reads.
+    pub fn shape(&self) -> Shape {
+        self.shape
     }
 
     /// The target agent's name.
