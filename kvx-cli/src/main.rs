@@ -35,7 +35,8 @@ enum Command {
     /// An OpenAI-compatible HTTP router in front of vLLM prefill and decode servers: each
     /// completion goes to a prefill server, then with its KV to a decode server.
     Router(router::RouterArgs),
-    /// READ bandwidth of scattered blocks against memcpy of the same blocks, in one run.
+    /// READ bandwidth of scattered blocks per backend, transport and block size, each beside a
+    /// baseline measured in the same run (memcpy of the same blocks; a TCP stream over TCP).
     Bench(bench::BenchArgs),
     /// The deterministic fault soak: engines, requests and a seeded schedule of faults, in
     /// simulated time; fails when a request never ends, a byte is wrong or a block leaks.
@@ -43,16 +44,23 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `kvx bench` starts this binary again as a READ target or a TCP baseline's sender.
+    if let Some(outcome) = bench::serve_child_role() {
+        return outcome.map_or_else(
+            |e| {
+                eprintln!("kvx: {e}");
+                ExitCode::from(2)
+            },
+            |()| ExitCode::SUCCESS,
+        );
+    }
     let cli = Cli::parse();
     let outcome = match &cli.command {
         Command::Demo(args) => demo::run(args).map(report),
         Command::Prefill(args) => roles::prefill(args).map(report),
         Command::Decode(args) => roles::decode(args).map(report),
         Command::Router(args) => router::run(args).map(|()| ExitCode::SUCCESS),
-        Command::Bench(args) => bench::run(args).map(|measured| {
-            print!("{measured}");
-            ExitCode::SUCCESS
-        }),
+        Command::Bench(args) => bench::run(args).map(|()| ExitCode::SUCCESS),
         Command::Soak(args) => soak::run(args),
     };
     outcome.unwrap_or_else(|e| {

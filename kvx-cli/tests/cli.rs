@@ -338,20 +338,116 @@ fn prefill_and_decode_through_etcd(backend: &str) {
     check_pair(decode, prefill, 20);
 }
 
-/// `kvx bench` on `backend`: a small run that checks the first transfer's bytes and reports the
-/// ratio to memcpy.
+/// Runs `kvx bench` with `args` (and, with `files`, `--csv` and `--plot` into a fresh directory);
+/// returns its output and the CSV and SVG it wrote.
+fn bench(args: &[&str], files: bool) -> (Output, String, String) {
+    let dir = std::env::temp_dir().join(format!("kvx-bench-test-{}-{}", std::process::id(), args.join("_")));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (csv, svg) = (dir.join("bench.csv"), dir.join("bench.svg"));
+    let mut command = Command::new(KVX);
+    command.arg("bench").args(args);
+    if files {
+        command.arg("--csv").arg(&csv).arg("--plot").arg(&svg);
+    }
+    let out = wait(command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
+    let written = (read(&csv), read(&svg));
+    let _ = std::fs::remove_dir_all(&dir);
+    (out, written.0, written.1)
+}
+
+/// A small `kvx bench` with `args` over two block sizes, with a CSV and a plot: it succeeds, the
+/// CSV has exactly the documented header and one well-formed row per backend, transport and size
+/// (`rows`, in that order), every row's bytes were verified, and the SVG draws each of them.
+fn bench_writes_verified_rows(args: &[&str], rows: &[(&str, &str)]) {
+    let small = ["--sizes", "16K,64K", "--blocks", "16", "--pool-blocks", "40", "--rounds", "2"];
+    let (out, csv, svg) = bench(&[args, &small[..]].concat(), true);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next(),
+        Some("backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us")
+    );
+    let expected: Vec<(&str, &str, &str)> = rows
+        .iter()
+        .flat_map(|&(backend, transport)| ["16384", "65536"].map(|size| (backend, transport, size)))
+        .collect();
+    let csv_rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(csv_rows.len(), expected.len(), "{csv}");
+    for (fields, &(backend, transport, size)) in csv_rows.iter().zip(&expected) {
+        assert_eq!(fields.len(), 10, "{fields:?}");
+        assert_eq!(fields[..4], [backend, transport, size, "16"], "{fields:?}");
+        let baseline = if transport == "tcp" { "tcp-stream" } else { "memcpy" };
+        assert_eq!(fields[5], baseline, "{fields:?}");
+        for at in [4, 6, 7, 8, 9] {
+            let value: f64 = fields[at].parse().unwrap();
+            assert!(value > 0.0 && value.is_finite(), "{fields:?}");
+        }
+    }
+    let table: Vec<&str> = stdout
+        .lines()
+        .filter(|l| rows.iter().any(|(b, t)| l.starts_with(&format!("{b:<9} {t:<5}"))))
+        .collect();
+    assert_eq!(table.len(), expected.len(), "{stdout}");
+    assert!(table.iter().all(|row| row.ends_with("yes (2 rounds)")), "{stdout}");
+    assert!(stderr.contains(&format!("[{n}/{n}]", n = expected.len())), "progress on stderr: {stderr}");
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{svg}");
+    for (backend, transport) in rows {
+        assert!(svg.contains(&format!("kvx {backend} {transport}")), "{svg}");
+    }
+}
+
+/// `kvx bench` on a native `backend` over both transports: every READ from another process.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn bench_runs_on(backend: &str) {
-    let args = ["bench", "--backend", backend, "--blocks", "64", "--pool-blocks", "128", "--rounds", "2"];
-    let out =
-        wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    assert!(stdout.contains(&format!("{backend} READ")) && stdout.contains("ratio to memcpy"), "{stdout}");
+    bench_writes_verified_rows(
+        &["--backend", backend, "--transport", "shm,tcp"],
+        &[(backend, "shm"), (backend, "tcp")],
+    );
 }
 
 #[test]
-fn bench_measures_against_memcpy() {
-    bench_runs_on("loopback");
+fn bench_writes_a_verified_csv_and_plot() {
+    bench_writes_verified_rows(&[], &[("loopback", "shm")]);
+}
+
+/// `--all`: every backend this kvx was built with; the loopback backend has no tcp rows.
+#[test]
+fn bench_all_runs_every_built_backend() {
+    let mut rows = vec![("loopback", "shm")];
+    for (backend, built) in [("ucx", cfg!(feature = "ucx")), ("nixl", cfg!(feature = "nixl"))] {
+        if built {
+            rows.extend([(backend, "shm"), (backend, "tcp")]);
+        }
+    }
+    bench_writes_verified_rows(&["--all", "--transport", "shm,tcp"], &rows);
+}
+
+/// Arguments that cannot make a benchmark fail at once, with exit status 2, naming the problem,
+/// and write nothing.
+#[test]
+fn bench_refuses_invalid_arguments() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["--sizes", "12X"], "--sizes"),
+        (&["--sizes", "12"], "multiples of 8"),
+        (&["--blocks", "0"], "reads"),
+        (&["--blocks", "10", "--pool-blocks", "5"], "--pool-blocks"),
+        (&["--rounds", "0"], "--rounds"),
+        (&["--transport", "tcp"], "no tcp"),
+        (&["--all", "--backend", "loopback"], "--all"),
+    ];
+    for (args, says) in cases {
+        let (out, csv, svg) = bench(args, true);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(csv.is_empty() && svg.is_empty(), "{args:?}");
+    }
+    let (out, ..) = bench(&["--plot", "bench.png"], false);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("SVG only"), "{}", text(&out.stderr));
 }
 
 /// `kvx soak` twice with one seed: the same report, word for word, and a success.

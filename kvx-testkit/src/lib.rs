@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+pub mod baseline;
 pub mod child;
 pub mod conformance;
 pub mod etcd;
