@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
+use super::deadlines::Deadlines;
 use super::ttl::{Key, TtlMap};
 use super::{ConnectorWorker, WorkerConfig, WorkerStats};
 use crate::auth::Nonce;
@@ -26,6 +27,8 @@ struct Hold {
 pub(super) struct Holds {
     lease: Duration,
     live: HashMap<RequestId, Hold>,
+    /// When the live holds' leases run out.
+    due: Deadlines,
     /// Releases that arrived before their hold, with whom to answer.
     early: TtlMap<Option<ReplyTo>>,
     /// Holds released or expired, and whether a "not held" answer went out for them: a late
@@ -38,6 +41,7 @@ impl Holds {
         Holds {
             lease: config.lease_duration,
             live: HashMap::new(),
+            due: Deadlines::default(),
             early: TtlMap::new(config.max_early_releases, config.early_release_ttl),
             // Kept at least as long as an early release: a release that comes later than that is
             // kept as early and never answered (the decode worker waits out its confirmation).
@@ -79,6 +83,7 @@ impl ConnectorWorker {
             self.end_hold(now, key, reply_to);
         } else {
             let hold = Hold { until: now + self.holds.lease, nonce: held.nonce };
+            self.holds.due.push(hold.until, held.request_id.clone());
             self.holds.live.insert(held.request_id.clone(), hold);
         }
     }
@@ -154,6 +159,7 @@ impl ConnectorWorker {
         for held in renew.holds {
             if let Some(hold) = self.holds.live.get_mut(&held.request_id).filter(|h| h.nonce == held.nonce) {
                 hold.until = hold.until.max(until);
+                self.holds.due.push(hold.until, held.request_id.clone());
                 self.stats.leases_renewed += 1;
             }
         }
@@ -169,10 +175,17 @@ impl ConnectorWorker {
     }
 
     /// Frees the holds whose lease ran out.
+    /// Looks only at the holds whose lease entries came due: O(what is due), not O(holds).
     pub(super) fn expire_holds(&mut self, now: Instant) {
-        let expired: Vec<RequestId> =
-            self.holds.live.iter().filter(|(_, h)| h.until <= now).map(|(id, _)| id.clone()).collect();
-        for id in expired {
+        let mut due = Vec::new();
+        self.holds.due.take_due(now, &mut due);
+        due.sort_unstable();
+        due.dedup();
+        for id in due {
+            // An entry whose hold ended, or whose lease was renewed, is stale.
+            if !self.holds.live.get(&id).is_some_and(|h| h.until <= now) {
+                continue;
+            }
             let Some(hold) = self.holds.live.remove(&id) else { continue };
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
             self.stats.expired_holds += 1;

@@ -200,6 +200,7 @@ impl ConnectorWorker {
         match self.post_read(&load.req) {
             Ok((xfer, peer, token, bytes)) => {
                 let deadline = now + self.config.transfer_timeout;
+                self.load_deadlines.push(deadline, id.clone());
                 let read = Read { peer, instance, token, posted: now, deadline, bytes };
                 load.stage = Stage::Reading { xfer, read, answer: None };
                 self.loads.insert(id.clone(), load);
@@ -376,6 +377,7 @@ impl ConnectorWorker {
                 Ok(()) => {
                     self.stats.read_latencies.push(now.saturating_duration_since(read.posted));
                     read.deadline = now + self.config.confirm_timeout;
+                    self.load_deadlines.push(read.deadline, id.clone());
                     load.stage = Stage::Confirming(read);
                     if let Some(held) = answer {
                         self.confirm(now, &id, held);
@@ -447,20 +449,23 @@ impl ConnectorWorker {
 
     /// Fails READs and confirmations past their deadlines. A READ whose transfer cannot be
     /// cancelled keeps its blocks until it ends.
+    /// Looks only at the loads whose deadline entries came due: O(what is due), not O(loads).
     pub(super) fn expire_loads(&mut self, now: Instant) {
-        let expired: Vec<RequestId> = self
-            .loads
-            .iter()
-            .filter(|(_, l)| l.deadline().is_some_and(|d| d <= now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
-            let Some(load) = self.loads.get(&id) else { continue };
+        let mut due = Vec::new();
+        self.load_deadlines.take_due(now, &mut due);
+        due.sort_unstable();
+        due.dedup();
+        for id in due {
+            // An entry whose load ended, or whose deadline moved on, is stale.
+            let Some(load) = self.loads.get(&id).filter(|l| l.deadline().is_some_and(|d| d <= now)) else {
+                continue;
+            };
             let engine_id = load.req.remote.engine_id.clone();
             let (e, release, peer) = match &load.stage {
                 Stage::Reading { xfer, read, .. } => {
                     if let Err(e) = self.agent.release(*xfer) {
                         debug!(request_id = %id, error = %e, "an overdue READ cannot be cancelled yet");
+                        self.load_deadlines.push(now, id);
                         continue;
                     }
                     let timeout = self.config.transfer_timeout;
@@ -491,6 +496,7 @@ impl ConnectorWorker {
     /// of a load whose READ has not completed (a completed READ's release went with it).
     pub(super) fn close_loads(&mut self, transfers: &mut Vec<XferId>) {
         let mut loads: Vec<(RequestId, Load)> = self.loads.drain().collect();
+        self.load_deadlines.clear();
         loads.sort_by(|a, b| a.0.cmp(&b.0));
         self.offers.clear();
         self.reading.clear();

@@ -29,6 +29,7 @@ use crate::wire::{self, HandshakePayload, MessageKind};
 
 mod aggregator;
 mod close;
+mod deadlines;
 mod holds;
 mod loads;
 mod peers;
@@ -41,6 +42,7 @@ pub use samples::{Histogram, Samples};
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
 use close::Leftovers;
+use deadlines::Deadlines;
 use holds::Holds;
 use loads::Load;
 use peers::Peer;
@@ -214,6 +216,8 @@ pub struct ConnectorWorker {
     instances: HashMap<EngineId, u64>,
     /// Decode side: every load not yet reported, by request.
     loads: HashMap<RequestId, Load>,
+    /// Decode side: when loads' READs or confirmations are due.
+    load_deadlines: Deadlines,
     /// Decode side: the load of each READ in flight (in `Stage::Reading`), by transfer: what the
     /// agent's completions are matched to.
     reading: HashMap<XferId, RequestId>,
@@ -263,6 +267,7 @@ impl ConnectorWorker {
             retired: Vec::new(),
             instances: HashMap::new(),
             loads: HashMap::new(),
+            load_deadlines: Deadlines::default(),
             reading: HashMap::new(),
             completions: Vec::new(),
             offers: HashMap::new(),

@@ -1,0 +1,69 @@
+//! When loads and holds are due, in deadline order: a worker's step looks at what is due, not at
+//! every load or hold in flight.
+//!
+//! Entries are hints, checked against the live state when they come due: a deadline that moved
+//! later (a renewed lease, a READ that went on to its confirmation) is pushed again and the old
+//! entry is then skipped, as is the entry of a load or hold that already ended. So the callers
+//! push wherever a deadline is set and never remove.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Instant;
+
+use crate::ids::RequestId;
+
+#[derive(Debug, Default)]
+pub(super) struct Deadlines {
+    heap: BinaryHeap<Reverse<(Instant, RequestId)>>,
+}
+
+impl Deadlines {
+    /// `id` is due at `when` (unless its deadline has changed by then).
+    pub(super) fn push(&mut self, when: Instant, id: RequestId) {
+        self.heap.push(Reverse((when, id)));
+    }
+
+    /// Takes the ids whose entries came due by `now`, earliest first, into `out`.
+    pub(super) fn take_due(&mut self, now: Instant, out: &mut Vec<RequestId>) {
+        while let Some(Reverse((when, _))) = self.heap.peek() {
+            if *when > now {
+                break;
+            }
+            if let Some(Reverse((_, id))) = self.heap.pop() {
+                out.push(id);
+            }
+        }
+    }
+
+    /// Drops every entry (the worker's loads or holds were all ended at once).
+    pub(super) fn clear(&mut self) {
+        self.heap.clear();
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.heap.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn due_entries_come_out_in_order_and_later_ones_stay() {
+        let now = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut d = Deadlines::default();
+        d.push(now + 3 * s, RequestId::new("c"));
+        d.push(now + s, RequestId::new("a"));
+        d.push(now + 2 * s, RequestId::new("b"));
+        let mut out = Vec::new();
+        d.take_due(now, &mut out);
+        assert!(out.is_empty());
+        d.take_due(now + 2 * s, &mut out);
+        assert_eq!(out, [RequestId::new("a"), RequestId::new("b")]);
+        assert_eq!(d.len(), 1);
+    }
+}
