@@ -183,7 +183,7 @@ impl ConnectorWorker {
         due.dedup();
         for id in due {
             // An entry whose hold ended, or whose lease was renewed, is stale.
-            if !self.holds.live.get(&id).is_some_and(|h| h.until <= now) {
+            if self.holds.live.get(&id).is_none_or(|h| h.until > now) {
                 continue;
             }
             let Some(hold) = self.holds.live.remove(&id) else { continue };
