@@ -4,8 +4,8 @@
 #
 #   scripts/test-vllm.sh            # proof (kvx over UCX and over NIXL) + comparison table
 #   KVX_VLLM_CONFIGS="kvx-ucx" scripts/test-vllm.sh      # a subset
-#   KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl nixl-noprog" KVX_VLLM_RESTART=0 scripts/test-vllm.sh
-#                                   # the latency attribution of README's table (7 trials x 4 lengths)
+#   KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl nixl-noprog" KVX_VLLM_RESTART=0 KVX_VLLM_LENS=130,256,512,1024 \
+#       scripts/test-vllm.sh        # README's latency attribution: 20 P/D requests per config, all READ
 #
 # Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
 # kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY),
@@ -59,7 +59,7 @@ MODEL="$CACHE/tiny-llama"
 OUT="${KVX_VLLM_OUT:-$ROOT/target/vllm-test}"
 CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
-TRIALS="${KVX_VLLM_TRIALS:-7}"
+TRIALS="${KVX_VLLM_TRIALS:-5}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"

@@ -414,16 +414,19 @@ impl Worker {
         })
     }
 
-    /// Starts this step's loads and holds from the scheduler's encoded metadata.
-    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<()> {
+    /// Starts this step's loads and holds from the scheduler's encoded metadata; returns the
+    /// requests whose loads it started (for the connector's latency trace).
+    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<Vec<String>> {
         let meta: ConnectorMetadata = wire::decode(metadata).map_err(py_err)?;
         self.with_state(|s| {
             s.last_call = Instant::now();
+            let mut started = Vec::new();
             for r in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
                 s.loading.insert(r.request_id.clone(), r.local_block_ids.clone());
+                started.push(r.request_id.as_str().to_owned());
             }
             s.driver.start_load_kv(&meta);
-            Ok(())
+            Ok(started)
         })
     }
 

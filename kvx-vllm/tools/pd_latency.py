@@ -13,7 +13,11 @@ Phases of one request (ms), from the client's send to its first token:
     to_prefill   send -> the prefill engine's scheduler has it (router, HTTP, tokenization)
     prefill      -> prefill done (queueing on the prefill engine, the forward, the one token)
     handoff      -> the decode engine's scheduler has it (response to the router, decode request)
-    d_queue      -> the decode worker has the load (vLLM's scheduling and the step's dispatch)
+    d_queue      -> the decode engine's step metadata names the load (vLLM's queue and scheduling)
+    dispatch     -> the decode worker's step calls the connector with it (vLLM's executor: the
+                    scheduler output reaching the worker process, the worker's step starting)
+    admit        -> the connector's worker took the load (kvx: its lock, shared with its pump
+                    thread; NixlConnector: the same moment)
     post         -> READ posted (the handshake, if one was needed)
     read         -> a step found the READ done
     confirm      -> the prefill engine confirmed its hold (kvx; NixlConnector has no such step)
@@ -23,7 +27,7 @@ Phases of one request (ms), from the client's send to its first token:
                     last prompt token, sampling, output, the stream back through the router)
 
 The connector's share, as issue 14 defines it: ``prefill done -> READ posted`` (handoff +
-d_queue + post), ``READ`` (read) and ``READ done -> reported to the scheduler`` (confirm +
+d_queue + dispatch + admit + post), ``READ`` (read) and ``READ done -> reported to the scheduler`` (confirm +
 hand_back + to_scheduler). Every request above twice the TTFT p50 is explained: the group of
 phases (prefill, queueing, connector, decode step) that exceeds its median the most.
 
@@ -39,15 +43,16 @@ import sys
 
 from pd_check import pct
 
-PHASES = ["to_prefill", "prefill", "handoff", "d_queue", "post", "read", "confirm", "hand_back", "to_scheduler",
-          "decode"]
+PHASES = ["to_prefill", "prefill", "handoff", "d_queue", "dispatch", "admit", "post", "read", "confirm", "hand_back",
+          "to_scheduler", "decode"]
 # Events bounding each phase, in order: a phase runs from the last event present before it.
-BOUNDS = ["t_sent", "p_arrived", "p_done", "d_arrived", "d_admitted", "d_posted", "d_read_done", "d_confirmed",
+BOUNDS = ["t_sent", "p_arrived", "p_done", "d_arrived", "d_meta", "d_step", "d_admitted", "d_posted", "d_read_done", "d_confirmed",
           "d_finished", "d_reported", "t_first"]
 SHARE = {"prefill done -> READ posted": ("p_done", "d_posted"), "READ": ("d_posted", "d_read_done"),
          "READ done -> reported": ("d_read_done", "d_reported")}
-GROUPS = {"prefill forward": ["prefill"], "queueing (router, schedulers)": ["to_prefill", "handoff", "d_queue"],
-          "connector": ["post", "read", "confirm", "hand_back", "to_scheduler"], "decode step": ["decode"]}
+GROUPS = {"prefill forward": ["prefill"],
+          "queueing (router, schedulers, dispatch)": ["to_prefill", "handoff", "d_queue", "dispatch"],
+          "connector": ["admit", "post", "read", "confirm", "hand_back", "to_scheduler"], "decode step": ["decode"]}
 
 
 def load_events(trace_dir):

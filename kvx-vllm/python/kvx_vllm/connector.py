@@ -290,6 +290,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._interval = KvxConnectorStats()
         # Per-request events for latency attribution (KVX_VLLM_TRACE_DIR; off by default).
         self._trace = Trace(f"kvx-{role.name.lower()}")
+        self._scheduled: list[str] = []  # traced loads scheduled since the last metadata
         if role == KVConnectorRole.SCHEDULER:
             native = _native(self._backend)
             self._sched = native.Scheduler(
@@ -382,6 +383,8 @@ class KvxConnector(KVConnectorBase_V1):
             return
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._trace.event("d_scheduled", request.request_id, external_tokens=num_external_tokens)
+        if self._trace and num_external_tokens > 0:
+            self._scheduled.append(request.request_id)
         if self._sched.update_state_after_alloc(
             request.request_id,
             request.num_prompt_tokens,
@@ -400,7 +403,11 @@ class KvxConnector(KVConnectorBase_V1):
         return sum(b.block_hash is not None and not b.is_null for b in group) * self._block_size
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return KvxConnectorMetadata(self._sched.build_connector_meta())
+        meta = KvxConnectorMetadata(self._sched.build_connector_meta())
+        for req_id in self._scheduled:
+            self._trace.event("d_meta", req_id)
+        self._scheduled.clear()
+        return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         params = request.kv_transfer_params
@@ -477,7 +484,9 @@ class KvxConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
-        self._worker.start_load_kv(meta.data)
+        called = time.time()
+        for req_id in self._worker.start_load_kv(meta.data):
+            self._trace.event("d_step", req_id, t=called)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -13,10 +13,11 @@ prefill engine (scheduler)
     blocks held for a decode engine)
 decode engine (scheduler)
     ``d_arrived`` (with ``remote_request_id``, the prefill engine's request), ``d_scheduled``
-    (blocks allocated for the load), ``d_reported`` (the scheduler learnt the load finished) or
-    ``d_failed``
+    (blocks allocated for the load), ``d_meta`` (the step's connector metadata built),
+    ``d_reported`` (the scheduler learnt the load finished) or ``d_failed``
 decode engine (worker)
-    ``d_admitted`` (the step's metadata handed the load to the worker), ``d_posted`` (READ
+    ``d_step`` (the worker's step called the connector's ``start_load_kv`` with the load),
+    ``d_admitted`` (the connector's worker took the load), ``d_posted`` (READ
     posted), ``d_read_done`` (a step found the READ done), ``d_confirmed`` (kvx: the prefill
     engine confirmed its hold lived through the READ), ``d_finished`` (the worker returned the
     load to vLLM as finished)

@@ -25,6 +25,7 @@ class ProbedNixlConnector(NixlConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._trace = Trace(f"nixl-{role.name.lower()}")
         self._admitted: set[str] = set()
+        self._scheduled: list[str] = []  # loads scheduled since the last metadata
         worker = self.connector_worker
         if role == KVConnectorRole.WORKER and worker is not None and self._trace:
             read_blocks = worker._read_blocks
@@ -53,7 +54,16 @@ class ProbedNixlConnector(NixlConnector):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if (request.kv_transfer_params or {}).get("do_remote_prefill"):
             self._trace.event("d_scheduled", request.request_id, external_tokens=num_external_tokens)
+            if self._trace and num_external_tokens > 0:
+                self._scheduled.append(request.request_id)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id in self._scheduled:
+            self._trace.event("d_meta", req_id)
+        self._scheduled.clear()
+        return meta
 
     def request_finished(self, request, block_ids):
         return self._prefill_done(request, super().request_finished(request, block_ids))
@@ -81,6 +91,7 @@ class ProbedNixlConnector(NixlConnector):
         for req_id in getattr(self._connector_metadata, "reqs_to_recv", {}) or {}:
             if req_id not in self._admitted:
                 self._admitted.add(req_id)
+                self._trace.event("d_step", req_id)
                 self._trace.event("d_admitted", req_id)
         return super().start_load_kv(forward_context, **kwargs)
 
