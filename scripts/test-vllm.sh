@@ -316,9 +316,9 @@ for cfg in $CONFIGS; do
     case $cfg in kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;; esac
     if [ -f "$OUT/expected.json" ]; then args+=(--expected "$OUT/expected.json"); else args+=(--save "$OUT/expected.json"); fi
     # In the background and waited for: bash runs the EXIT/TERM trap only once a foreground
-    # child returns, and `wait` returns at once on a signal. About 4 s per prompt here, single
+    # child returns, and `wait` returns at once on a signal. Up to 30 s per prompt here, single
     # instance and P/D, plus the warm-up and the failure check.
-    timeout $((300 + 15 * TRIALS * $(echo "$LENS" | tr ',' '\n' | wc -l))) "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1 &
+    timeout $((300 + 30 * TRIALS * $(echo "$LENS" | tr ',' '\n' | wc -l))) "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1 &
     CHECK_PID=$!
     if wait "$CHECK_PID"; then
         rc=0
@@ -442,21 +442,22 @@ if os.path.exists(path):
     for line in open(path):
         a = json.loads(line)
         rows[a["label"]] = a
+OWN = "connector's own"
 def ms(s, keys=("p50", "p99", "max")):
     return " / ".join(str(s[k]) for k in keys) if s else "-"
-print("\n| connector | P/D requests (traced, with READ) | TTFT p50 / p99 / max (ms) | prefill done -> READ posted p50 / p99 | READ p50 / p99 | READ done -> reported p50 / p99 | connector share p50 / p99 / max (ms) |")
-print("|---|---|---|---|---|---|---|")
+print("\n| connector | P/D requests (traced, with READ) | TTFT p50 / p99 / max (ms) | prefill done -> READ posted p50 / p99 | READ p50 / p99 | READ done -> reported p50 / p99 | connector share p50 / p99 / max (ms) | of which the connector's own p50 / p99 / max |")
+print("|---|---|---|---|---|---|---|---|")
 missing = []
 for cfg in configs:
     a = rows.get(cfg)
     if not a:
-        print(f"| {cfg} | no attribution | | | | | |")
+        print(f"| {cfg} | no attribution | | | | | | |")
         missing.append(cfg)
         continue
     sh = a["share_ms"]
     print(f"| {cfg} | {a['requests']} ({a['traced']}, {a['with_read']}) | {ms(a['ttft_ms'])} | "
           f"{ms(sh['prefill done -> READ posted'], ('p50', 'p99'))} | {ms(sh['READ'], ('p50', 'p99'))} | "
-          f"{ms(sh['READ done -> reported'], ('p50', 'p99'))} | {ms(sh['total'])} |")
+          f"{ms(sh['READ done -> reported'], ('p50', 'p99'))} | {ms(sh['total'])} | {ms(sh.get(OWN))} |")
 print()
 for cfg in configs:
     a = rows.get(cfg)

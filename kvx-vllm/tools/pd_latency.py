@@ -28,7 +28,9 @@ Phases of one request (ms), from the client's send to its first token:
 
 The connector's share, as issue 14 defines it: ``prefill done -> READ posted`` (handoff +
 d_queue + dispatch + admit + post), ``READ`` (read) and ``READ done -> reported to the scheduler`` (confirm +
-hand_back + to_scheduler). Every request above twice the TTFT p50 is explained: the group of
+hand_back + to_scheduler); and the connector's own part of it, from its worker's step with the
+load to the scheduler learning it finished (admit + post + read + confirm + hand_back +
+to_scheduler). Every request above twice the TTFT p50 is explained: the group of
 phases (prefill, queueing, connector, decode step) that exceeds its median the most.
 
 Prints one ``ATTRIBUTION {json}`` line and a readable report; exits 1 if no P/D request could be
@@ -50,6 +52,10 @@ BOUNDS = ["t_sent", "p_arrived", "p_done", "d_arrived", "d_meta", "d_step", "d_a
           "d_finished", "d_reported", "t_first"]
 SHARE = {"prefill done -> READ posted": ("p_done", "d_posted"), "READ": ("d_posted", "d_read_done"),
          "READ done -> reported": ("d_read_done", "d_reported")}
+# The part of the share the connector itself spends: from its worker's step with the load to the
+# scheduler learning it finished (the rest of the share is the router's handoff and vLLM's
+# scheduling and dispatch).
+OWN = ("d_step", "d_reported")
 GROUPS = {"prefill forward": ["prefill"],
           "queueing (router, schedulers, dispatch)": ["to_prefill", "handoff", "d_queue", "dispatch"],
           "connector": ["admit", "post", "read", "confirm", "hand_back", "to_scheduler"], "decode step": ["decode"]}
@@ -116,6 +122,8 @@ def split(t):
 def share(t):
     out = {k: round((t[b] - t[a]) * 1e3, 1) if a in t and b in t else None for k, (a, b) in SHARE.items()}
     out["total"] = round(sum(out.values()), 1) if all(v is not None for v in out.values()) else None
+    a, b = OWN
+    out["connector's own"] = round((t[b] - t[a]) * 1e3, 1) if a in t and b in t else None
     return out
 
 
@@ -140,7 +148,8 @@ def attribute(label, requests, events):
     ttft = stats([x["ttft_ms"] for x in rows])
     out = {"label": label, "requests": len(rows), "traced": len(traced), "with_read": sum(x["read"] for x in rows),
            "ttft_ms": ttft, "phases_ms": {p: stats([x["phases"][p] for x in traced]) for p in PHASES},
-           "share_ms": {k: stats([x["share"][k] for x in traced if x["read"]]) for k in list(SHARE) + ["total"]}}
+           "share_ms": {k: stats([x["share"][k] for x in traced if x["read"]])
+                        for k in list(SHARE) + ["total", "connector's own"]}}
     medians = {g: statistics.median([group_ms(x["phases"])[g] for x in traced]) for g in GROUPS} if traced else {}
     slow = []
     for x in rows:
