@@ -4,6 +4,8 @@
 #
 #   scripts/test-vllm.sh            # proof (kvx over UCX and over NIXL) + comparison table
 #   KVX_VLLM_CONFIGS="kvx-ucx" scripts/test-vllm.sh      # a subset
+#   KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl nixl-noprog" KVX_VLLM_RESTART=0 KVX_VLLM_LENS=130,256,512,1024 \
+#       scripts/test-vllm.sh        # README's latency attribution: 20 P/D requests per config, all READ
 #
 # Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
 # kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY),
@@ -36,6 +38,15 @@
 # config, its data in a temporary directory, and stops with the servers. The restart check then
 # also shows a restarted prefill engine's new payload replacing the old one in etcd.
 #
+# Latency attribution (every config): the servers record each request's stages under
+# KVX_VLLM_TRACE_DIR ($OUT/trace-<config>; kvx's connector itself, vLLM's NixlConnector through
+# kvx-vllm/tools/probe/nixl_probe.py, a subclass that records and calls NixlConnector's methods),
+# and kvx-vllm/tools/pd_latency.py splits each P/D request's TTFT: prefill done -> READ posted,
+# the READ, READ done -> reported to the scheduler (the connector's share), and the rest (prefill
+# forward, queueing, decode step), with the slowest request's split and every request above twice
+# the p50 explained. The last table has them for every config; a kvx config without its
+# attribution fails the run.
+#
 # kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
 # small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
@@ -47,8 +58,8 @@ CACHE="${KVX_VLLM_CACHE:-$HOME/.cache/kvx}"
 MODEL="$CACHE/tiny-llama"
 OUT="${KVX_VLLM_OUT:-$ROOT/target/vllm-test}"
 CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl nixl-noprog nixl-default}"
-LENS="${KVX_VLLM_LENS:-18,64,512,1024}"
-TRIALS="${KVX_VLLM_TRIALS:-3}"
+LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
+TRIALS="${KVX_VLLM_TRIALS:-5}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
@@ -72,7 +83,8 @@ SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 TOOLS="$SP/kvx_vllm_tools"
 NIXL_LIBS="$SP/.nixl_cu12.mesonpy.libs"
 mkdir -p "$OUT"
-rm -f "$OUT"/*.log "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.pgid
+rm -f "$OUT"/*.log "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.pgid "$OUT"/*-attribution.txt
+rm -rf "$OUT"/trace-*
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UCX_MODULES='^ib*' VLLM_LOGGING_LEVEL=INFO
 
@@ -112,14 +124,15 @@ kvcfg() { # config role policy side_port
     case $cfg in
         kvx-ucx | kvx-nixl)
             echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery\"backend\":\"${cfg#kvx-}\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
-        nixl-*)
-            echo "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
+        nixl-*) # vLLM's NixlConnector, through the probe that records its requests' stages
+            echo "{\"kv_connector\":\"ProbedNixlConnector\",\"kv_connector_module_path\":\"nixl_probe\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
     esac
 }
 
 start() { # config name http_port side_port role policy
     local cfg=$1 name=$2 port=$3 side=$4 role=$5 policy=$6
-    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side")
+    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg")
+    is_kvx "$cfg" || env+=(PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
     [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
     [ "$cfg" = kvx-nixl ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
@@ -303,8 +316,9 @@ for cfg in $CONFIGS; do
     case $cfg in kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;; esac
     if [ -f "$OUT/expected.json" ]; then args+=(--expected "$OUT/expected.json"); else args+=(--save "$OUT/expected.json"); fi
     # In the background and waited for: bash runs the EXIT/TERM trap only once a foreground
-    # child returns, and `wait` returns at once on a signal.
-    timeout 300 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1 &
+    # child returns, and `wait` returns at once on a signal. Up to 30 s per prompt here, single
+    # instance and P/D, plus the warm-up and the failure check.
+    timeout $((300 + 30 * TRIALS * $(echo "$LENS" | tr ',' '\n' | wc -l))) "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" "${args[@]}" >"$OUT/$cfg.jsonl" 2>&1 &
     CHECK_PID=$!
     if wait "$CHECK_PID"; then
         rc=0
@@ -318,6 +332,15 @@ for cfg in $CONFIGS; do
     [ -n "$summary" ] || summary="{\"label\":\"$cfg\",\"all_match\":false,\"rc\":$rc}"
     echo "$summary" | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(prefill_ready_s=$p_ready, decode_ready_s=$d_ready); print(json.dumps(d))" >>"$OUT/summary.jsonl"
     tail -1 "$OUT/summary.jsonl"
+    # Where each P/D request's time went (the servers' trace events against the client's times).
+    if "$PY" "$ROOT/kvx-vllm/tools/pd_latency.py" --requests "$OUT/$cfg.jsonl" --trace "$OUT/trace-$cfg" \
+        --label "$cfg" >"$OUT/$cfg-attribution.txt" 2>&1; then
+        grep -v '^ATTRIBUTION ' "$OUT/$cfg-attribution.txt" || true
+        grep '^ATTRIBUTION ' "$OUT/$cfg-attribution.txt" | sed 's/^ATTRIBUTION //' >>"$OUT/attribution.jsonl"
+    else
+        echo "test-vllm: $cfg: no latency attribution (pd_latency.py):" >&2
+        tail -5 "$OUT/$cfg-attribution.txt" >&2
+    fi
     if [ "$ROUTER" = 1 ]; then
         # Every P/D request went through the router and came back whole.
         curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
@@ -409,5 +432,51 @@ for r in rows:
           f"{r.get('single_ttft_p50_ms')} | {r.get('prefill_ready_s')} / {r.get('decode_ready_s')} | "
           f"{r.get('loaded_remotely')} ({r.get('decode_external_hits')} tok) | {r.get('prefill_freed')} | {fc} | {rc} |")
 PY
+# The latency attribution of every config that ran: TTFT, the connector's share in its three
+# phases, the slowest request's split, and why each request above twice the p50 was slow.
+if ! python3 - "$OUT/attribution.jsonl" "$CONFIGS" <<'PY'
+import json, os, sys
+path, configs = sys.argv[1], sys.argv[2].split()
+rows = {}
+if os.path.exists(path):
+    for line in open(path):
+        a = json.loads(line)
+        rows[a["label"]] = a
+OWN = "connector's own"
+def ms(s, keys=("p50", "p99", "max")):
+    return " / ".join(str(s[k]) for k in keys) if s else "-"
+print("\n| connector | P/D requests (traced, with READ) | TTFT p50 / p99 / max (ms) | prefill done -> READ posted p50 / p99 | READ p50 / p99 | READ done -> reported p50 / p99 | connector share p50 / p99 / max (ms) | of which the connector's own p50 / p99 / max |")
+print("|---|---|---|---|---|---|---|---|")
+missing = []
+for cfg in configs:
+    a = rows.get(cfg)
+    if not a:
+        print(f"| {cfg} | no attribution | | | | | | |")
+        missing.append(cfg)
+        continue
+    sh = a["share_ms"]
+    print(f"| {cfg} | {a['requests']} ({a['traced']}, {a['with_read']}) | {ms(a['ttft_ms'])} | "
+          f"{ms(sh['prefill done -> READ posted'], ('p50', 'p99'))} | {ms(sh['READ'], ('p50', 'p99'))} | "
+          f"{ms(sh['READ done -> reported'], ('p50', 'p99'))} | {ms(sh['total'])} | {ms(sh.get(OWN))} |")
+print()
+for cfg in configs:
+    a = rows.get(cfg)
+    if not a:
+        continue
+    s = a.get("slowest")
+    if s:
+        phases = ", ".join(f"{k} {v}" for k, v in s["phases"].items() if v is not None)
+        print(f"{cfg} slowest: #{s['i']} ({s['prompt_len']} tok) TTFT {s['ttft_ms']} ms = {phases}")
+    for x in a["above_2x_p50"]:
+        first = ", the run's first request" if x["first"] else ""
+        groups = ", ".join(f"{g} {v}" for g, v in x["groups_ms"].items())
+        print(f"{cfg} above 2x p50: #{x['i']} ({x['prompt_len']} tok{first}) TTFT {x['ttft_ms']} ms: {x['dominant']} ({groups})")
+# kvx's configs must be attributed, READs included; NixlConnector's rows are the baseline.
+sys.exit(1 if any(not rows.get(c, {}).get("with_read") for c in configs if c.startswith("kvx-")) else 0)
+PY
+then
+    echo "test-vllm: the latency attribution of a kvx config is missing or has no READ" >&2
+    status=1
+fi
 echo "test-vllm: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status

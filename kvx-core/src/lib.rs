@@ -47,7 +47,8 @@ pub use transfer::{
     RegionBlocks, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 pub use worker::{
-    ConnectorWorker, FinishedAggregator, Histogram, Samples, WorkerCommand, WorkerConfig, WorkerStats,
+    ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples, WorkerCommand, WorkerConfig,
+    WorkerStats,
 };
 
 /// mockall mocks of the three traits (feature `mock`).

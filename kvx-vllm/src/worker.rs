@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvx_core::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
 use kvx_core::net::{NetConfig, SideChannel};
@@ -367,6 +367,10 @@ fn closed() -> PyErr {
     PyRuntimeError::new_err("the kvx worker is closed")
 }
 
+/// One completed load's stages, as [`Worker::take_load_times`] returns them: `(request id,
+/// admitted, posted, read_done, confirmed)`, seconds since the Unix epoch.
+type LoadStages = (String, f64, f64, f64, f64);
+
 /// What [`Worker::get_finished`] returns: released holds, completed loads, and failed loads as
 /// `(request id, its local block ids, reason)`.
 type FinishedLists = (Vec<String>, Vec<String>, Vec<(String, Vec<BlockId>, String)>);
@@ -410,16 +414,19 @@ impl Worker {
         })
     }
 
-    /// Starts this step's loads and holds from the scheduler's encoded metadata.
-    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<()> {
+    /// Starts this step's loads and holds from the scheduler's encoded metadata; returns the
+    /// requests whose loads it started (for the connector's latency trace).
+    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<Vec<String>> {
         let meta: ConnectorMetadata = wire::decode(metadata).map_err(py_err)?;
         self.with_state(|s| {
             s.last_call = Instant::now();
+            let mut started = Vec::new();
             for r in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
                 s.loading.insert(r.request_id.clone(), r.local_block_ids.clone());
+                started.push(r.request_id.as_str().to_owned());
             }
             s.driver.start_load_kv(&meta);
-            Ok(())
+            Ok(started)
         })
     }
 
@@ -451,8 +458,10 @@ impl Worker {
 
     /// The worker's counters (since it started), and its latency samples since the last call:
     /// `read_*` (from posting a READ to the step that found it done), `transfer_*` (from posting a
-    /// READ to the prefill engine's confirmation, per completed load) and `handshake_*`, each as
-    /// `_count`, `_seconds` (their sum) and `_max_seconds`. (The `/metrics` endpoint's histograms
+    /// READ to the prefill engine's confirmation, per completed load), `handshake_*`,
+    /// `post_wait_*` (from a load's admission to its READ's post) and `confirm_*` (from the step
+    /// that found the READ done to the confirmation), each as `_count`, `_seconds` (their sum)
+    /// and `_max_seconds`. (The `/metrics` endpoint's histograms
     /// are not affected by this call.)
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -488,6 +497,8 @@ impl Worker {
                 ("read", &st.read_latencies),
                 ("transfer", &st.transfer_latencies),
                 ("handshake", &st.handshake_times),
+                ("post_wait", &st.post_waits),
+                ("confirm", &st.confirm_waits),
             ]
             .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
             for (name, count, max, sum) in sampled {
@@ -499,6 +510,26 @@ impl Worker {
             Ok(())
         })?;
         Ok(d)
+    }
+
+    /// The stages of the loads completed since the last call (at most the last 1024), oldest
+    /// first, as `(request id, admitted, posted, read_done, confirmed)`: when the step handed the
+    /// load to the worker, its READ was posted, a step found the READ done, and a step took the
+    /// prefill engine's confirmation (the load finished), each in seconds since the Unix epoch
+    /// (this process's wall clock, comparable with Python's `time.time()`).
+    fn take_load_times(&self) -> PyResult<Vec<LoadStages>> {
+        self.with_state(|s| {
+            let (now, wall) = (Instant::now(), unix_seconds(SystemTime::now()));
+            let at = |t: Instant| wall - now.saturating_duration_since(t).as_secs_f64();
+            let times = s.driver.worker_mut().take_load_times();
+            Ok(times
+                .into_iter()
+                .map(|t| {
+                    let id = t.request_id.as_str().to_owned();
+                    (id, at(t.admitted), at(t.posted), at(t.read_done), at(t.confirmed))
+                })
+                .collect())
+        })
     }
 
     /// Stops the pump thread, closes the connector (every READ cancelled or released, every
@@ -514,6 +545,11 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.shut_down();
     }
+}
+
+/// `t` in seconds since the Unix epoch (0 before it).
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 /// The sum of all the samples that came: exact while the reservoir kept every one, otherwise
@@ -558,6 +594,7 @@ mod tests {
             None,
         );
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
+        assert!(worker.take_load_times().unwrap().is_empty(), "nothing loaded yet");
         // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
         let shape = vec![8, 2, 4, 8];
         let tensors: Vec<HostMemory> = (0..2).map(|_| HostMemory::new(8 * 2 * 4 * 8).unwrap()).collect();

@@ -12,7 +12,8 @@ is back to idle (blocks freed). Optionally a request whose transfer must fail (a
 that is not there): it must fail (policy "fail") or be recomputed to the same output
 (policy "recompute"), within a bound.
 
-Writes one JSON line per request and a summary line; exits 1 on any mismatch or failed check.
+Writes one JSON line per request (with `t_sent`, its wall-clock send time, for pd_latency.py) and a
+summary line; exits 1 on any mismatch or failed check.
 
 With --probe LABEL it sends one prompt of --probe-len tokens only (no warm-up, no failure
 check): single, then P/D, equal token for token (or a reported near tie), the decode engine's
@@ -232,6 +233,7 @@ def main():
         for t in range(a.trials):
             ids = [rng.randrange(3, 2048) for _ in range(n)]
             s_ttft, s_ids, _, s_gaps = c.single(ids)
+            t_sent = time.time()  # wall clock: pd_latency.py matches the servers' trace events to it
             try:
                 t_pre, p_ttft, p_ids, ktp = c.pd(ids)
             except Exception as e:  # noqa: BLE001
@@ -255,7 +257,7 @@ def main():
                                   "single_ids": s_ids, "pd_ids": p_ids}), flush=True)
             print(json.dumps({"label": a.label, "prompt_len": n, "trial": t, "match": match,
                               "single_ttft_ms": round(s_ttft * 1e3, 1), "pd_prefill_ms": None if t_pre is None else round(t_pre * 1e3, 1),
-                              "pd_ttft_ms": round(p_ttft * 1e3, 1),
+                              "pd_ttft_ms": round(p_ttft * 1e3, 1), "t_sent": t_sent,
                               "kv_transfer_params": ktp if t == 0 else "..."}), flush=True)
     if a.expected:
         with open(a.expected) as f:
@@ -318,6 +320,7 @@ def main():
         "label": a.label, "all_match": ok, "requests": len(ttft_pd), "near_ties": near_ties,
         "pd_ttft_p50_ms": round(statistics.median(ttft_pd) * 1e3, 1) if ttft_pd else None,
         "pd_ttft_p99_ms": round(pct(ttft_pd, 99) * 1e3, 1) if ttft_pd else None,
+        "pd_ttft_max_ms": round(max(ttft_pd) * 1e3, 1) if ttft_pd else None,
         "single_ttft_p50_ms": round(statistics.median(ttft_single) * 1e3, 1) if ttft_single else None,
         "decode_external_hits": ext_hits, "expected_external": expected_external, "loaded_remotely": loaded_ok,
         "prefill_kv_usage_after": usage, "prefill_freed": freed_ok, "failure_check": failure,

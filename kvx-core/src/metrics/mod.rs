@@ -178,7 +178,7 @@ struct HistogramDef {
     read: fn(&WorkerStats) -> &Histogram,
 }
 
-const HISTOGRAMS: [HistogramDef; 3] = [
+const HISTOGRAMS: [HistogramDef; 5] = [
     HistogramDef {
         name: "read_duration",
         help: "From posting a READ to the step that found it done",
@@ -193,6 +193,16 @@ const HISTOGRAMS: [HistogramDef; 3] = [
         name: "handshake_duration",
         help: "From a handshake's start to the peer being ready",
         read: |s| s.handshake_times.histogram(),
+    },
+    HistogramDef {
+        name: "post_wait_duration",
+        help: "From a load's admission to its READ's post (the handshake, when one was needed), per completed load",
+        read: |s| s.post_waits.histogram(),
+    },
+    HistogramDef {
+        name: "confirm_duration",
+        help: "From the step that found a READ done to the prefill engine's confirmation, per completed load",
+        read: |s| s.confirm_waits.histogram(),
     },
 ];
 

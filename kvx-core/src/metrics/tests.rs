@@ -50,6 +50,8 @@ fn counters_add_what_changed_and_stay_monotonic_across_takes_and_new_workers() {
     s.read_latencies.push(Duration::from_micros(150));
     s.read_latencies.push(Duration::from_secs(2));
     s.handshake_times.push(Duration::from_millis(3));
+    s.post_waits.push(Duration::from_millis(4));
+    s.confirm_waits.push(Duration::from_millis(5));
     handle.observe(&w);
     // Taking the samples (as kvx-vllm's stats do) changes no metric.
     w.take_latencies();
@@ -73,6 +75,8 @@ fn counters_add_what_changed_and_stay_monotonic_across_takes_and_new_workers() {
     );
     assert_eq!(bucket("+Inf"), Some(2.0));
     assert_eq!(value(&text, &sample("kvx_handshake_duration_seconds_count")), Some(1.0));
+    assert_eq!(value(&text, &sample("kvx_post_wait_duration_seconds_sum")), Some(0.004));
+    assert_eq!(value(&text, &sample("kvx_confirm_duration_seconds_sum")), Some(0.005));
 
     // A new worker under the same labels (another instance) counts from zero: its totals add.
     let mut w = worker(8);

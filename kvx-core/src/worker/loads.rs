@@ -10,8 +10,8 @@ use std::collections::HashSet;
 use std::time::Instant;
 use tracing::{debug, warn};
 
-use super::ConnectorWorker;
 use super::peers::{Peer, Waiter};
+use super::{ConnectorWorker, LOAD_TIMES_KEPT, LoadTimes};
 use crate::auth::Nonce;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId, RequestId};
@@ -31,6 +31,9 @@ pub(super) struct Load {
     retried: bool,
     /// The peer was handshaken again because its instance was not the offer's.
     rehandshaken: bool,
+    /// The step that admitted it, and the one that found its READ done.
+    admitted: Instant,
+    read_done: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -98,6 +101,8 @@ impl ConnectorWorker {
                 stage: Stage::Waiting { retry: None },
                 retried: false,
                 rehandshaken: false,
+                admitted: now,
+                read_done: None,
             },
         );
         match self.when_ready(now, &req.remote, Waiter::Load(id.clone())) {
@@ -318,6 +323,20 @@ impl ConnectorWorker {
                     debug!(request_id = %id, ?took, bytes, "READ done and confirmed");
                     self.stats.bytes_read += bytes;
                     self.stats.transfer_latencies.push(took);
+                    let read_done = load.read_done.unwrap_or(now);
+                    self.stats.post_waits.push(posted.saturating_duration_since(load.admitted));
+                    self.stats.confirm_waits.push(now.saturating_duration_since(read_done));
+                    if self.load_times.len() == LOAD_TIMES_KEPT {
+                        self.load_times.pop_front();
+                    }
+                    let (admitted, request_id) = (load.admitted, id.clone());
+                    self.load_times.push_back(LoadTimes {
+                        request_id,
+                        admitted,
+                        posted,
+                        read_done,
+                        confirmed: now,
+                    });
                 }
                 self.finished.recving.push(id.clone());
                 None
@@ -376,6 +395,7 @@ impl ConnectorWorker {
             match outcome {
                 Ok(()) => {
                     self.stats.read_latencies.push(now.saturating_duration_since(read.posted));
+                    load.read_done = Some(now);
                     read.deadline = now + self.config.confirm_timeout;
                     self.load_deadlines.push(read.deadline, id.clone());
                     load.stage = Stage::Confirming(read);

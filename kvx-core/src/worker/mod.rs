@@ -159,6 +159,12 @@ pub struct WorkerStats {
     /// From posting a READ to the prefill engine's confirmation, for each completed load: the
     /// READ, the release's round trip to the prefill engine, and the steps between.
     pub transfer_latencies: Samples,
+    /// From a load's admission (the step that handed it to the worker) to its READ's post, for
+    /// each completed load: the handshake with its peer when one was needed.
+    pub post_waits: Samples,
+    /// From the step that found a READ done to the prefill engine's confirmation, for each
+    /// completed load: the release's round trip and the steps between.
+    pub confirm_waits: Samples,
     /// Heartbeats (lease renewals) sent, one per hold.
     pub renewals_sent: u64,
     /// Prefill side: releases received for held requests.
@@ -180,6 +186,26 @@ pub struct WorkerStats {
     /// Messages for a peer dropped because its handshake failed or the send failed.
     pub unsent_messages: u64,
 }
+
+/// When one completed load passed each stage (decode side), for attributing a request's latency:
+/// [`ConnectorWorker::take_load_times`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadTimes {
+    /// The decode engine's request.
+    pub request_id: RequestId,
+    /// The step that handed the load to the worker ([`ConnectorWorker::start_load_kv`]).
+    pub admitted: Instant,
+    /// Its READ's post (the last one, if a failed READ was posted again).
+    pub posted: Instant,
+    /// The step that found the READ done.
+    pub read_done: Instant,
+    /// The step that took the prefill engine's confirmation: the load was reported finished.
+    pub confirmed: Instant,
+}
+
+/// At most this many [`LoadTimes`] wait for [`ConnectorWorker::take_load_times`] (the oldest go
+/// first).
+const LOAD_TIMES_KEPT: usize = 1024;
 
 #[derive(Debug)]
 struct Registered {
@@ -231,6 +257,8 @@ pub struct ConnectorWorker {
     commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
     stats: WorkerStats,
+    /// Decode side: the stage times of the loads completed since the last `take_load_times`.
+    load_times: VecDeque<LoadTimes>,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
 }
@@ -276,6 +304,7 @@ impl ConnectorWorker {
             commands: VecDeque::new(),
             notifications: Vec::new(),
             stats: WorkerStats::default(),
+            load_times: VecDeque::new(),
             closed: None,
         })
     }
@@ -312,13 +341,21 @@ impl ConnectorWorker {
     }
 
     /// Takes the latency samples collected so far (the counters stay): READ, transfer (READ
-    /// confirmed) and handshake times, in that order.
-    pub fn take_latencies(&mut self) -> [Vec<Duration>; 3] {
+    /// confirmed), handshake, post-wait and confirmation times, in that order.
+    pub fn take_latencies(&mut self) -> [Vec<Duration>; 5] {
         [
             self.stats.read_latencies.take(),
             self.stats.transfer_latencies.take(),
             self.stats.handshake_times.take(),
+            self.stats.post_waits.take(),
+            self.stats.confirm_waits.take(),
         ]
+    }
+
+    /// Decode side: the stage times of the loads completed since the last call, oldest first (at
+    /// most the last 1024).
+    pub fn take_load_times(&mut self) -> Vec<LoadTimes> {
+        self.load_times.drain(..).collect()
     }
 
     /// Prefill side: holds whose blocks are held now (neither released nor expired).

@@ -408,7 +408,15 @@ fn completed_and_failed_transfers_are_reported_per_request() {
         "READ seen done at the 5 ms step"
     );
     assert_eq!(w.stats().transfer_latencies.kept(), [Duration::from_millis(7)], "confirmed at the 7 ms step");
+    assert_eq!(w.stats().post_waits.kept(), [Duration::ZERO], "posted in the step that admitted it");
+    assert_eq!(w.stats().confirm_waits.kept(), [Duration::from_millis(2)]);
     assert_eq!(w.stats().bytes_read, 4 * u64::from(BS) * 2);
+    // The stages of the completed load, once.
+    let ms = |n| now + Duration::from_millis(n);
+    let ok =
+        LoadTimes { request_id: "ok".into(), admitted: now, posted: now, read_done: ms(5), confirmed: ms(7) };
+    assert_eq!(w.take_load_times(), vec![ok]);
+    assert!(w.take_load_times().is_empty());
 }
 
 #[test]

@@ -52,6 +52,11 @@ Whatever the keys, the workers also report each step's counts through vLLM's own
 (``KvxConnectorStats``: vLLM's periodic "KV Transfer metrics" log line) and its Prometheus endpoint
 (``KvxPromMetrics``: counters ``vllm:kvx_*``).
 
+With the environment variable ``KVX_VLLM_TRACE_DIR`` set, the connector records each
+disaggregated request's stages with wall-clock times (prefill done, the load's admission, READ
+posted, READ done, confirmation, reported to the scheduler; ``kvx_vllm.trace``), for
+``kvx-vllm/tools/pd_latency.py`` to attribute a request's latency.
+
 kvx's own threads (its tokio runtime, NIXL's threads, kvx-ucx's progress thread) are started off
 the CPU pinning that vLLM's CPU worker applies to its step thread (Rust ``kvx_vllm::unpinned``),
 and the worker thread moves to the cores vLLM reserves for KV transfer (``_move_to_kv_cores``). Set
@@ -78,6 +83,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvx_vllm.trace import Trace
+
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
@@ -93,14 +100,20 @@ _BACKENDS = ("ucx", "nixl")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
 # Keys of the worker's stats() that cover only the time since its last call (the rest are totals).
-_SAMPLED = {f"{kind}_{what}" for kind in ("read", "transfer", "handshake") for what in ("count", "seconds", "max_seconds")}
+_SAMPLED = {
+    f"{kind}_{what}"
+    for kind in ("read", "transfer", "handshake", "post_wait", "confirm")
+    for what in ("count", "seconds", "max_seconds")
+}
 
 
 class KvxConnectorStats(KVConnectorStats):
     """What kvx's workers counted in an interval, summed over the workers: ``data`` maps each counter
-    of ``Worker.stats()`` to its increase, ``read_*``, ``transfer_*`` and ``handshake_*`` to the
-    count, summed seconds and longest of the READs (post to done), transfers (post to the prefill
-    engine's confirmation) and handshakes of the interval."""
+    of ``Worker.stats()`` to its increase, ``read_*``, ``transfer_*``, ``handshake_*``,
+    ``post_wait_*`` and ``confirm_*`` to the count, summed seconds and longest of the READs (post
+    to done), transfers (post to the prefill engine's confirmation), handshakes, waits from a
+    load's admission to its READ's post, and waits from a READ done to its confirmation, of the
+    interval."""
 
     def reset(self):
         self.data = {}
@@ -120,6 +133,9 @@ class KvxConnectorStats(KVConnectorStats):
             "MB read": round(d.get("bytes_read", 0) / 1e6, 3),
             "Avg transfer time (ms)": round(1e3 * d.get("transfer_seconds", 0.0) / done, 3) if done else 0,
             "Max transfer time (ms)": round(1e3 * d.get("transfer_max_seconds", 0.0), 3),
+            "Max READ time (ms)": round(1e3 * d.get("read_max_seconds", 0.0), 3),
+            "Max wait to post (ms)": round(1e3 * d.get("post_wait_max_seconds", 0.0), 3),
+            "Max wait for confirmation (ms)": round(1e3 * d.get("confirm_max_seconds", 0.0), 3),
             "Handshakes": d.get("handshake_count", 0),
             "Handshake failures": d.get("handshake_failures", 0),
             "Holds expired": d.get("expired_holds", 0),
@@ -148,6 +164,8 @@ class KvxPromMetrics(KVConnectorPromMetrics):
         "early_notifications": "Releases that came before their hold",
         "transfer_count": "Transfers confirmed by the prefill engine",
         "transfer_seconds": "Seconds from posting a READ to its confirmation, summed",
+        "post_wait_seconds": "Seconds from a load's admission to its READ's post, summed over confirmed loads",
+        "confirm_seconds": "Seconds from a READ done to its confirmation, summed over confirmed loads",
         "handshake_count": "Handshakes that completed",
         "handshake_seconds": "Seconds of the handshakes that completed, summed",
         "handshake_failures": "Handshakes that failed or timed out",
@@ -270,6 +288,9 @@ class KvxConnector(KVConnectorBase_V1):
         self._counters: dict[str, int] = {}
         self._totals: dict[str, float] = {}
         self._interval = KvxConnectorStats()
+        # Per-request events for latency attribution (KVX_VLLM_TRACE_DIR; off by default).
+        self._trace = Trace(f"kvx-{role.name.lower()}")
+        self._scheduled: list[str] = []  # traced loads scheduled since the last metadata
         if role == KVConnectorRole.SCHEDULER:
             native = _native(self._backend)
             self._sched = native.Scheduler(
@@ -348,13 +369,22 @@ class KvxConnector(KVConnectorBase_V1):
         on its blocks renewed (heartbeats) until its load is reported or it finishes."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
+            self._trace.event(
+                "d_arrived", request.request_id, remote_request_id=params.get("remote_request_id"),
+                prompt_tokens=request.num_prompt_tokens,
+            )
             self._sched.on_new_request(request.request_id, json.dumps(params))
+        elif params and params.get("do_remote_decode"):
+            self._trace.event("p_arrived", request.request_id, prompt_tokens=request.num_prompt_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._trace.event("d_scheduled", request.request_id, external_tokens=num_external_tokens)
+        if self._trace and num_external_tokens > 0:
+            self._scheduled.append(request.request_id)
         if self._sched.update_state_after_alloc(
             request.request_id,
             request.num_prompt_tokens,
@@ -373,7 +403,11 @@ class KvxConnector(KVConnectorBase_V1):
         return sum(b.block_hash is not None and not b.is_null for b in group) * self._block_size
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return KvxConnectorMetadata(self._sched.build_connector_meta())
+        meta = KvxConnectorMetadata(self._sched.build_connector_meta())
+        for req_id in self._scheduled:
+            self._trace.event("d_meta", req_id)
+        self._scheduled.clear()
+        return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         params = request.kv_transfer_params
@@ -384,6 +418,8 @@ class KvxConnector(KVConnectorBase_V1):
             request.num_computed_tokens,
             list(block_ids),
         )
+        if params and params.get("do_remote_decode"):
+            self._trace.event("p_done", request.request_id, prompt_tokens=request.num_prompt_tokens, held=delay_free)
         return delay_free, (json.loads(out) if out is not None else None)
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
@@ -399,11 +435,13 @@ class KvxConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         failed = set(connector_output.failed_recving or ())
-        self._sched.update_finished(
-            sorted(connector_output.finished_sending or ()),
-            sorted(set(connector_output.finished_recving or ()) - failed),
-            sorted(failed),
-        )
+        recved = set(connector_output.finished_recving or ()) - failed
+        if self._trace:
+            for req_id in recved:
+                self._trace.event("d_reported", req_id)
+            for req_id in failed:
+                self._trace.event("d_failed", req_id)
+        self._sched.update_finished(sorted(connector_output.finished_sending or ()), sorted(recved), sorted(failed))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
@@ -446,7 +484,9 @@ class KvxConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
-        self._worker.start_load_kv(meta.data)
+        called = time.time()
+        for req_id in self._worker.start_load_kv(meta.data):
+            self._trace.event("d_step", req_id, t=called)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -465,11 +505,23 @@ class KvxConnector(KVConnectorBase_V1):
             failed_ids.add(req_id)
             self._load_errors.update(blocks)
         self._maybe_log_stats(bool(recving or failed or sending))
+        if self._trace:
+            self._trace_loads(recving)
         return KVConnectorTransferResults(
             finished_sending=set(sending),
             finished_recving=set(recving) | failed_ids,  # vLLM: a failed receive is finished too
             failed_recving=failed_ids,
         )
+
+    def _trace_loads(self, recving: list[str]) -> None:
+        """Records the stages of the loads kvx completed (kvx-core's times) and that this call
+        returns them to vLLM."""
+        for req_id, admitted, posted, read_done, confirmed in self._worker.take_load_times():
+            for event, t in (("d_admitted", admitted), ("d_posted", posted), ("d_read_done", read_done),
+                             ("d_confirmed", confirmed)):
+                self._trace.event(event, req_id, t=t)
+        for req_id in recving:
+            self._trace.event("d_finished", req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         r = self.get_transfer_results(finished_req_ids)
@@ -528,3 +580,4 @@ class KvxConnector(KVConnectorBase_V1):
             self._worker.close()
         self._worker = None
         self._tensors.clear()
+        self._trace.close()
