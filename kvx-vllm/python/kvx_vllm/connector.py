@@ -156,7 +156,7 @@ class KvxPromMetrics(KVConnectorPromMetrics):
         "read_count": "READs done",
         "reads_failed": "READs that failed, timed out or were cancelled",
         "bytes_read": "Bytes read by READs whose hold the prefill engine confirmed",
-        "descriptors": "Descriptors (block x region) in posted READs",
+        "descriptors": "Descriptors in posted READs, after coalescing (one per run of contiguous blocks per region)",
         "failed_loads": "KV loads that failed",
         "lease_failures": "Loads whose READ completed after the prefill engine's hold had ended",
         "expired_holds": "Prefill holds freed because their lease ran out",
