@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::BlockId;
 use crate::memory::{KvMemory, MemKind, MemRegion};
-use crate::transfer::BlockList;
+use crate::transfer::{BlockList, RegionBlocks};
 use crate::wire::WIRE_VERSION;
 
 /// How one layer's cache is shaped.
@@ -182,22 +182,23 @@ impl KvCacheLayout {
         h.finish()
     }
 
-    /// Descriptor indices of `blocks` in every region of the list (global attention for every
-    /// layer), or, with windows, only the last `window` blocks of each windowed layer.
-    ///
-    /// `num_blocks` is the block count of the list the ids index (ours or a peer's). The caller
-    /// has checked the ids against it.
-    pub fn descriptor_ids(&self, num_blocks: u32, blocks: &[BlockId], out: &mut Vec<u32>) {
-        let per_layer = self.kind.regions_per_layer();
-        for layer in 0..self.num_layers {
-            let window = self.windows.get(layer as usize).copied().flatten();
-            let layer_blocks = match window {
-                Some(w) => &blocks[blocks.len().saturating_sub(w as usize)..],
-                None => blocks,
-            };
-            for r in layer * per_layer..(layer + 1) * per_layer {
-                out.extend(layer_blocks.iter().map(|&b| r * num_blocks + b));
-            }
+    /// The block window of each region, in region order (`None`: global attention), or `None`
+    /// when no layer has a window: what [`RegionBlocks::Windows`] takes.
+    pub fn region_windows(&self) -> Option<Vec<Option<u32>>> {
+        if self.windows.iter().all(Option::is_none) {
+            return None;
+        }
+        let per_layer = self.kind.regions_per_layer() as usize;
+        let layers = (0..self.num_layers as usize).map(|l| self.windows.get(l).copied().flatten());
+        Some(layers.flat_map(|w| std::iter::repeat_n(w, per_layer)).collect())
+    }
+
+    /// The regions a READ of this layout covers: every region takes every block, or, with
+    /// windows (`region_windows`), windowed layers only their last `window` blocks.
+    pub fn region_blocks<'a>(&self, region_windows: Option<&'a [Option<u32>]>) -> RegionBlocks<'a> {
+        match region_windows {
+            Some(windows) => RegionBlocks::Windows(windows),
+            None => RegionBlocks::All(self.num_regions()),
         }
     }
 
@@ -279,9 +280,8 @@ mod tests {
         assert_eq!(l.block_len, 2 * 128 * 128 * 2, "K and V of every head in one page");
         assert_eq!(l.num_regions(), 4);
         assert_eq!(bases, caches.iter().map(|c| c.memory.region().addr).collect::<Vec<_>>());
-        let mut ids = Vec::new();
-        l.descriptor_ids(10, &[3, 5], &mut ids);
-        assert_eq!(ids, vec![3, 5, 13, 15, 23, 25, 33, 35]);
+        assert_eq!(l.region_windows(), None);
+        assert_eq!(l.region_blocks(None), RegionBlocks::All(4));
         // The token dimension is the third one: a 4-D cache whose second dimension is the block
         // size is refused when the third is not.
         assert!(KvCacheLayout::detect(&[cache(&[10, 128, 2, 128], 2, None)], 128).is_err());
@@ -308,13 +308,25 @@ mod tests {
     }
 
     #[test]
-    fn descriptor_ids_follow_region_major_numbering_and_windows() {
+    fn windowed_layers_give_every_region_its_window() {
         let caches = vec![cache(&[2, 10, 4, 1, 1], 1, None), cache(&[2, 10, 4, 1, 1], 1, Some(1))];
         let (l, _) = KvCacheLayout::detect(&caches, 4).unwrap();
-        let mut ids = Vec::new();
-        l.descriptor_ids(10, &[3, 5], &mut ids);
-        // Layer 0 (K0, V0) reads both blocks; layer 1 (K1, V1) only the last one.
-        assert_eq!(ids, vec![3, 5, 13, 15, 25, 35]);
+        // Layer 0 (K0, V0) reads every block; layer 1 (K1, V1) only the last one.
+        let windows = l.region_windows().unwrap();
+        assert_eq!(windows, [None, None, Some(1), Some(1)]);
+        let mut ids = (Vec::new(), Vec::new());
+        let post = crate::BlockPost {
+            local_blocks: &[3, 5],
+            local_num_blocks: 10,
+            remote_blocks: &[3, 5],
+            remote_num_blocks: 10,
+            regions: l.region_blocks(Some(&windows)),
+        };
+        post.descriptor_indices(&mut ids.0, &mut ids.1).unwrap();
+        assert_eq!(ids.0, vec![3, 5, 13, 15, 25, 35]);
+        let mla =
+            KvCacheLayout::detect(&[cache(&[7, 4, 8], 1, Some(2)), cache(&[7, 4, 8], 1, None)], 4).unwrap().0;
+        assert_eq!(mla.region_windows().unwrap(), [Some(2), None]);
     }
 
     #[test]

@@ -40,11 +40,11 @@ pub use meta::{
     RecvRequest, RenewLeases, ReplyTo,
 };
 pub use params::{Endpoint, Offer, RemoteCoordinates, TransferParams};
-pub use post::{PostPlan, PostRequest};
+pub use post::{BlockPlan, BlockPostRequest, PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
-    BlockList, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, Notification, RegistrationId,
-    TransferAgent, XferId, XferOp, XferState,
+    BlockList, BlockPost, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, Notification,
+    RegionBlocks, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 pub use worker::{
     ConnectorWorker, FinishedAggregator, Histogram, Samples, WorkerCommand, WorkerConfig, WorkerStats,

@@ -12,6 +12,10 @@ use crate::ids::AgentName;
 use crate::memory::MemRegion;
 use crate::transfer::{BlockList, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, XferOp};
 
+mod blocks;
+
+pub use blocks::{BlockPlan, BlockPostRequest, BlockRuns, Range, Ranges};
+
 /// A prepared descriptor list, as the checks see it.
 #[derive(Debug, Clone, Copy)]
 pub struct DlistView<'a> {
@@ -101,29 +105,7 @@ impl<'a> PostRequest<'a> {
         lists: impl Fn(DlistId) -> Option<DlistView<'a>>,
     ) -> Result<PostPlan<'a>> {
         let invalid = |message: String| Error::invalid_argument(message).with_backend(caps.backend);
-        let supported = match self.op {
-            XferOp::Read => caps.read,
-            XferOp::Write => caps.write,
-        };
-        if !supported {
-            return Err(Error::new(ErrorKind::Unsupported, format!("{:?} is not supported", self.op))
-                .with_backend(caps.backend));
-        }
-        if let Some(msg) = self.notify {
-            check_notification(caps, msg)?;
-        }
-        let find = |id: DlistId| {
-            lists(id).ok_or_else(|| {
-                Error::not_found(format!("no descriptor list {id}")).with_backend(caps.backend)
-            })
-        };
-        let (local, remote) = (find(self.local)?, find(self.remote)?);
-        if let DlistOwner::Remote(agent) = local.owner {
-            return Err(invalid(format!("{} lists memory of agent {agent}: not a local list", self.local)));
-        }
-        let DlistOwner::Remote(peer) = remote.owner else {
-            return Err(invalid(format!("{} is a local list, not a remote one", self.remote)));
-        };
+        let (local, remote, peer) = check_lists(caps, self.op, self.notify, self.local, self.remote, lists)?;
         if self.local_descs.len() != self.remote_descs.len() {
             return Err(invalid(format!(
                 "{} local and {} remote descriptors",
@@ -134,13 +116,7 @@ impl<'a> PostRequest<'a> {
         if self.local_descs.is_empty() {
             return Err(invalid("a post of no descriptors".to_owned()));
         }
-        let block_len = local.blocks.block_len;
-        if block_len != remote.blocks.block_len {
-            return Err(invalid(format!(
-                "local blocks of {block_len} bytes, remote blocks of {}",
-                remote.blocks.block_len
-            )));
-        }
+        let block_len = check_block_len(caps, local.blocks, remote.blocks)?;
         let resolve = |blocks: &BlockList, id: DlistId, index: u32| {
             desc(blocks, index).ok_or_else(|| {
                 invalid(format!("descriptor {index} out of range of {id} ({} descriptors)", blocks.len()))
@@ -156,6 +132,55 @@ impl<'a> PostRequest<'a> {
             .collect::<Result<Vec<_>>>()?;
         Ok(PostPlan { op: self.op, peer, block_len, notify: self.notify, pairs })
     }
+}
+
+/// The checks every post starts with, in the documented order: the operation, the notification,
+/// the two lists and their owners. Returns the lists and the remote list's peer.
+fn check_lists<'a>(
+    caps: &Capabilities,
+    op: XferOp,
+    notify: Option<&[u8]>,
+    local: DlistId,
+    remote: DlistId,
+    lists: impl Fn(DlistId) -> Option<DlistView<'a>>,
+) -> Result<(DlistView<'a>, DlistView<'a>, &'a AgentName)> {
+    let invalid = |message: String| Error::invalid_argument(message).with_backend(caps.backend);
+    let supported = match op {
+        XferOp::Read => caps.read,
+        XferOp::Write => caps.write,
+    };
+    if !supported {
+        return Err(
+            Error::new(ErrorKind::Unsupported, format!("{op:?} is not supported")).with_backend(caps.backend)
+        );
+    }
+    if let Some(msg) = notify {
+        check_notification(caps, msg)?;
+    }
+    let find = |id: DlistId| {
+        lists(id)
+            .ok_or_else(|| Error::not_found(format!("no descriptor list {id}")).with_backend(caps.backend))
+    };
+    let (local_view, remote_view) = (find(local)?, find(remote)?);
+    if let DlistOwner::Remote(agent) = local_view.owner {
+        return Err(invalid(format!("{local} lists memory of agent {agent}: not a local list")));
+    }
+    let DlistOwner::Remote(peer) = remote_view.owner else {
+        return Err(invalid(format!("{remote} is a local list, not a remote one")));
+    };
+    Ok((local_view, remote_view, peer))
+}
+
+/// The block length of a post: the same in both lists, or `InvalidArgument`.
+fn check_block_len(caps: &Capabilities, local: &BlockList, remote: &BlockList) -> Result<u64> {
+    if local.block_len != remote.block_len {
+        return Err(Error::invalid_argument(format!(
+            "local blocks of {} bytes, remote blocks of {}",
+            local.block_len, remote.block_len
+        ))
+        .with_backend(caps.backend));
+    }
+    Ok(local.block_len)
 }
 
 /// The kind of a descriptor list that cannot be prepared: the local caller's mistake for a local

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::ids::AgentName;
 use crate::memory::{KvMemory, MemKind, MemRegion};
 
@@ -126,6 +126,104 @@ impl BlockList {
             let region = MemRegion { addr, len, kind: self.kind, device: self.device };
             region.end().map(|_| region)
         })
+    }
+}
+
+/// Which regions of the two lists a [`BlockPost`] covers, and which of its block pairs each
+/// region takes. Region `r` of the local list pairs with region `r` of the remote list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegionBlocks<'a> {
+    /// Regions `0..n` each take every block pair.
+    All(u32),
+    /// Region `r`, for `r` in `0..windows.len()`, takes the last `windows[r]` block pairs (all of
+    /// them where it is `None` or where the post has fewer): the layers of a sliding window read
+    /// only their most recent blocks. `Some(0)` takes none.
+    Windows(&'a [Option<u32>]),
+}
+
+impl RegionBlocks<'_> {
+    /// The regions the post covers (`0..count`).
+    pub fn count(&self) -> usize {
+        match self {
+            RegionBlocks::All(n) => *n as usize,
+            RegionBlocks::Windows(w) => w.len(),
+        }
+    }
+
+    /// The first of `pairs` block pairs that region `region` takes (`pairs` when it takes none).
+    pub fn first_pair(&self, region: usize, pairs: usize) -> usize {
+        let window = match self {
+            RegionBlocks::All(_) => None,
+            RegionBlocks::Windows(w) => w.get(region).copied().unwrap_or(Some(0)),
+        };
+        match window {
+            Some(w) => pairs.saturating_sub(w as usize),
+            None => 0,
+        }
+    }
+}
+
+/// A block-major transfer for [`TransferAgent::post_blocks`]: block `local_blocks[i]` of each
+/// covered region of the local list pairs with block `remote_blocks[i]` of the same region of the
+/// remote list. Each block id is named once, whatever the number of regions.
+///
+/// `local_num_blocks` and `remote_num_blocks` are the lists' blocks per region as the caller
+/// prepared them: backends check them against the lists, and the default `post_blocks` needs them
+/// to number descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockPost<'a> {
+    /// Block ids of the local list, in transfer order.
+    pub local_blocks: &'a [u32],
+    /// Blocks per region of the local list.
+    pub local_num_blocks: u32,
+    /// Block ids of the remote list, one per local block.
+    pub remote_blocks: &'a [u32],
+    /// Blocks per region of the remote list.
+    pub remote_num_blocks: u32,
+    /// The regions covered, and the block pairs each takes.
+    pub regions: RegionBlocks<'a>,
+}
+
+impl BlockPost<'_> {
+    /// Descriptors before coalescing: per covered region, the block pairs it takes (over the
+    /// common prefix of unequal slices).
+    pub fn block_descriptors(&self) -> u64 {
+        let pairs = self.local_blocks.len().min(self.remote_blocks.len());
+        (0..self.regions.count()).map(|r| (pairs - self.regions.first_pair(r, pairs)) as u64).sum()
+    }
+
+    /// Appends the descriptor indices (`region * num_blocks + block`) of this post to `local` and
+    /// `remote`, region by region: what [`TransferAgent::post`] takes. Fails with
+    /// `InvalidArgument` for a block id out of range of its side's `num_blocks`, for slices of
+    /// unequal lengths, and for an index past `u32::MAX`; what it appended is then unspecified.
+    pub fn descriptor_indices(&self, local: &mut Vec<u32>, remote: &mut Vec<u32>) -> Result<()> {
+        let pairs = self.local_blocks.len();
+        if pairs != self.remote_blocks.len() {
+            return Err(Error::invalid_argument(format!(
+                "{pairs} local and {} remote blocks",
+                self.remote_blocks.len()
+            )));
+        }
+        let index = |region: usize, block: u32, num_blocks: u32| {
+            let index = u32::try_from(region).ok()?.checked_mul(num_blocks)?.checked_add(block)?;
+            (block < num_blocks).then_some(index)
+        };
+        for region in 0..self.regions.count() {
+            let first = self.regions.first_pair(region, pairs);
+            for (&l, &r) in self.local_blocks[first..].iter().zip(&self.remote_blocks[first..]) {
+                let (Some(li), Some(ri)) =
+                    (index(region, l, self.local_num_blocks), index(region, r, self.remote_num_blocks))
+                else {
+                    return Err(Error::invalid_argument(format!(
+                        "block pair ({l}, {r}) of region {region} out of range ({} local, {} remote blocks per region) or past u32 descriptor indices",
+                        self.local_num_blocks, self.remote_num_blocks
+                    )));
+                };
+                local.push(li);
+                remote.push(ri);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -285,6 +383,49 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
         remote_descs: &[u32],
         notify: Option<&'a [u8]>,
     ) -> Result<XferId>;
+
+    /// Posts one transfer of the blocks `blocks` names, in every region it covers, as
+    /// [`post`](Self::post) does for the same descriptors
+    /// ([`BlockPost::descriptor_indices`]), with the same notification rule.
+    ///
+    /// A backend that overrides it checks with
+    /// [`BlockPostRequest::check`](crate::post::BlockPostRequest::check), whose plan coalesces
+    /// runs of blocks contiguous on both sides into one range per region: posting costs
+    /// O(blocks + regions), not O(blocks × regions), and a transport moves one range per run.
+    ///
+    /// # Errors
+    /// The kinds of [`post`](Self::post), in its order, with blocks for indices: slices of unequal
+    /// lengths, no block at all in any covered region, and blocks of unequal lengths are
+    /// `InvalidArgument`, then a `local_num_blocks` or `remote_num_blocks` other than its list's,
+    /// a covered region missing from a list, or a block id out of range is `InvalidArgument`.
+    ///
+    /// The default implementation numbers the descriptors and calls `post` (lists of at most
+    /// `u32::MAX` descriptors); for a block id out of range it first calls `post` without
+    /// descriptors, to report an earlier argument's kind.
+    #[allow(clippy::needless_lifetimes)] // mockall needs the lifetime named.
+    fn post_blocks<'a>(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        remote: DlistId,
+        blocks: &BlockPost<'a>,
+        notify: Option<&'a [u8]>,
+    ) -> Result<XferId> {
+        let (mut local_descs, mut remote_descs) = (Vec::new(), Vec::new());
+        match blocks.descriptor_indices(&mut local_descs, &mut remote_descs) {
+            Ok(()) => self.post(op, local, &local_descs, remote, &remote_descs, notify),
+            Err(bad) => match self.post(op, local, &[], remote, &[], notify) {
+                // The lists, the operation or the notification were wrong first.
+                Err(e) if e.kind() != ErrorKind::InvalidArgument => Err(e),
+                Err(_) => Err(bad.with_backend(self.capabilities().backend)),
+                Ok(xfer) => {
+                    // A backend that accepts empty posts: take it back.
+                    let _ = self.release(xfer);
+                    Err(bad.with_backend(self.capabilities().backend))
+                }
+            },
+        }
+    }
 
     /// Where a transfer stands. `Done` and `Failed` are final: the transfer has settled and later
     /// polls return the same state until it is released. An unknown (or released) id is

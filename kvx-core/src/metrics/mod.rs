@@ -50,7 +50,7 @@ struct CounterDef {
     read: fn(&WorkerStats) -> u64,
 }
 
-const COUNTERS: [CounterDef; 16] = [
+const COUNTERS: [CounterDef; 17] = [
     CounterDef {
         name: "reads_posted",
         help: "READs posted to the transfer agent",
@@ -77,9 +77,15 @@ const COUNTERS: [CounterDef; 16] = [
     },
     CounterDef {
         name: "read_descriptors",
-        help: "Descriptors (block x region) in posted READs",
+        help: "Descriptors in posted READs after coalescing (per region, one per run of blocks contiguous on both sides)",
         unit: None,
         read: |s| s.descriptors,
+    },
+    CounterDef {
+        name: "read_block_descriptors",
+        help: "Descriptors (block x region) in posted READs before coalescing",
+        unit: None,
+        read: |s| s.block_descriptors,
     },
     CounterDef {
         name: "loads_failed",

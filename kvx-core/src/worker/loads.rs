@@ -17,7 +17,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, EngineId, RequestId};
 use crate::layout::KvCacheLayout;
 use crate::meta::{FailedRecv, Heartbeat, HoldRelease, HoldStatus, RecvRequest, RenewLeases, ReplyTo};
-use crate::transfer::{XferId, XferOp, XferState};
+use crate::transfer::{BlockPost, XferId, XferOp, XferState};
 use crate::wire;
 
 /// At most this many holds per heartbeat message (a notification stays small).
@@ -272,21 +272,25 @@ impl ConnectorWorker {
         let remote = remote_read(req)?;
         KvCacheLayout::check_block_ids(remote, conn.num_blocks, "remote")?;
         let layout = &registered.layout;
-        self.descs_local.clear();
-        self.descs_remote.clear();
-        layout.descriptor_ids(layout.num_blocks, &req.local_block_ids, &mut self.descs_local);
-        layout.descriptor_ids(conn.num_blocks, remote, &mut self.descs_remote);
-        let xfer = self.agent.post(
+        let blocks = BlockPost {
+            local_blocks: &req.local_block_ids,
+            local_num_blocks: layout.num_blocks,
+            remote_blocks: remote,
+            remote_num_blocks: conn.num_blocks,
+            regions: layout.region_blocks(registered.region_windows.as_deref()),
+        };
+        let xfer = self.agent.post_blocks(
             XferOp::Read,
             registered.local_dlist,
-            &self.descs_local,
             conn.dlist,
-            &self.descs_remote,
+            &blocks,
             Some(&release),
         )?;
         self.stats.reads_posted += 1;
-        self.stats.descriptors += self.descs_local.len() as u64;
-        let bytes = (self.descs_local.len() as u64).saturating_mul(layout.block_len);
+        self.stats.descriptors += blocks.coalesced_len();
+        let block_descriptors = blocks.block_descriptors();
+        self.stats.block_descriptors += block_descriptors;
+        let bytes = block_descriptors.saturating_mul(layout.block_len);
         Ok((xfer, conn.agent.clone(), token, bytes))
     }
 

@@ -136,8 +136,11 @@ pub struct WorkerStats {
     pub reads_posted: u64,
     /// Posted READs that failed, timed out or were cancelled at close.
     pub reads_failed: u64,
-    /// Descriptors (block × region) in posted READs.
+    /// Descriptors in posted READs after coalescing: per region, one per run of blocks
+    /// contiguous on both sides (a backend may merge whole regions further).
     pub descriptors: u64,
+    /// Descriptors (block × region) in posted READs before coalescing.
+    pub block_descriptors: u64,
     /// Bytes read by completed and confirmed READs.
     pub bytes_read: u64,
     /// Loads that failed (validation, post, transfer, handshake, lease).
@@ -179,6 +182,8 @@ pub struct WorkerStats {
 #[derive(Debug)]
 struct Registered {
     layout: KvCacheLayout,
+    /// Each region's block window, when a layer has one (see `KvCacheLayout::region_windows`).
+    region_windows: Option<Vec<Option<u32>>>,
     local_dlist: DlistId,
     payload: Vec<u8>,
     registrations: Vec<RegistrationId>,
@@ -221,8 +226,6 @@ pub struct ConnectorWorker {
     finished: Finished,
     commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
-    descs_local: Vec<u32>,
-    descs_remote: Vec<u32>,
     stats: WorkerStats,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
@@ -267,8 +270,6 @@ impl ConnectorWorker {
             finished: Finished::default(),
             commands: VecDeque::new(),
             notifications: Vec::new(),
-            descs_local: Vec::new(),
-            descs_remote: Vec::new(),
             stats: WorkerStats::default(),
             closed: None,
         })
@@ -372,7 +373,9 @@ impl ConnectorWorker {
             compat_hash: layout.compat_hash(&self.config.compat_tag),
             instance: self.instance,
         })?;
-        self.registered = Some(Registered { layout, local_dlist, payload: payload.clone(), registrations });
+        let region_windows = layout.region_windows();
+        self.registered =
+            Some(Registered { layout, region_windows, local_dlist, payload: payload.clone(), registrations });
         Ok(payload)
     }
 

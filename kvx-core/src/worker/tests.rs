@@ -56,15 +56,13 @@ fn agent_with_inbox(
         })
     });
     a.expect_load_remote().returning(|_| Ok(AgentName::new("peer")));
-    a.expect_post().returning(move |op, _local, l, remote, r, n| {
+    a.expect_post_blocks().returning(move |op, _local, remote, blocks, n| {
         assert_eq!(op, XferOp::Read);
+        // Recorded as the descriptor indices the default `post_blocks` would post.
+        let (mut l, mut r) = (Vec::new(), Vec::new());
+        blocks.descriptor_indices(&mut l, &mut r)?;
         let mut posts = posts.lock().unwrap();
-        posts.push(Posted {
-            local: l.to_vec(),
-            remote: r.to_vec(),
-            remote_dlist: remote,
-            notify: n.map(<[u8]>::to_vec),
-        });
+        posts.push(Posted { local: l, remote: r, remote_dlist: remote, notify: n.map(<[u8]>::to_vec) });
         Ok(XferId(posts.len() as u64))
     });
     a.expect_release().returning(|_| Ok(()));
@@ -266,6 +264,8 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
     assert_read_release(&posts[0].notify, &w, "a");
     assert_eq!(posts[1].local, vec![3, 11, 19, 27]);
     assert_eq!(w.stats().handshakes, 1);
+    // Blocks 1, 2 <- 10, 11 are one run per region; block 3 one more.
+    assert_eq!((w.stats().descriptors, w.stats().block_descriptors), (4 + 4, 8 + 4));
 }
 
 #[test]
@@ -279,6 +279,7 @@ fn windowed_layers_read_only_their_last_blocks() {
     let posts = posts.lock().unwrap();
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 18, 26]);
     assert_eq!(posts[0].remote, vec![3, 4, 19, 20, 36, 52]);
+    assert_eq!((w.stats().descriptors, w.stats().block_descriptors), (4, 6));
 }
 
 #[test]
@@ -1042,7 +1043,7 @@ fn a_load_that_drops_its_peer_does_not_fail_the_others_waiting_on_the_handshake(
 fn a_post_the_transport_refuses_is_retried_on_a_new_connection() {
     let mut a = MockTransferAgent::new();
     let mut refused = true;
-    a.expect_post().times(1).returning(move |_, _, _, _, _, _| {
+    a.expect_post_blocks().times(1).returning(move |_, _, _, _, _| {
         assert!(std::mem::take(&mut refused));
         Err(Error::new(ErrorKind::Backend, "remote agent was disconnected"))
     });
