@@ -119,6 +119,51 @@ impl State {
         }
     }
 
+    /// Posts a transfer request NIXL has made, counts it as using `uses` until it settles, and
+    /// records it (`Done` at once when NIXL completed it inside the post).
+    pub(super) fn submit(&mut self, request: nixl::XferRequest, uses: Uses) -> Result<XferId> {
+        let in_flight =
+            self.nixl.agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
+        self.take_uses(&uses);
+        let mut xfer =
+            Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses), reported: false };
+        if !in_flight {
+            xfer.state = XferState::Done;
+            if let Some(uses) = xfer.settle() {
+                self.release_uses(uses);
+            }
+        }
+        let id = XferId(self.next_id());
+        self.xfers.insert(id, xfer);
+        Ok(id)
+    }
+
+    /// Whether one descriptor of list `id` may run from region `region` into the next: both lie
+    /// in one registration (a local list) or one registered region of the remote (a remote list),
+    /// as a NIXL descriptor must.
+    pub(super) fn joinable(&self, id: DlistId, region: usize) -> bool {
+        let Some(list) = self.dlists.get(&id) else { return false };
+        match &list.owner {
+            DlistOwner::Local => {
+                matches!((list.registrations.get(region), list.registrations.get(region + 1)), (Some(a), Some(b)) if a == b)
+            }
+            DlistOwner::Remote(name) => {
+                let Some(remote) = self.remotes.get(name) else { return false };
+                let blocks = &list.blocks;
+                let (Some(&first), Some(&next)) = (blocks.bases.get(region), blocks.bases.get(region + 1))
+                else {
+                    return false;
+                };
+                let end = u64::from(blocks.num_blocks)
+                    .checked_mul(blocks.block_len)
+                    .and_then(|n| next.checked_add(n));
+                end.is_some_and(|end| {
+                    remote.regions.iter().any(|m| m.addr <= first && m.end().is_some_and(|e| end <= e))
+                })
+            }
+        }
+    }
+
     pub(super) fn any_in_flight(&self) -> bool {
         !self.detached.is_empty() || self.xfers.values().any(|x| x.state == XferState::Pending)
     }
