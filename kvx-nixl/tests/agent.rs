@@ -187,6 +187,15 @@ fn post_blocks_moves_coalesced_runs_and_every_byte() {
         &post(&l, &r, RegionBlocks::All(1)),
     );
 
+    // `post` on the same lists prepares their per-block NIXL lists on first use.
+    let (dst, src) = ([1u32, 20], [30u32, 2]);
+    let xfer = decode.agent.post(XferOp::Read, local, &dst, remote, &src, None).unwrap();
+    assert_eq!(wait_xfer(&decode.agent, &prefill.agent, xfer), XferState::Done);
+    for (d, s) in dst.iter().zip(&src) {
+        assert_eq!(decode.block(*d), prefill.block(*s), "block {s} -> {d}");
+    }
+    decode.agent.release(xfer).unwrap();
+
     // Refused before anything moves, with post's kinds.
     let refused = |blocks: &BlockPost<'_>| {
         decode.agent.post_blocks(XferOp::Read, local, remote, blocks, None).unwrap_err().kind()

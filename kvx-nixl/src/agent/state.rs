@@ -16,7 +16,8 @@ use nixl_sys as nixl;
 use crate::error::{NixlResultExt, error, nixl_error};
 use crate::library::lifecycle_lock;
 
-use super::TEARDOWN_WAIT;
+use super::convert::{mem_type, to_usize};
+use super::{LOCAL_AGENT, TEARDOWN_WAIT};
 
 /// Everything behind the agent's mutex. nixl-sys marks its agent and request handles `Send` and
 /// `Sync` without saying why; kvx-nixl does not rely on that for correctness: every NIXL call and
@@ -138,6 +139,39 @@ impl State {
         Ok(id)
     }
 
+    /// Prepares list `id`'s per-block NIXL list (region by region, block by block: descriptor
+    /// `region * num_blocks + block`) unless it is already. `prep_dlist` checked the list against
+    /// the owner's registrations, so a failure here is NIXL's own (`Backend`).
+    pub(super) fn prepare_blocks(&mut self, id: DlistId) -> Result<()> {
+        let Some(list) = self.dlists.get_mut(&id) else {
+            return Err(error(ErrorKind::NotFound, format!("{id} is not prepared")));
+        };
+        if list.prepared.is_some() {
+            return Ok(());
+        }
+        let blocks = &list.blocks;
+        let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
+            .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let (len, device) = (to_usize(blocks.block_len)?, u64::from(blocks.device));
+        for &base in &blocks.bases {
+            for block in 0..u64::from(blocks.num_blocks) {
+                // In range: `prep_dlist` checked the whole region, so this cannot overflow.
+                descs.add_desc(to_usize(base + block * blocks.block_len)?, len, device);
+            }
+        }
+        let owner = match &list.owner {
+            DlistOwner::Local => LOCAL_AGENT,
+            DlistOwner::Remote(name) => name.as_str(),
+        };
+        let handle = self
+            .nixl
+            .agent
+            .prepare_xfer_dlist(owner, &descs, None)
+            .nixl(ErrorKind::Backend, "preparing a list's per-block descriptors")?;
+        list.prepared = Some(PreparedDlist(handle));
+        Ok(())
+    }
+
     /// Whether one descriptor of list `id` may run from region `region` into the next: both lie
     /// in one registration (a local list) or one registered region of the remote (a remote list),
     /// as a NIXL descriptor must.
@@ -253,7 +287,9 @@ pub(super) struct PreparedDlist(pub(super) nixl::XferDlistHandle);
 unsafe impl Send for PreparedDlist {}
 
 pub(super) struct Dlist {
-    pub(super) handle: PreparedDlist,
+    /// NIXL's list of one descriptor per block per region, which `post` indexes: prepared when
+    /// a `post` first uses the list (`post_blocks` needs none).
+    pub(super) prepared: Option<PreparedDlist>,
     pub(super) owner: DlistOwner,
     pub(super) blocks: BlockList,
     /// A local list: the registration holding each of its regions (empty for a remote list).

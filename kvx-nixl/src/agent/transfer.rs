@@ -16,7 +16,7 @@ use crate::error::{NixlResultExt, error, nixl_error};
 use crate::metadata::AgentMetadata;
 
 use super::convert::{RegionDescriptor, mem_type, nixl_index, nixl_op, to_usize};
-use super::state::{Dlist, PreparedDlist, Registration, Remote, Uses, fetch_notifications};
+use super::state::{Dlist, Registration, Remote, Uses, fetch_notifications};
 use super::{LOCAL_AGENT, NixlAgent};
 
 impl TransferAgent for NixlAgent {
@@ -195,29 +195,26 @@ impl TransferAgent for NixlAgent {
         let registrations =
             place_dlist(&self.capabilities, owner, blocks, &owned)?.into_iter().flatten().collect();
 
+        // NIXL checks the list against the owner's registrations as it prepares it: one
+        // descriptor per region checks what the blocks' descriptors would, in O(regions). The
+        // per-block list that `post` indexes is prepared when a `post` first uses the list.
         let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
             .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let region_len = to_usize(u64::from(blocks.num_blocks) * blocks.block_len)?;
         for &base in &blocks.bases {
-            for block in 0..u64::from(blocks.num_blocks) {
-                // In range: the whole region was checked above, so this cannot overflow.
-                let addr = base + block * blocks.block_len;
-                descs.add_desc(to_usize(addr)?, to_usize(blocks.block_len)?, u64::from(blocks.device));
-            }
+            descs.add_desc(to_usize(base)?, region_len, u64::from(blocks.device));
         }
-        let handle = state
-            .nixl
-            .agent
-            .prepare_xfer_dlist(nixl_owner, &descs, None)
-            .nixl(bad, "preparing a descriptor list")?;
+        drop(
+            state
+                .nixl
+                .agent
+                .prepare_xfer_dlist(nixl_owner, &descs, None)
+                .nixl(bad, "preparing a descriptor list")?,
+        );
         let id = DlistId(state.next_id());
         state.dlists.insert(
             id,
-            Dlist {
-                handle: PreparedDlist(handle),
-                owner: owner.clone(),
-                blocks: blocks.clone(),
-                registrations,
-            },
+            Dlist { prepared: None, owner: owner.clone(), blocks: blocks.clone(), registrations },
         );
         Ok(id)
     }
@@ -243,8 +240,7 @@ impl TransferAgent for NixlAgent {
         let state = &mut *guard;
         let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
         let plan = request.check(&self.capabilities, |id| state.dlists.get(&id).map(Dlist::view))?;
-        let (Some(local_list), Some(remote_list)) = (state.dlists.get(&local), state.dlists.get(&remote))
-        else {
+        let Some(local_list) = state.dlists.get(&local) else {
             return Err(error(ErrorKind::Backend, "a checked post's lists vanished"));
         };
         let mut local_indices = Vec::with_capacity(plan.pairs().len());
@@ -257,21 +253,29 @@ impl TransferAgent for NixlAgent {
         }
         registrations.sort_unstable();
         registrations.dedup();
+        let peer = plan.peer().clone();
 
+        state.prepare_blocks(local)?;
+        state.prepare_blocks(remote)?;
+        let (Some(local_prepared), Some(remote_prepared)) = (
+            state.dlists.get(&local).and_then(|d| d.prepared.as_ref()),
+            state.dlists.get(&remote).and_then(|d| d.prepared.as_ref()),
+        ) else {
+            return Err(error(ErrorKind::Backend, "a post's lists were not prepared"));
+        };
         let options = notification(notify)?;
         let request = state
             .nixl
             .agent
             .make_xfer_req(
                 nixl_op(op),
-                &local_list.handle.0,
+                &local_prepared.0,
                 &local_indices,
-                &remote_list.handle.0,
+                &remote_prepared.0,
                 &remote_indices,
                 options.as_ref(),
             )
             .nixl(ErrorKind::Backend, "making a transfer request")?;
-        let peer = plan.peer().clone();
         state.submit(request, Uses { registrations, remote: peer })
     }
 
