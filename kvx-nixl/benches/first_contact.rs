@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::wait_xfer;
-use criterion::{BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, SamplingMode};
 use kvx_core::{
     BlockList, BlockPost, DlistId, DlistOwner, HostMemory, KvMemory, MemKind, RegionBlocks, TransferAgent,
     XferOp,
@@ -118,7 +118,13 @@ fn contacts(blocks: u32) -> Vec<Contact> {
 
 fn bench_first_contact(c: &mut Criterion) {
     let mut group = c.benchmark_group("first_contact");
-    group.sample_size(10).warm_up_time(Duration::from_millis(100)).measurement_time(Duration::from_secs(3));
+    // A few contacts per sample: each NIXL contact opens UCX connections that forgetting the peer
+    // closes only later, and thousands of them in a row run the process out of file descriptors.
+    group
+        .sampling_mode(SamplingMode::Flat)
+        .sample_size(10)
+        .warm_up_time(Duration::from_nanos(1))
+        .measurement_time(Duration::from_millis(1));
     for blocks in PEER_BLOCKS {
         for (name, agent, metadata, list, _alive) in contacts(blocks) {
             let (kept, peak) = first_contact_memory(agent.as_ref(), &metadata, &list);
