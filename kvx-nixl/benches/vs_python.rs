@@ -11,7 +11,8 @@
 //! their rounds and kvx / Python. Also printed: how often the post completed the transfer at once
 //! and the mean number of status checks that still found it in flight.
 //!
-//! `scripts/bench-nixl-python.sh` sets everything up and runs it.
+//! `scripts/bench-nixl-python.sh` sets everything up and runs it. `KVX_BENCH_ROW=<KiB>/<polled|
+//! progress>` (e.g. `1024/progress`) runs one row only.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // A benchmark fails loudly by unwrapping.
 
 #[path = "../tests/common/mod.rs"]
@@ -210,8 +211,13 @@ fn main() {
         "{READS} scattered READs of a {}-block target per transfer, with a notification; {reps} alternating runs each; GB/s = 1e9 B/s, medians",
         2 * READS
     );
+    let only = std::env::var("KVX_BENCH_ROW").ok();
     for progress in [false, true] {
         for (block_len, rounds) in SIZES {
+            let row = format!("{}/{}", block_len >> 10, if progress { "progress" } else { "polled" });
+            if only.as_ref().is_some_and(|only| *only != row) {
+                continue;
+            }
             let (mut kvx, mut py) = (Rounds::default(), Rounds::default());
             for _ in 0..reps {
                 kvx.extend(kvx_run(block_len, rounds, progress));
