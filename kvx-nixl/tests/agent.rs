@@ -10,8 +10,8 @@ use std::sync::Arc;
 use common::{nixl_or_skip, pattern, wait_notifications, wait_xfer};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, Notification,
-    TransferAgent, XferOp, XferState,
+    AgentName, BlockList, BlockPost, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind,
+    Notification, RegionBlocks, TransferAgent, XferOp, XferState,
 };
 use kvx_nixl::{NixlAgent, NixlConfig};
 
@@ -108,6 +108,106 @@ fn read_and_write_move_every_byte_and_notify_after() {
     prefill.agent.notify(&AgentName::new("decode"), b"pong").unwrap();
     let back = wait_notifications(&decode.agent, &prefill.agent, 1);
     assert_eq!(back[0], Notification { from: AgentName::new("prefill"), msg: b"pong".to_vec() });
+}
+
+/// Posts `blocks` from `from` to `to` with `post_blocks` (READ: `from` initiates and reads `to`'s
+/// blocks; WRITE: `from` writes into `to`) and checks every byte of both pools afterwards.
+fn post_blocks_and_verify(
+    op: XferOp,
+    from: &Side,
+    to: &Side,
+    lists: (DlistId, DlistId),
+    blocks: &BlockPost<'_>,
+) {
+    let all = REGIONS as u32 * BLOCKS;
+    let (src, dst) = if op == XferOp::Read { (to, from) } else { (from, to) };
+    let (src_before, dst_before): (Vec<_>, Vec<_>) = (0..all).map(|d| (src.block(d), dst.block(d))).unzip();
+    let mut expected = dst_before;
+    let pairs = blocks.local_blocks.len();
+    for region in 0..blocks.regions.count() {
+        for i in blocks.regions.first_pair(region, pairs)..pairs {
+            let (l, r) = (blocks.local_blocks[i], blocks.remote_blocks[i]);
+            let (s, d) = if op == XferOp::Read { (r, l) } else { (l, r) };
+            let region = region as u32 * BLOCKS;
+            expected[(region + d) as usize] = src_before[(region + s) as usize].clone();
+        }
+    }
+    let xfer = from.agent.post_blocks(op, lists.0, lists.1, blocks, Some(b"blocks")).unwrap();
+    assert_eq!(wait_xfer(&from.agent, &to.agent, xfer), XferState::Done);
+    for d in 0..all {
+        assert!(dst.block(d) == expected[d as usize], "{op:?}: block {d} of the destination");
+        assert!(src.block(d) == src_before[d as usize], "{op:?}: block {d} of the source changed");
+    }
+    let notes = wait_notifications(&to.agent, &from.agent, 1);
+    assert_eq!(notes[0].msg, b"blocks");
+    from.agent.release(xfer).unwrap();
+}
+
+#[test]
+fn post_blocks_moves_coalesced_runs_and_every_byte() {
+    if !nixl_or_skip("post_blocks_moves_coalesced_runs_and_every_byte") {
+        return;
+    }
+    let decode = Side::new("decode", 11);
+    let prefill = Side::new("prefill", 12);
+    let (_, local, remote) = connect(&decode, &prefill);
+    prefill.agent.load_remote(&decode.agent.local_metadata().unwrap()).unwrap();
+    let post = |local_blocks, remote_blocks, regions| BlockPost {
+        local_blocks,
+        local_num_blocks: BLOCKS,
+        remote_blocks,
+        remote_num_blocks: BLOCKS,
+        regions,
+    };
+    let all = RegionBlocks::All(REGIONS as u32);
+
+    // Runs of 3, 1 and 2 blocks contiguous on both sides, scattered between them.
+    let (l, r) = ([0u32, 1, 2, 7, 9, 10], [3u32, 4, 5, 1, 14, 15]);
+    post_blocks_and_verify(XferOp::Read, &decode, &prefill, (local, remote), &post(&l, &r, all));
+    // Every block of the pool: both regions become one range.
+    let every: Vec<u32> = (0..BLOCKS).collect();
+    post_blocks_and_verify(XferOp::Read, &decode, &prefill, (local, remote), &post(&every, &every, all));
+    // A sliding window: region 0 takes only the last two pairs, region 1 all of them.
+    let windows = [Some(2), None];
+    let (l, r) = ([4u32, 5, 6, 12], [8u32, 9, 10, 0]);
+    post_blocks_and_verify(
+        XferOp::Read,
+        &decode,
+        &prefill,
+        (local, remote),
+        &post(&l, &r, RegionBlocks::Windows(&windows)),
+    );
+    // WRITE, only the first region.
+    let (l, r) = ([3u32, 4, 11], [6u32, 7, 2]);
+    post_blocks_and_verify(
+        XferOp::Write,
+        &decode,
+        &prefill,
+        (local, remote),
+        &post(&l, &r, RegionBlocks::All(1)),
+    );
+
+    // `post` on the same lists prepares their per-block NIXL lists on first use.
+    let (dst, src) = ([1u32, 20], [30u32, 2]);
+    let xfer = decode.agent.post(XferOp::Read, local, &dst, remote, &src, None).unwrap();
+    assert_eq!(wait_xfer(&decode.agent, &prefill.agent, xfer), XferState::Done);
+    for (d, s) in dst.iter().zip(&src) {
+        assert_eq!(decode.block(*d), prefill.block(*s), "block {s} -> {d}");
+    }
+    decode.agent.release(xfer).unwrap();
+
+    // Refused before anything moves, with post's kinds.
+    let refused = |blocks: &BlockPost<'_>| {
+        decode.agent.post_blocks(XferOp::Read, local, remote, blocks, None).unwrap_err().kind()
+    };
+    assert_eq!(refused(&post(&[BLOCKS], &[0], all)), ErrorKind::InvalidArgument);
+    assert_eq!(refused(&post(&[0, 1], &[0], all)), ErrorKind::InvalidArgument);
+    let mut wrong_size = post(&[0], &[0], all);
+    wrong_size.remote_num_blocks = BLOCKS + 1;
+    assert_eq!(refused(&wrong_size), ErrorKind::InvalidArgument);
+    assert_eq!(refused(&post(&[0], &[0], RegionBlocks::All(REGIONS as u32 + 1))), ErrorKind::InvalidArgument);
+    let e = decode.agent.post_blocks(XferOp::Read, remote, local, &post(&[0], &[0], all), None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
 }
 
 #[test]

@@ -74,9 +74,13 @@ impl NixlConfig {
 
 /// A kvx [`TransferAgent`] over one NIXL agent with the UCX backend.
 ///
-/// Memory is registered as NIXL DRAM or VRAM (by [`MemRegion::kind`]); descriptor lists are
-/// prepared once per side (`prepXferDlist`) and each [`post`][`TransferAgent::post`] is a
-/// `makeXferReq` over indices into them plus `postXferReq`, with the notification attached.
+/// Memory is registered as NIXL DRAM or VRAM (by [`MemRegion::kind`]). `prep_dlist` has NIXL
+/// check the list with one descriptor per region (`prepXferDlist`), in O(regions): a new peer
+/// costs no per-block work. [`post_blocks`][`TransferAgent::post_blocks`] builds each transfer's
+/// descriptor lists from kvx-core's coalesced plan, one descriptor per run of blocks contiguous on
+/// both sides per region (`createXferReq`); [`post`][`TransferAgent::post`] is a `makeXferReq`
+/// over indices into per-block lists that NIXL prepares when a `post` first uses the list. Either
+/// way `postXferReq` follows, with the notification attached.
 ///
 /// # Threading
 /// Every NIXL call for this agent is made with the agent's own mutex held, so NIXL (whose agents
@@ -108,6 +112,7 @@ impl NixlConfig {
 /// [`TransferAgent`]: kvx_core::TransferAgent
 /// [`MemRegion::kind`]: kvx_core::MemRegion::kind
 /// [`TransferAgent::post`]: kvx_core::TransferAgent::post
+/// [`TransferAgent::post_blocks`]: kvx_core::TransferAgent::post_blocks
 pub struct NixlAgent {
     name: AgentName,
     capabilities: Capabilities,

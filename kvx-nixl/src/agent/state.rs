@@ -16,7 +16,8 @@ use nixl_sys as nixl;
 use crate::error::{NixlResultExt, error, nixl_error};
 use crate::library::lifecycle_lock;
 
-use super::TEARDOWN_WAIT;
+use super::convert::{mem_type, to_usize};
+use super::{LOCAL_AGENT, TEARDOWN_WAIT};
 
 /// Everything behind the agent's mutex. nixl-sys marks its agent and request handles `Send` and
 /// `Sync` without saying why; kvx-nixl does not rely on that for correctness: every NIXL call and
@@ -119,6 +120,84 @@ impl State {
         }
     }
 
+    /// Posts a transfer request NIXL has made, counts it as using `uses` until it settles, and
+    /// records it (`Done` at once when NIXL completed it inside the post).
+    pub(super) fn submit(&mut self, request: nixl::XferRequest, uses: Uses) -> Result<XferId> {
+        let in_flight =
+            self.nixl.agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
+        self.take_uses(&uses);
+        let mut xfer =
+            Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses), reported: false };
+        if !in_flight {
+            xfer.state = XferState::Done;
+            if let Some(uses) = xfer.settle() {
+                self.release_uses(uses);
+            }
+        }
+        let id = XferId(self.next_id());
+        self.xfers.insert(id, xfer);
+        Ok(id)
+    }
+
+    /// Prepares list `id`'s per-block NIXL list (region by region, block by block: descriptor
+    /// `region * num_blocks + block`) unless it is already. `prep_dlist` checked the list against
+    /// the owner's registrations, so a failure here is NIXL's own (`Backend`).
+    pub(super) fn prepare_blocks(&mut self, id: DlistId) -> Result<()> {
+        let Some(list) = self.dlists.get_mut(&id) else {
+            return Err(error(ErrorKind::NotFound, format!("{id} is not prepared")));
+        };
+        if list.prepared.is_some() {
+            return Ok(());
+        }
+        let blocks = &list.blocks;
+        let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
+            .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let (len, device) = (to_usize(blocks.block_len)?, u64::from(blocks.device));
+        for &base in &blocks.bases {
+            for block in 0..u64::from(blocks.num_blocks) {
+                // In range: `prep_dlist` checked the whole region, so this cannot overflow.
+                descs.add_desc(to_usize(base + block * blocks.block_len)?, len, device);
+            }
+        }
+        let owner = match &list.owner {
+            DlistOwner::Local => LOCAL_AGENT,
+            DlistOwner::Remote(name) => name.as_str(),
+        };
+        let handle = self
+            .nixl
+            .agent
+            .prepare_xfer_dlist(owner, &descs, None)
+            .nixl(ErrorKind::Backend, "preparing a list's per-block descriptors")?;
+        list.prepared = Some(PreparedDlist(handle));
+        Ok(())
+    }
+
+    /// Whether one descriptor of list `id` may run from region `region` into the next: both lie
+    /// in one registration (a local list) or one registered region of the remote (a remote list),
+    /// as a NIXL descriptor must.
+    pub(super) fn joinable(&self, id: DlistId, region: usize) -> bool {
+        let Some(list) = self.dlists.get(&id) else { return false };
+        match &list.owner {
+            DlistOwner::Local => {
+                matches!((list.registrations.get(region), list.registrations.get(region + 1)), (Some(a), Some(b)) if a == b)
+            }
+            DlistOwner::Remote(name) => {
+                let Some(remote) = self.remotes.get(name) else { return false };
+                let blocks = &list.blocks;
+                let (Some(&first), Some(&next)) = (blocks.bases.get(region), blocks.bases.get(region + 1))
+                else {
+                    return false;
+                };
+                let end = u64::from(blocks.num_blocks)
+                    .checked_mul(blocks.block_len)
+                    .and_then(|n| next.checked_add(n));
+                end.is_some_and(|end| {
+                    remote.regions.iter().any(|m| m.addr <= first && m.end().is_some_and(|e| end <= e))
+                })
+            }
+        }
+    }
+
     pub(super) fn any_in_flight(&self) -> bool {
         !self.detached.is_empty() || self.xfers.values().any(|x| x.state == XferState::Pending)
     }
@@ -208,7 +287,9 @@ pub(super) struct PreparedDlist(pub(super) nixl::XferDlistHandle);
 unsafe impl Send for PreparedDlist {}
 
 pub(super) struct Dlist {
-    pub(super) handle: PreparedDlist,
+    /// NIXL's list of one descriptor per block per region, which `post` indexes: prepared when
+    /// a `post` first uses the list (`post_blocks` needs none).
+    pub(super) prepared: Option<PreparedDlist>,
     pub(super) owner: DlistOwner,
     pub(super) blocks: BlockList,
     /// A local list: the registration holding each of its regions (empty for a remote list).

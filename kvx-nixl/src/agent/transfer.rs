@@ -3,11 +3,11 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use kvx_core::post::{bad_dlist_kind, check_notification, place_dlist};
+use kvx_core::post::{BlockPostRequest, bad_dlist_kind, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion, Notification,
-    PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 use nixl_sys as nixl;
 
@@ -16,7 +16,7 @@ use crate::error::{NixlResultExt, error, nixl_error};
 use crate::metadata::AgentMetadata;
 
 use super::convert::{RegionDescriptor, mem_type, nixl_index, nixl_op, to_usize};
-use super::state::{Dlist, PreparedDlist, Registration, Remote, Uses, Xfer, fetch_notifications};
+use super::state::{Dlist, Registration, Remote, Uses, fetch_notifications};
 use super::{LOCAL_AGENT, NixlAgent};
 
 impl TransferAgent for NixlAgent {
@@ -195,29 +195,26 @@ impl TransferAgent for NixlAgent {
         let registrations =
             place_dlist(&self.capabilities, owner, blocks, &owned)?.into_iter().flatten().collect();
 
+        // NIXL checks the list against the owner's registrations as it prepares it: one
+        // descriptor per region checks what the blocks' descriptors would, in O(regions). The
+        // per-block list that `post` indexes is prepared when a `post` first uses the list.
         let mut descs = nixl::XferDescList::new(mem_type(blocks.kind))
             .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let region_len = to_usize(u64::from(blocks.num_blocks) * blocks.block_len)?;
         for &base in &blocks.bases {
-            for block in 0..u64::from(blocks.num_blocks) {
-                // In range: the whole region was checked above, so this cannot overflow.
-                let addr = base + block * blocks.block_len;
-                descs.add_desc(to_usize(addr)?, to_usize(blocks.block_len)?, u64::from(blocks.device));
-            }
+            descs.add_desc(to_usize(base)?, region_len, u64::from(blocks.device));
         }
-        let handle = state
-            .nixl
-            .agent
-            .prepare_xfer_dlist(nixl_owner, &descs, None)
-            .nixl(bad, "preparing a descriptor list")?;
+        drop(
+            state
+                .nixl
+                .agent
+                .prepare_xfer_dlist(nixl_owner, &descs, None)
+                .nixl(bad, "preparing a descriptor list")?,
+        );
         let id = DlistId(state.next_id());
         state.dlists.insert(
             id,
-            Dlist {
-                handle: PreparedDlist(handle),
-                owner: owner.clone(),
-                blocks: blocks.clone(),
-                registrations,
-            },
+            Dlist { prepared: None, owner: owner.clone(), blocks: blocks.clone(), registrations },
         );
         Ok(id)
     }
@@ -243,8 +240,7 @@ impl TransferAgent for NixlAgent {
         let state = &mut *guard;
         let request = PostRequest { op, local, local_descs, remote, remote_descs, notify };
         let plan = request.check(&self.capabilities, |id| state.dlists.get(&id).map(Dlist::view))?;
-        let (Some(local_list), Some(remote_list)) = (state.dlists.get(&local), state.dlists.get(&remote))
-        else {
+        let Some(local_list) = state.dlists.get(&local) else {
             return Err(error(ErrorKind::Backend, "a checked post's lists vanished"));
         };
         let mut local_indices = Vec::with_capacity(plan.pairs().len());
@@ -257,43 +253,80 @@ impl TransferAgent for NixlAgent {
         }
         registrations.sort_unstable();
         registrations.dedup();
+        let peer = plan.peer().clone();
 
-        let options = match notify {
-            Some(msg) => {
-                let mut options =
-                    nixl::OptArgs::new().nixl(ErrorKind::Backend, "creating transfer options")?;
-                options.set_has_notification(true).nixl(ErrorKind::Backend, "attaching a notification")?;
-                options.set_notification_message(msg).nixl(ErrorKind::Backend, "attaching a notification")?;
-                Some(options)
-            }
-            None => None,
+        state.prepare_blocks(local)?;
+        state.prepare_blocks(remote)?;
+        let (Some(local_prepared), Some(remote_prepared)) = (
+            state.dlists.get(&local).and_then(|d| d.prepared.as_ref()),
+            state.dlists.get(&remote).and_then(|d| d.prepared.as_ref()),
+        ) else {
+            return Err(error(ErrorKind::Backend, "a post's lists were not prepared"));
         };
-        let agent = &state.nixl.agent;
-        let request = agent
+        let options = notification(notify)?;
+        let request = state
+            .nixl
+            .agent
             .make_xfer_req(
                 nixl_op(op),
-                &local_list.handle.0,
+                &local_prepared.0,
                 &local_indices,
-                &remote_list.handle.0,
+                &remote_prepared.0,
                 &remote_indices,
                 options.as_ref(),
             )
             .nixl(ErrorKind::Backend, "making a transfer request")?;
-        let in_flight =
-            agent.post_xfer_req(&request, None).nixl(ErrorKind::Transfer, "posting a transfer")?;
-        let uses = Uses { registrations, remote: plan.peer().clone() };
-        state.take_uses(&uses);
-        let mut xfer =
-            Xfer { state: XferState::Pending, request: Some(request), uses: Some(uses), reported: false };
-        if !in_flight {
-            xfer.state = XferState::Done;
-            if let Some(uses) = xfer.settle() {
-                state.release_uses(uses);
-            }
+        state.submit(request, Uses { registrations, remote: peer })
+    }
+
+    /// Builds the transfer's descriptor lists from the plan's coalesced ranges (one descriptor
+    /// per run of blocks contiguous on both sides, per region) and hands them to NIXL's
+    /// `createXferReq`: no prepared list is involved, so posting costs O(blocks + regions).
+    fn post_blocks<'a>(
+        &self,
+        op: XferOp,
+        local: DlistId,
+        remote: DlistId,
+        blocks: &BlockPost<'a>,
+        notify: Option<&'a [u8]>,
+    ) -> Result<XferId> {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let request = BlockPostRequest { op, local, remote, blocks: *blocks, notify };
+        let plan = request.check(
+            &self.capabilities,
+            |id| state.dlists.get(&id).map(Dlist::view),
+            |id, region| state.joinable(id, region),
+        )?;
+        let (Some(local_list), Some(remote_list)) = (state.dlists.get(&local), state.dlists.get(&remote))
+        else {
+            return Err(error(ErrorKind::Backend, "a checked post's lists vanished"));
+        };
+        let runs = plan.runs();
+        let mut local_descs = nixl::XferDescList::new(mem_type(local_list.blocks.kind))
+            .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let mut remote_descs = nixl::XferDescList::new(mem_type(remote_list.blocks.kind))
+            .nixl(ErrorKind::Backend, "creating a descriptor list")?;
+        let (local_device, remote_device) =
+            (u64::from(local_list.blocks.device), u64::from(remote_list.blocks.device));
+        for range in runs {
+            let len = to_usize(range.len)?;
+            local_descs.add_desc(to_usize(range.local)?, len, local_device);
+            remote_descs.add_desc(to_usize(range.remote)?, len, remote_device);
         }
-        let id = XferId(state.next_id());
-        state.xfers.insert(id, xfer);
-        Ok(id)
+        let mut registrations: Vec<RegistrationId> =
+            runs.regions().filter_map(|r| local_list.registrations.get(r).copied()).collect();
+        registrations.sort_unstable();
+        registrations.dedup();
+
+        let options = notification(notify)?;
+        let peer = plan.peer().clone();
+        let request = state
+            .nixl
+            .agent
+            .create_xfer_req(nixl_op(op), &local_descs, &remote_descs, peer.as_str(), options.as_ref())
+            .nixl(ErrorKind::Backend, "creating a transfer request")?;
+        state.submit(request, Uses { registrations, remote: peer })
     }
 
     fn poll(&self, xfer: XferId) -> Result<XferState> {
@@ -359,4 +392,13 @@ impl TransferAgent for NixlAgent {
         state.refresh_pending();
         fetch_notifications(&state.nixl.agent, &mut state.received)
     }
+}
+
+/// NIXL's transfer options carrying `notify`, if any.
+fn notification(notify: Option<&[u8]>) -> Result<Option<nixl::OptArgs>> {
+    let Some(msg) = notify else { return Ok(None) };
+    let mut options = nixl::OptArgs::new().nixl(ErrorKind::Backend, "creating transfer options")?;
+    options.set_has_notification(true).nixl(ErrorKind::Backend, "attaching a notification")?;
+    options.set_notification_message(msg).nixl(ErrorKind::Backend, "attaching a notification")?;
+    Ok(Some(options))
 }
