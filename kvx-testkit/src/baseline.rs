@@ -43,6 +43,8 @@ fn send(shape: Shape) -> Result<()> {
     // this child to be killed by its parent's bound.
     let (mut stream, _) = listener.accept().map_err(io("accept"))?;
     stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
+    // Without it a round's last partial segment can wait for a delayed ACK (about 40 ms).
+    stream.set_nodelay(true).map_err(io("set_nodelay"))?;
     let bl = shape.block_len;
     let mut request = [0u8; 8];
     // Each request names a round; the receiver closing the connection ends the loop.
@@ -76,6 +78,7 @@ impl TcpStreamBaseline {
             port.parse().map_err(|_| Error::invalid_peer_data(format!("sender port {port:?}")))?;
         let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
         stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
+        stream.set_nodelay(true).map_err(io("set_nodelay"))?;
         Ok(TcpStreamBaseline { child, stream, shape, dst: vec![0u8; shape.read_len()] })
     }
 
