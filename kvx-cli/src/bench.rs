@@ -22,6 +22,7 @@ use kvx_testkit::child::SelfChild;
 use kvx_testkit::xproc::{self, PROCESS_DEADLINE, Reader, Shape, TRANSFER_DEADLINE};
 
 use crate::backend::Backend;
+use crate::summary::percentile;
 
 /// The link a row's READs cross.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -316,11 +317,9 @@ fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) 
     times.sort_unstable();
     let mut base = measured.baseline.clone();
     base.sort_unstable();
-    let (Some(&p50), Some(&p99), Some(&base_p50)) = (
-        times.get(times.len() / 2),
-        times.get((times.len() * 99).div_ceil(100).saturating_sub(1)),
-        base.get(base.len() / 2),
-    ) else {
+    let (Some(p50), Some(p99), Some(base_p50)) =
+        (percentile(&times, 0.5), percentile(&times, 0.99), percentile(&base, 0.5))
+    else {
         return Err(Error::new(ErrorKind::State, "a row without timed rounds"));
     };
     Ok(Row {

@@ -153,7 +153,7 @@ impl Summary {
 }
 
 /// The `p` quantile of sorted durations.
-fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
     let n = sorted.len();
     (n > 0).then(|| sorted[((n - 1) as f64 * p).round() as usize])
 }
