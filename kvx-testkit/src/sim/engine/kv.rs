@@ -27,7 +27,7 @@ pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) ->
     let block_len = model.block_len(tp);
     let regions = model.kind().regions_per_layer();
     let region_len = config.num_blocks as usize * block_len;
-    let mut expected = Vec::with_capacity(block_len);
+    let mut expected = vec![0u8; block_len];
     let mut actual = vec![0u8; block_len];
     for (rank, ranked) in ranks.iter().enumerate() {
         for (layer, buf) in ranked.layers.iter().enumerate() {
@@ -35,20 +35,19 @@ pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) ->
             for i in load.first + skip..load.first + load.count {
                 let block = r.blocks[i] as usize;
                 for region in 0..regions {
-                    expected.clear();
-                    model.rows(
+                    let filled = model.fill_block(
                         &r.prefixes[i * bs..(i + 1) * bs],
+                        0,
                         layer,
                         region,
-                        rank as u32,
-                        tp,
-                        &mut expected,
+                        (rank as u32, tp),
+                        |at, bytes| place(&mut expected, at, bytes),
                     );
                     let offset = region as usize * region_len + block * block_len;
                     let read = buf.read(offset, &mut actual);
                     out.blocks += 1;
                     out.bytes += block_len as u64;
-                    if read.is_err() || actual != expected {
+                    if filled.is_err() || read.is_err() || actual != expected {
                         out.wrong.push(format!(
                             "rank {rank} layer {layer} region {region} block {i} (id {block})"
                         ));
@@ -70,9 +69,8 @@ pub(super) fn write_kv(
 ) -> Result<()> {
     let model = &config.model;
     let (bs, tp) = (model.block_size as usize, config.tp);
-    let (row_len, block_len) = (model.row_len(tp), model.block_len(tp));
+    let block_len = model.block_len(tp);
     let region_len = config.num_blocks as usize * block_len;
-    let mut rows = Vec::new();
     let mut pos = from;
     while pos < to {
         let (i, slot) = (pos / bs, pos % bs);
@@ -84,15 +82,29 @@ pub(super) fn write_kv(
         for (rank, ranked) in ranks.iter().enumerate() {
             for (layer, buf) in ranked.layers.iter().enumerate() {
                 for region in 0..model.kind().regions_per_layer() {
-                    rows.clear();
-                    model.rows(&r.prefixes[pos..end], layer, region, rank as u32, tp, &mut rows);
-                    let offset = region as usize * region_len + block as usize * block_len + slot * row_len;
-                    buf.write(offset, &rows)?;
+                    let base = region as usize * region_len + block as usize * block_len;
+                    model.fill_block(
+                        &r.prefixes[pos..end],
+                        slot,
+                        layer,
+                        region,
+                        (rank as u32, tp),
+                        |at, bytes| buf.write(base + at, bytes),
+                    )?;
                 }
             }
         }
         pos = end;
     }
+    Ok(())
+}
+
+/// Copies `bytes` into `block` at `at`.
+fn place(block: &mut [u8], at: usize, bytes: &[u8]) -> Result<()> {
+    block
+        .get_mut(at..at + bytes.len())
+        .ok_or_else(|| Error::new(ErrorKind::State, "a piece beyond its block"))?
+        .copy_from_slice(bytes);
     Ok(())
 }
 

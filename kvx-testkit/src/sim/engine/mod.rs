@@ -82,7 +82,7 @@ struct Rank {
 /// waiting and finished requests, [`ConnectorScheduler::build_connector_meta`], the metadata to
 /// every worker as bytes (as across a process boundary), the workers' `get_finished` (ranks N-1
 /// to 1, then rank 0, whose bounded gather finds their reports), and the result back to the
-/// scheduler. The "model" writes deterministic KV bytes (see [`ModelSpec::rows`](super::ModelSpec::rows)); every block a
+/// scheduler. The "model" writes deterministic KV bytes (see [`ModelSpec::fill_block`](super::ModelSpec::fill_block)); every block a
 /// load brings in is checked byte for byte when the load completes.
 ///
 /// A request with `do_remote_decode` params stops after one token and hands back the params a
@@ -172,12 +172,11 @@ impl SimEngine {
             None => u64::from_le_bytes(kvx_core::auth::random_bytes()?),
         };
         let scheduler_config = SchedulerConfig {
-            engine_id: config.engine_id.clone(),
-            block_size: model.block_size,
-            side_channel: endpoint.clone(),
             auth_key: config.auth_key.clone(),
             lease_duration: config.lease_duration,
             instance: Some(instance),
+            tp_size: config.tp,
+            ..SchedulerConfig::new(config.engine_id.clone(), model.block_size, endpoint.clone())
         };
         let scheduler = match config.seed {
             Some(seed) => {
@@ -201,6 +200,7 @@ impl SimEngine {
                     side_channel: Some(own_side_channel.clone()),
                     instance: Some(instance),
                     auth_key: config.auth_key.clone(),
+                    kv_heads: Some(model.kv_heads()),
                     ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
                 },
                 agent,
