@@ -1,0 +1,212 @@
+//! Engines of different tensor-parallel sizes on the loopback backend, in simulated time: a
+//! prefill engine of TP `P` and a decode engine of TP `D` for every pair of (1,2), (2,1), (2,4),
+//! (4,2), (1,4) and (4,1), with standard attention (head-major, split heads), replicated heads
+//! (more ranks than KV heads), MLA, and a hybrid model whose layers mix global attention and
+//! windows. Each runs random prompts with prefix hits on the decode side and aborts at both
+//! engines; every byte each decode rank receives is checked against what that rank (of its own
+//! TP size) must hold, nothing leaks in either pool and every request ends. Pairings kvx cannot
+//! serve (a token-major cache that would need slicing, TP sizes that do not divide each other)
+//! fail every request at once with `Incompatible`, refused at the handshake.
+
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+mod common;
+
+use common::*;
+use kvx_core::{ErrorKind, FinishReason, RequestId};
+use kvx_testkit::matrix::{assert_failed, step_until};
+use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, ModelSpec, RequestState, SimEngine};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The (prefill, decode) TP pairs.
+const PAIRS: [(u32, u32); 6] = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)];
+
+/// Standard attention, head-major: 8 KV heads of 8 elements, split over up to 4 ranks.
+fn split_heads() -> ModelSpec {
+    ModelSpec::standard(2, 8, 8, BS as u32).with_layout(HeadLayout::Hnd)
+}
+
+/// 2 KV heads: on 4 ranks each head is held by two ranks.
+fn replicated_heads() -> ModelSpec {
+    ModelSpec::standard(2, 2, 8, BS as u32).with_layout(HeadLayout::Hnd)
+}
+
+/// Global-attention layers between windowed ones (1 and 2 blocks).
+fn hybrid() -> ModelSpec {
+    ModelSpec::standard(4, 4, 8, BS as u32).with_layout(HeadLayout::Hnd).with_windows(vec![
+        None,
+        Some(1),
+        None,
+        Some(2),
+    ])
+}
+
+/// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
+fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
+    let config = |name: &str, tp| EngineConfig { tp, ..lb.config(name, model) };
+    let prefill = lb.engine(config("prefill", p));
+    let decode = lb.engine(config("decode", d));
+    lb.cluster_of(vec![prefill], decode)
+}
+
+/// Submits `id` with `prompt`, 2 tokens to generate.
+fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
+    c.submit(id.clone(), prompt, 2).unwrap_or_else(|e| panic!("submitting {id}: {e}"));
+}
+
+#[track_caller]
+fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
+    assert_eq!(e.state(id), Some(&state), "{what}: {id}");
+}
+
+/// The workload on a prefill engine of TP `p` and a decode engine of TP `d`: two waves of random
+/// prompts (half of them behind a shared 3-block prefix, so the second wave hits the decode
+/// engine's prefix cache), a request aborted at the prefill engine before it ran, and one aborted
+/// at the decode engine while it waits for its KV.
+fn run_pair(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
+    let what = format!("P={p} D={d} {:?} {:?} windows {:?}", model.shape, model.layout, model.windows);
+    let lb = Loopback::simulated();
+    let mut c = cluster(&lb, model, (p, d));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let shared = prompt(seed, 3 * BS);
+    let mut random_prompt = |i: usize| {
+        let mut out = if i % 2 == 0 { shared.clone() } else { Vec::new() };
+        out.extend(prompt(rng.r#gen(), rng.gen_range(1..=4 * BS)));
+        out
+    };
+    let mut served = Vec::new();
+    for wave in 0..2 {
+        for i in 0..3 {
+            let rid = id(format!("w{wave}-{i}"));
+            submit(&mut c, &rid, random_prompt(i));
+            served.push(rid);
+        }
+        if wave == 0 {
+            c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+            for rid in &served {
+                assert_state(&c.decodes[0], rid, RequestState::Finished(FinishReason::LengthCapped), &what);
+            }
+        }
+    }
+    // Aborted at the prefill engine before its first step.
+    let early = id("abort-at-prefill");
+    submit(&mut c, &early, prompt(seed + 1, 2 * BS + 3));
+    c.abort(&early);
+    // Aborted at the decode engine while its KV is on the way.
+    let loading = id("abort-while-loading");
+    submit(&mut c, &loading, prompt(seed + 2, 3 * BS + 1));
+    step_until(&mut c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
+        matches!(
+            c.decodes[0].state(&loading),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
+        )
+    });
+    c.abort(&loading);
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+
+    assert_clean(&c);
+    let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
+    for rid in &served {
+        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), &what);
+    }
+    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), &what);
+    assert_eq!(decode.state(&early), None, "{what}: {early} never reached the decode engine");
+    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), &what);
+    let s = decode.stats();
+    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
+    assert!(s.tokens_cached >= 3 * BS as u64, "{what}: the second wave hit the shared prefix: {s:?}");
+    // Every loaded block was checked on every decode rank, in every layer within its window.
+    let regions = u64::from(model.kind().regions_per_layer());
+    let loaded = s.tokens_loaded / BS as u64;
+    let global = model.windows.iter().filter(|w| w.is_none()).count() as u64;
+    let per_block = regions * u64::from(d);
+    assert!(loaded > 0, "{what}: {s:?}");
+    if global == model.num_layers() as u64 {
+        assert_eq!(s.blocks_verified, loaded * global * per_block, "{what}: {s:?}");
+    } else {
+        let windowed = model.num_layers() as u64 - global;
+        assert!(s.blocks_verified >= loaded * global * per_block + windowed * per_block, "{what}: {s:?}");
+        assert!(s.blocks_verified < loaded * model.num_layers() as u64 * per_block, "{what}: {s:?}");
+    }
+    // Every hold of every prefill rank was released by its readers, none expired.
+    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
+    assert_eq!(expired, vec![0; p as usize], "{what}: holds expired per prefill rank");
+}
+
+#[test]
+fn split_heads_on_every_pair() {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_pair(&split_heads(), pair, 100 + i as u64);
+    }
+}
+
+#[test]
+fn replicated_heads_on_every_pair() {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_pair(&replicated_heads(), pair, 200 + i as u64);
+    }
+}
+
+#[test]
+fn mla_on_every_pair() {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_pair(&ModelSpec::mla(2, 32, BS as u32), pair, 300 + i as u64);
+    }
+}
+
+#[test]
+fn hybrid_windows_on_every_pair() {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_pair(&hybrid(), pair, 400 + i as u64);
+    }
+}
+
+/// Equal TP sizes stay as they were in either layout (a token-major cache needs no slicing).
+#[test]
+fn equal_sizes_in_both_layouts() {
+    run_pair(&split_heads().with_layout(HeadLayout::Nhd), (2, 2), 500);
+    run_pair(&split_heads(), (4, 4), 501);
+}
+
+/// A pairing kvx cannot serve: every request fails with `Incompatible` from the handshake, long
+/// before the handshake timeout (in simulated time), with no READ posted; nothing leaks.
+fn refused(model: &ModelSpec, (p, d): (u32, u32)) {
+    let what = format!("P={p} D={d} {:?} {:?}", model.shape, model.layout);
+    let lb = Loopback::simulated();
+    let mut c = cluster(&lb, model, (p, d));
+    let ids: Vec<_> = (0..3).map(|i| id(format!("refused-{i}"))).collect();
+    for (i, rid) in ids.iter().enumerate() {
+        submit(&mut c, rid, prompt(600 + i as u64, 2 * BS + i));
+    }
+    let clock = lb.time.as_ref().unwrap().clock().clone();
+    step_until(&mut c, &format!("{what}: every request fails"), |c| {
+        ids.iter().all(|rid| matches!(c.decodes[0].state(rid), Some(RequestState::Failed(_))))
+    });
+    let handshake_timeout = c.decodes[0].config().handshake_timeout;
+    assert!(
+        clock.elapsed() < handshake_timeout / 5,
+        "{what}: failed after {:?}, not at once",
+        clock.elapsed()
+    );
+    for rid in &ids {
+        let e = assert_failed(&c.decodes[0], rid, &[ErrorKind::Incompatible]);
+        assert!(!e.message().contains("timed out"), "{what}: {e}");
+    }
+    assert!(c.decodes[0].worker_stats().iter().all(|w| w.reads_posted == 0), "{what}");
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_clean(&c);
+    assert_eq!(c.decodes[0].stats().blocks_verified, 0);
+}
+
+#[test]
+fn a_token_major_cache_that_needs_slicing_is_refused() {
+    let nhd = split_heads().with_layout(HeadLayout::Nhd);
+    refused(&nhd, (1, 2));
+    refused(&nhd, (4, 2));
+}
+
+#[test]
+fn tp_sizes_that_do_not_divide_each_other_are_refused() {
+    refused(&ModelSpec::standard(2, 6, 8, BS as u32).with_layout(HeadLayout::Hnd), (2, 3));
+}
