@@ -5,7 +5,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::time::{Duration, Instant};
 
 use kvx_core::Result;
-use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, SimEngine};
+use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, RequestState, SimEngine};
 
 use crate::backend::Backend;
 use crate::roles::AuthArgs;
@@ -28,6 +28,13 @@ pub(crate) struct DemoArgs {
     /// requests.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_ENGINES))]
     decode_engines: u32,
+    /// Tensor-parallel ranks of each prefill engine (default: `--tp`); with `--decode-tp`, the
+    /// engines' TP sizes may differ.
+    #[arg(long, conflicts_with = "tp", value_parser = clap::value_parser!(u32).range(1..))]
+    prefill_tp: Option<u32>,
+    /// Tensor-parallel ranks of each decode engine (default: `--tp`).
+    #[arg(long, conflicts_with = "tp", value_parser = clap::value_parser!(u32).range(1..))]
+    decode_tp: Option<u32>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -40,22 +47,27 @@ pub(crate) struct DemoArgs {
 pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
     let backend = args.backend.sim_backend(false)?;
     let (p, d) = (args.prefill_engines, args.decode_engines);
+    let tps = (args.prefill_tp.unwrap_or(args.model.tp), args.decode_tp.unwrap_or(args.model.tp));
     let shape = if (p, d) == (1, 1) { String::new() } else { format!("engines: {p} prefill, {d} decode, ") };
-    println!("kvx demo: {} backend, {shape}{}", args.backend.name(), args.model.describe());
+    let model = match tps {
+        (pt, dt) if pt == dt => args.model.describe_with(&format!("TP={pt}")),
+        (pt, dt) => args.model.describe_with(&format!("TP={pt} prefill, TP={dt} decode")),
+    };
+    println!("kvx demo: {} backend, {shape}{model}", args.backend.name());
     let net = InProcessSideChannels::new();
     let auth_key = args.auth.key()?;
-    let engine = |id: String| {
+    let engine = |id: String, tp: u32| {
         let config = EngineConfig {
             auth_key: auth_key.clone(),
-            ..EngineConfig::new(&id, args.model.tp, args.model.blocks, args.model.model(), &net)
+            ..EngineConfig::new(&id, tp, args.model.blocks, args.model.model(), &net)
         };
         SimEngine::new(config, &backend)
     };
     // `prefill` and `decode` when alone, `prefill-0`, `prefill-1`, ... otherwise.
-    let engines = |role: &str, n: u32| -> Result<Vec<SimEngine>> {
-        (0..n).map(|i| engine(if n == 1 { role.to_owned() } else { format!("{role}-{i}") })).collect()
+    let engines = |role: &str, n: u32, tp: u32| -> Result<Vec<SimEngine>> {
+        (0..n).map(|i| engine(if n == 1 { role.to_owned() } else { format!("{role}-{i}") }, tp)).collect()
     };
-    let mut cluster = Cluster::xpyd(engines("prefill", p)?, engines("decode", d)?)?;
+    let mut cluster = Cluster::xpyd(engines("prefill", p, tps.0)?, engines("decode", d, tps.1)?)?;
     let prompts = args.workload.prompts();
     let bar = ProgressBar::new(prompts.len() as u64);
     bar.set_style(
@@ -70,6 +82,14 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
         bar.set_position(c.decodes.iter().map(|e| e.stats().finished + e.stats().failed).sum());
     })?;
     bar.finish_and_clear();
+    // Why requests failed, on stderr: the first of them (the summary counts all).
+    let failure = cluster.decodes.iter_mut().flat_map(SimEngine::take_ended).find_map(|r| match r.state {
+        RequestState::Failed(why) => Some((r.id, why)),
+        _ => None,
+    });
+    if let Some((id, why)) = failure {
+        eprintln!("kvx demo: request {id} failed: {why}");
+    }
     let mut summary = Summary::of_engines(&cluster.decodes, args.workload.requests, start.elapsed());
     for prefill in &cluster.prefills {
         summary.check(prefill);

@@ -1,12 +1,33 @@
 //! The model and the requests a run uses, from the command line.
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::str::FromStr;
 
 use kvx_core::RequestId;
-use kvx_testkit::sim::{ModelSpec, VOCAB};
+use kvx_testkit::sim::{HeadLayout, ModelSpec, VOCAB};
+
+/// How each block of a layer's K or V orders its tokens and heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Layout {
+    /// Token-major, `[2, blocks, block_size, heads, head_dim]`: a rank's heads are not contiguous
+    /// in a block, so engines of different TP sizes move it only where each decode rank holds
+    /// exactly the heads of one prefill rank (replicated heads).
+    Nhd,
+    /// Head-major, `[2, blocks, heads, block_size, head_dim]`: engines of different TP sizes READ
+    /// their slice of the heads.
+    Hnd,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Nhd => "NHD",
+            Layout::Hnd => "HND",
+        }
+    }
+}
 
 /// The simulated model and each engine's KV pool.
 #[derive(Debug, Clone, Args)]
@@ -17,12 +38,20 @@ pub(crate) struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
-    /// KV heads (split over the tensor-parallel ranks).
+    /// KV heads of the model: split over the tensor-parallel ranks, or, on more ranks than heads,
+    /// one per rank (each head on TP / heads ranks).
     #[arg(long, default_value_t = 8)]
     kv_heads: u32,
     /// Elements per head (2 bytes each).
     #[arg(long, default_value_t = 64)]
     head_dim: u32,
+    /// The KV cache's layout.
+    #[arg(long, value_enum, default_value_t = Layout::Hnd)]
+    layout: Layout,
+    /// A hybrid model: every other layer (the 2nd, 4th, ...) attends to its last W blocks only
+    /// (a sliding window), and only those are moved.
+    #[arg(long, value_name = "W", value_parser = clap::value_parser!(u32).range(1..))]
+    window: Option<u32>,
     /// Tensor-parallel ranks of each engine.
     #[arg(long, default_value_t = 2)]
     pub(crate) tp: u32,
@@ -33,14 +62,35 @@ pub(crate) struct ModelArgs {
 
 impl ModelArgs {
     pub(crate) fn model(&self) -> ModelSpec {
+        let layout = match self.layout {
+            Layout::Nhd => HeadLayout::Nhd,
+            Layout::Hnd => HeadLayout::Hnd,
+        };
+        let windows = (0..self.layers).map(|l| self.window.filter(|_| l % 2 == 1)).collect();
         ModelSpec::standard(self.layers, self.kv_heads, self.head_dim, self.block_size)
+            .with_layout(layout)
+            .with_windows(windows)
+    }
+
+    /// The model in words, with `tp` for the tensor-parallel sizes (`TP=2`, say).
+    pub(crate) fn describe_with(&self, tp: &str) -> String {
+        let window = match self.window {
+            Some(w) => format!(", every other layer a {w}-block window"),
+            None => String::new(),
+        };
+        format!(
+            "{tp}, {} layers, {} KV heads x {} ({}){window}, {}-token blocks, {} blocks per pool",
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.layout.name(),
+            self.block_size,
+            self.blocks
+        )
     }
 
     pub(crate) fn describe(&self) -> String {
-        format!(
-            "TP={}, {} layers, {} KV heads x {}, {}-token blocks, {} blocks per pool",
-            self.tp, self.layers, self.kv_heads, self.head_dim, self.block_size, self.blocks
-        )
+        self.describe_with(&format!("TP={}", self.tp))
     }
 }
 

@@ -7,10 +7,11 @@
 #![cfg(all(feature = "ucx", feature = "nixl"))]
 #![allow(clippy::unwrap_used)] // Test: a failed unwrap is a failed test.
 
-use std::io::Write;
+mod common;
+
 use std::sync::Arc;
 
-use kvx_core::Error;
+use common::available;
 use kvx_nixl::{NixlAgent, NixlConfig};
 use kvx_testkit::conformance::{
     Pair, check_notification_with_read, check_notification_with_write, check_read_scattered,
@@ -18,23 +19,11 @@ use kvx_testkit::conformance::{
 };
 use kvx_ucx::UcxAgent;
 
-/// Whether `library` is usable (`check` is `Ok`). If not: with `require_var=1` the test fails;
-/// otherwise it prints a loud SKIP line and the caller returns.
-fn available(library: &str, check: Result<(), Error>, require_var: &str) -> bool {
-    let Err(e) = check else { return true };
-    assert_ne!(
-        std::env::var(require_var).as_deref(),
-        Ok("1"),
-        "{require_var}=1 but {library} is not available: {e}"
-    );
-    let _ = writeln!(std::io::stderr(), "\n*** SKIP ucx_and_nixl_agents_in_one_process: {library}: {e}\n");
-    false
-}
-
 #[test]
 fn ucx_and_nixl_agents_in_one_process() {
-    if !available("UCX", kvx_ucx::ucx_version().map(drop), "KVX_REQUIRE_UCX")
-        || !available("NIXL", kvx_nixl::check_library(), "KVX_REQUIRE_NIXL")
+    const TEST: &str = "ucx_and_nixl_agents_in_one_process";
+    if !available(TEST, "UCX", kvx_ucx::ucx_version().map(drop), "KVX_REQUIRE_UCX")
+        || !available(TEST, "NIXL", kvx_nixl::check_library(), "KVX_REQUIRE_NIXL")
     {
         return;
     }

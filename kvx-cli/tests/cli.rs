@@ -2,6 +2,8 @@
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
+mod common;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -113,6 +115,69 @@ fn demo_refuses_engine_counts_out_of_range() {
     }
 }
 
+/// `kvx demo` with prefill and decode engines of TP sizes `p` and `d` (head-major caches, the
+/// default) and `extra` options: each decode rank READs its own slice of the heads from the
+/// prefill ranks that hold it, every byte checked, nothing leaked.
+fn demo_moves_kv_between_tp_sizes_on(backend: &str, (p, d): (u32, u32), extra: &[&str]) {
+    let (ps, ds) = (p.to_string(), d.to_string());
+    let stdout = demo_on(backend, &[&["--prefill-tp", &ps, "--decode-tp", &ds], extra].concat());
+    assert!(stdout.contains(&format!("TP={p} prefill, TP={d} decode")), "{stdout}");
+}
+
+#[test]
+fn demo_moves_kv_between_tp_sizes() {
+    for pair in [(1, 2), (2, 1), (4, 2)] {
+        demo_moves_kv_between_tp_sizes_on("loopback", pair, &[]);
+    }
+    // A hybrid model: every other layer a 2-block window.
+    demo_moves_kv_between_tp_sizes_on("loopback", (2, 4), &["--window", "2"]);
+}
+
+/// A token-major cache cannot be sliced between TP sizes: every request fails with the
+/// handshake's refusal, and the demo says why and exits 1.
+#[test]
+fn demo_with_a_token_major_cache_refuses_different_tp_sizes() {
+    let child = Command::new(KVX)
+        .args(["demo", "--requests", "3", "--prefill-tp", "1", "--decode-tp", "2", "--layout", "nhd"])
+        .args(SIZES)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("3 (0 finished, 3 failed)"), "{stdout}");
+    assert!(stderr.contains("failed: incompatible"), "{stderr}");
+}
+
+/// `--tp` gives both engines' TP size, so it cannot come with `--prefill-tp` or `--decode-tp`;
+/// sizes and windows of 0 are refused.
+#[test]
+fn demo_refuses_conflicting_or_zero_tp_sizes() {
+    let cases: [&[&str]; 5] = [
+        &["--tp", "2", "--prefill-tp", "1"],
+        &["--tp", "2", "--decode-tp", "1"],
+        &["--prefill-tp", "0"],
+        &["--decode-tp", "0"],
+        &["--window", "0"],
+    ];
+    for args in cases {
+        let out = wait(
+            Command::new(KVX)
+                .arg("demo")
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains(args[args.len() - 2]), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn backends_that_cannot_run_a_role_say_so() {
     let mut cases = vec![&["prefill", "--backend", "loopback", "--api-port", "0"][..]];
@@ -156,6 +221,20 @@ macro_rules! native_backend_tests {
             #[test]
             fn prefill_and_decode_processes() {
                 super::prefill_and_decode_processes_with(BACKEND, &[]);
+            }
+
+            /// `kvx prefill --tp 1` and `kvx decode --tp 2`: each decode rank READs its half of
+            /// the heads from the one prefill rank.
+            #[test]
+            fn prefill_tp1_decode_tp2() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 2), &[]);
+            }
+
+            /// `kvx prefill --tp 2` and `kvx decode --tp 1` of a hybrid model: the decode rank
+            /// READs from both prefill ranks, the windowed layers only their window.
+            #[test]
+            fn prefill_tp2_decode_tp1() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "2"]);
             }
 
             #[test]
@@ -287,6 +366,22 @@ fn prefill_and_decode_processes_with(backend: &str, env: &[(&str, &str)]) {
     let prefill = start_prefill(backend, &[], env);
     let decode = run_decode(backend, &prefill.api, 30, env);
     check_pair(decode, prefill.child, 30);
+}
+
+/// `kvx prefill --tp P` and `kvx decode --tp D` (with `extra` options on both): every request
+/// finishes, every byte each decode rank READs is checked, nothing leaks on either side. Without
+/// the backend's library: a loud SKIP, or a failure with `KVX_REQUIRE_UCX=1` (`KVX_REQUIRE_NIXL=1`).
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn prefill_and_decode_of_tp_sizes(backend: &str, (p, d): (u32, u32), extra: &[&str]) {
+    if !common::backend_available(&format!("{backend}::prefill_tp{p}_decode_tp{d}"), backend) {
+        return;
+    }
+    let (ps, ds) = (p.to_string(), d.to_string());
+    let (prefill, api, first) = launch_prefill(backend, &[&["--tp", &ps], extra].concat(), &[]);
+    assert!(first.contains(&format!("TP={p},")), "{first}");
+    let decode = wait(spawn_decode(backend, &api, 20, &[], &[&["--tp", &ds], extra].concat()));
+    assert!(text(&decode.stdout).contains(&format!("TP={d},")), "{}", text(&decode.stdout));
+    check_pair(decode, prefill, 20);
 }
 
 /// Every listening port of a `kvx prefill` process (the request API and each rank's side
