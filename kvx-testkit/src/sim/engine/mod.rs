@@ -178,6 +178,7 @@ impl SimEngine {
             auth_key: config.auth_key.clone(),
             lease_duration: config.lease_duration,
             instance: Some(instance),
+            tp_size: config.tp,
         };
         let scheduler = match config.seed {
             Some(seed) => {
