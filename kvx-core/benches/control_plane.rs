@@ -238,7 +238,7 @@ fn worker_get_finished(c: &mut Criterion) {
         }
         while let Some(WorkerCommand::FetchHandshake(_)) = decode.poll_command() {
             let payload = prefill.handshake_payload().unwrap().to_vec();
-            decode.handle_handshake(now, &"prefill".into(), Ok(payload));
+            decode.handle_handshake(now, &"prefill".into(), 0, Ok(payload));
         }
         assert_eq!(decode.num_in_flight(), in_flight.max(1));
         if in_flight == 0 {

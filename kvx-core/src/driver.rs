@@ -25,7 +25,8 @@ use crate::layout::LayerCache;
 use crate::meta::{ConnectorMetadata, Finished};
 use crate::worker::{ConnectorWorker, FinishedAggregator, WorkerCommand};
 
-type HandshakeResult = (EngineId, Result<Vec<u8>>);
+/// A fetch's result, with the peer (engine and rank) it is of.
+type HandshakeResult = ((EngineId, u32), Result<Vec<u8>>);
 type Fetch = Pin<Box<dyn Future<Output = Result<Vec<u8>>> + Send>>;
 
 /// Where a driver runs its handshake fetches.
@@ -53,7 +54,7 @@ pub struct WorkerDriver {
     clock: Arc<dyn Clock>,
     handshakes: Handshakes,
     /// [`Handshakes::OnStepThread`]: fetches not yet complete, in the order they started.
-    polled: Vec<(EngineId, Fetch)>,
+    polled: Vec<((EngineId, u32), Fetch)>,
     results_tx: Sender<HandshakeResult>,
     results_rx: Receiver<HandshakeResult>,
 }
@@ -161,9 +162,9 @@ impl WorkerDriver {
 
     fn feed_handshakes(&mut self) {
         self.poll_fetches();
-        while let Ok((engine_id, result)) = self.results_rx.try_recv() {
-            self.worker.handle_handshake(self.clock.now(), &engine_id, result);
-            tracing::debug!(%engine_id, "handshake result applied");
+        while let Ok(((engine_id, rank), result)) = self.results_rx.try_recv() {
+            self.worker.handle_handshake(self.clock.now(), &engine_id, rank, result);
+            tracing::debug!(%engine_id, rank, "handshake result applied");
         }
     }
 
@@ -173,7 +174,7 @@ impl WorkerDriver {
             match cmd {
                 WorkerCommand::FetchHandshake(peer) => {
                     let exchange = Arc::clone(&self.exchange);
-                    let engine_id = peer.engine_id.clone();
+                    let engine_id = (peer.engine_id.clone(), peer.rank);
                     let fetch = async move { exchange.fetch(&peer, timeout).await };
                     match self.handshakes {
                         Handshakes::Background => {
@@ -220,8 +221,8 @@ impl WorkerDriver {
         if self.handshakes == Handshakes::Background {
             let due = self.next_deadline().map(|d| d.saturating_duration_since(self.clock.now()));
             let timeout = due.map_or(timeout, |due| due.min(timeout));
-            if let Ok((engine_id, result)) = self.results_rx.recv_timeout(timeout) {
-                self.worker.handle_handshake(self.clock.now(), &engine_id, result);
+            if let Ok(((engine_id, rank), result)) = self.results_rx.recv_timeout(timeout) {
+                self.worker.handle_handshake(self.clock.now(), &engine_id, rank, result);
             }
         }
         self.feed_handshakes();

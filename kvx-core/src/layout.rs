@@ -12,8 +12,13 @@ use crate::wire::WIRE_VERSION;
 /// How one layer's cache is shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum AttentionKind {
-    /// `[2, num_blocks, block_size, kv_heads, head_dim]`: K and V as two regions per layer.
+    /// `[2, num_blocks, block_size, kv_heads, head_dim]`: K and V as two regions per layer, the
+    /// heads of each token side by side ("NHD"). A block cannot be split by head: engines whose
+    /// ranks hold different heads cannot exchange it.
     Standard,
+    /// `[2, num_blocks, kv_heads, block_size, head_dim]`: K and V as two regions per layer, each
+    /// head's tokens together ("HND"), so one head of one block is contiguous.
+    StandardHnd,
     /// `[num_blocks, block_size, latent_dim]`: one region per layer.
     Mla,
     /// `[num_blocks, kv_heads, block_size, 2 * head_dim]`: K and V packed into each block (per
@@ -26,9 +31,15 @@ impl AttentionKind {
     /// Regions per layer.
     pub fn regions_per_layer(self) -> u32 {
         match self {
-            AttentionKind::Standard => 2,
+            AttentionKind::Standard | AttentionKind::StandardHnd => 2,
             AttentionKind::Mla | AttentionKind::Packed => 1,
         }
+    }
+
+    /// Whether one head of one block is contiguous, so that a READ can take some heads of a
+    /// block (every kind but NHD; MLA's one latent is one "head").
+    pub fn head_sliceable(self) -> bool {
+        self != AttentionKind::Standard
     }
 }
 
@@ -59,6 +70,8 @@ pub struct KvCacheLayout {
     pub block_size: u32,
     /// Bytes of one block of one region.
     pub block_len: u64,
+    /// KV heads in one block of this rank (MLA: 1, the latent).
+    pub heads: u32,
     /// Per layer, the block window for chunked local attention (`None`: global attention).
     pub windows: Vec<Option<u32>>,
     /// Memory kind of the cache.
@@ -74,7 +87,15 @@ impl KvCacheLayout {
         let first = caches.first().ok_or_else(|| Error::invalid_argument("no KV caches to register"))?;
         // The kind, the block count, the dimensions of one block, and which of them is the
         // block's token dimension.
+        // A 5-dimensional cache is head-major (HND) when its third dimension is the block's tokens
+        // and its second is not; otherwise token-major (NHD). When both equal the block size NHD
+        // is assumed: taken for NHD, an HND cache is only refused where heads must be sliced, and
+        // whole blocks copy the same either way.
+        let bs = u64::from(block_size);
         let (kind, num_blocks, block_dims, token_dim) = match first.shape.as_slice() {
+            [2, n, rest @ ..] if rest.len() == 3 && rest[1] == bs && rest[0] != bs => {
+                (AttentionKind::StandardHnd, *n, rest, 1)
+            }
             [2, n, rest @ ..] if rest.len() == 3 => (AttentionKind::Standard, *n, rest, 0),
             [n, rest @ ..] if rest.len() == 3 => (AttentionKind::Packed, *n, rest, 1),
             [n, rest @ ..] if rest.len() == 2 => (AttentionKind::Mla, *n, rest, 0),
@@ -95,6 +116,15 @@ impl KvCacheLayout {
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| Error::invalid_argument(format!("unsupported number of blocks {num_blocks}")))?;
+        let heads = match kind {
+            AttentionKind::Standard => block_dims[1],
+            AttentionKind::StandardHnd | AttentionKind::Packed => block_dims[0],
+            AttentionKind::Mla => 1,
+        };
+        let heads = u32::try_from(heads)
+            .ok()
+            .filter(|&h| h > 0)
+            .ok_or_else(|| Error::invalid_argument(format!("unsupported number of KV heads {heads}")))?;
         let block_len = block_dims
             .iter()
             .try_fold(first.elem_size, |acc, &d| acc.checked_mul(d))
@@ -136,11 +166,17 @@ impl KvCacheLayout {
             num_blocks,
             block_size,
             block_len,
+            heads,
             windows: caches.iter().map(|c| c.window).collect(),
             mem_kind: first_region.kind,
             device: first_region.device,
         };
         Ok((layout, bases))
+    }
+
+    /// Bytes of one head of one block of one region.
+    pub fn head_len(&self) -> u64 {
+        self.block_len / u64::from(self.heads)
     }
 
     /// Number of regions (`num_layers * regions_per_layer`).
@@ -160,20 +196,22 @@ impl KvCacheLayout {
     }
 
     /// A hash of everything two peers must agree on to exchange blocks: kind, layers, block size,
-    /// block length, windows, the wire version, and `tag` (the engine's model and dtype). The
-    /// pool size is not part of it. FNV-1a: stable across processes, builds and versions.
+    /// the length of one head of a block, windows, the wire version, and `tag` (the engine's
+    /// model and dtype). Neither the pool size nor the heads per rank (the tensor-parallel size)
+    /// are part of it. FNV-1a: stable across processes, builds and versions.
     pub fn compat_hash(&self, tag: &str) -> u64 {
         let mut h = Fnv1a::new();
         h.write(&WIRE_VERSION.to_le_bytes());
-        // Standard and MLA hash as their region count did before packed K and V existed.
+        // The kind's tag (standard and MLA keep their region counts, their tags before the others).
         h.write(&[match self.kind {
             AttentionKind::Standard => 2,
             AttentionKind::Mla => 1,
             AttentionKind::Packed => 3,
+            AttentionKind::StandardHnd => 4,
         }]);
         h.write(&self.num_layers.to_le_bytes());
         h.write(&self.block_size.to_le_bytes());
-        h.write(&self.block_len.to_le_bytes());
+        h.write(&self.head_len().to_le_bytes());
         for w in &self.windows {
             // Widened: a window of u32::MAX blocks (from a peer's payload, say) must not overflow.
             h.write(&w.map_or(0, |w| u64::from(w) + 1).to_le_bytes());

@@ -20,6 +20,7 @@ pub mod net;
 pub mod params;
 pub mod post;
 pub mod scheduler;
+pub mod tp;
 pub mod transfer;
 pub mod wire;
 pub mod worker;

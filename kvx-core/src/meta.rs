@@ -38,6 +38,10 @@ pub struct RecvRequest {
     /// The instance of the prefill engine that made the offer, when the params name it.
     #[serde(default)]
     pub remote_instance: Option<InstanceId>,
+    /// The prefill engine's tensor-parallel size, when the params name it (`None`: the decode
+    /// engine's own).
+    #[serde(default)]
+    pub remote_tp_size: Option<u32>,
 }
 
 impl RecvRequest {
@@ -85,6 +89,17 @@ pub struct HoldRelease {
     /// Where to answer whether the hold was still alive; `None`: no answer wanted.
     #[serde(default)]
     pub reply_to: Option<ReplyTo>,
+    /// The decode rank that sends it: each reader of a hold releases it once.
+    #[serde(default)]
+    pub reader: u32,
+    /// How many decode ranks release this prefill rank's hold (more than one when the decode
+    /// engine has more ranks than the prefill engine): the hold ends with the last of them.
+    #[serde(default = "one")]
+    pub readers: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl WireMessage for HoldRelease {
@@ -95,8 +110,11 @@ impl WireMessage for HoldRelease {
 /// its worker (a restarted decode engine has a new one, so the prefill engine handshakes again).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplyTo {
-    /// The decode engine and its side channel (base port; the answering rank adds its own).
+    /// The decode engine and its side channel (base port; the decode worker's rank is added).
     pub engine: RemoteCoordinates,
+    /// The decode worker's tensor-parallel rank: the answer goes to that rank.
+    #[serde(default)]
+    pub rank: u32,
     /// The decode worker's instance id (from its handshake payload).
     pub instance: u64,
     /// Random for each READ, echoed in the answer: only the release the READ itself carried can
@@ -143,6 +161,10 @@ impl WireMessage for RenewLeases {
 pub struct Heartbeat {
     /// The prefill engine.
     pub remote: RemoteCoordinates,
+    /// Its tensor-parallel size, when the params named it (`None`: the decode engine's own):
+    /// decode rank `d` of `D` renews the holds of prefill ranks `d, d + D, ..`.
+    #[serde(default)]
+    pub remote_tp_size: Option<u32>,
     /// Its holds to renew.
     pub holds: Vec<HeldRequest>,
 }

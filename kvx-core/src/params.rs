@@ -41,6 +41,11 @@ pub struct TransferParams {
     /// Base port of the prefill engine's side channel (rank `r` listens on `port + r`).
     #[serde(default)]
     pub remote_port: Option<u16>,
+    /// The prefill engine's tensor-parallel size (vLLM's key). A decode engine of another size
+    /// reads each rank's heads from the prefill ranks that hold them; absent: the decode
+    /// engine's own size. Checked against the prefill workers' handshakes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_size: Option<u32>,
     /// kvx: the nonce of the prefill engine's hold. The notification that frees the hold must
     /// carry it, so a forged or replayed request id frees nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -136,6 +141,7 @@ impl TransferParams {
             remote_engine_id: Some(remote.engine_id),
             remote_host,
             remote_port,
+            tp_size: None,
             kvx_hold_nonce: None,
             kvx_offer_mac: None,
             kvx_instance: None,

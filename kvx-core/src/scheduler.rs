@@ -37,10 +37,13 @@ pub struct SchedulerConfig {
     /// (under the MAC), so a decode engine never reads an offer through a connection to an earlier
     /// instance of this engine. `None`: params name no instance.
     pub instance: Option<u64>,
+    /// Prefill side: this engine's tensor-parallel size, named in the params (vLLM's `tp_size`)
+    /// so that a decode engine of another size knows which ranks hold which heads.
+    pub tp_size: u32,
 }
 
 impl SchedulerConfig {
-    /// A configuration with no key and a 30 s lease.
+    /// A configuration with no key, a 30 s lease and one tensor-parallel rank.
     pub fn new(engine_id: EngineId, block_size: u32, side_channel: Option<Endpoint>) -> Self {
         SchedulerConfig {
             engine_id,
@@ -49,6 +52,7 @@ impl SchedulerConfig {
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,
+            tp_size: 1,
         }
     }
 }
@@ -98,6 +102,7 @@ struct PendingRecv {
     nonce: Option<Nonce>,
     mac: Option<MacTag>,
     instance: Option<InstanceId>,
+    tp_size: Option<u32>,
 }
 
 impl PendingRecv {
@@ -111,6 +116,7 @@ impl PendingRecv {
             nonce: params.kvx_hold_nonce,
             mac: params.kvx_offer_mac,
             instance: params.kvx_instance,
+            tp_size: params.tp_size,
         }
     }
 }
@@ -137,7 +143,7 @@ pub struct ConnectorScheduler {
     /// Prefill side: each hold's nonce.
     nonces: NonceSource,
     /// Decode side: requests waiting for their KV (queued, loading), whose leases are renewed.
-    awaiting: HashMap<RequestId, (RemoteCoordinates, HeldRequest)>,
+    awaiting: HashMap<RequestId, (RemoteCoordinates, Option<u32>, HeldRequest)>,
     /// Decode side: when the next heartbeat is due.
     next_heartbeat: Option<Instant>,
 }
@@ -194,7 +200,7 @@ impl ConnectorScheduler {
     }
 
     /// The prefill engine and hold whose lease a request's params name, if they check.
-    fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, HeldRequest)> {
+    fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, Option<u32>, HeldRequest)> {
         if params.remote_blocks().is_empty() {
             return None;
         }
@@ -209,7 +215,7 @@ impl ConnectorScheduler {
             instance: params.kvx_instance.as_ref(),
         };
         offer.check(self.config.auth_key.as_ref(), params.kvx_offer_mac.as_ref()).ok()?;
-        Some((remote, HeldRequest { request_id, nonce }))
+        Some((remote, params.tp_size, HeldRequest { request_id, nonce }))
     }
 
     /// How many of the prompt's tokens, beyond the `num_computed_tokens` the local prefix cache
@@ -337,6 +343,7 @@ impl ConnectorScheduler {
                 nonce: p.nonce,
                 mac: p.mac,
                 remote_instance: p.instance,
+                remote_tp_size: p.tp_size,
             })
             .collect();
         reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
@@ -364,11 +371,15 @@ impl ConnectorScheduler {
             return Vec::new();
         }
         self.next_heartbeat = Some(now + self.config.lease_duration / 6);
-        let mut by_engine: BTreeMap<&RemoteCoordinates, Heartbeat> = BTreeMap::new();
-        for (remote, held) in self.awaiting.values() {
+        let mut by_engine: BTreeMap<(&RemoteCoordinates, Option<u32>), Heartbeat> = BTreeMap::new();
+        for (remote, tp_size, held) in self.awaiting.values() {
             by_engine
-                .entry(remote)
-                .or_insert_with(|| Heartbeat { remote: remote.clone(), holds: Vec::new() })
+                .entry((remote, *tp_size))
+                .or_insert_with(|| Heartbeat {
+                    remote: remote.clone(),
+                    remote_tp_size: *tp_size,
+                    holds: Vec::new(),
+                })
                 .holds
                 .push(held.clone());
         }
@@ -450,6 +461,7 @@ impl ConnectorScheduler {
         params.kvx_hold_nonce = Some(nonce);
         params.kvx_offer_mac = kvx_offer_mac;
         params.kvx_instance = instance;
+        params.tp_size = Some(self.config.tp_size);
         FinishOutcome { delay_free, params: Some(params) }
     }
 
@@ -498,6 +510,7 @@ mod tests {
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,
+            tp_size: 1,
         })
         .unwrap()
     }
@@ -646,6 +659,7 @@ mod tests {
             TransferParams {
                 remote_request_id: Some(id("a")),
                 kvx_hold_nonce: Some(nonce_a),
+                tp_size: Some(1),
                 ..decode_params(vec![3, 4])
             }
         );

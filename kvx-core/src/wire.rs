@@ -16,7 +16,7 @@ use crate::ids::{AgentName, EngineId};
 pub mod agent_metadata;
 
 /// The wire-format version. Bump it on any incompatible change of a message.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 
 const MAGIC: [u8; 4] = *b"KVX1";
 
@@ -158,6 +158,8 @@ pub struct HandshakePayload {
     pub rank: u32,
     /// The engine's tensor-parallel size.
     pub world_size: u32,
+    /// KV heads of the whole model (MLA: 1); the rank's blocks hold its share of them.
+    pub kv_heads: u32,
     /// The transfer agent's name.
     pub agent_name: AgentName,
     /// The transfer agent's metadata (`TransferAgent::local_metadata`).
@@ -189,6 +191,7 @@ mod tests {
             engine_id: "p".into(),
             rank: 1,
             world_size: 2,
+            kv_heads: 8,
             agent_name: "a".into(),
             agent_metadata: vec![1, 2, 3],
             region_bases: vec![4096, 8192],

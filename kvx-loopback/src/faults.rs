@@ -368,6 +368,8 @@ pub(crate) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
             request_id: format!("kvx-loopback-stray-{seed:016x}").into(),
             nonce: nonce(),
             reply_to: None,
+            reader: 0,
+            readers: 1,
         })),
         2 => {
             if let Ok(real) = wire::decode::<HoldRelease>(msg) {
@@ -468,9 +470,15 @@ mod tests {
     fn keys_leave_out_the_worker_s_random_instance_and_tokens() {
         let release = |instance, token, nonce| {
             let engine = kvx_core::RemoteCoordinates::at("d", "h", 1);
-            let reply_to = Some(ReplyTo { engine, instance, token: HexBytes([token; 16]) });
-            wire::encode(&HoldRelease { request_id: "r".into(), nonce: HexBytes([nonce; 16]), reply_to })
-                .unwrap()
+            let reply_to = Some(ReplyTo { engine, rank: 0, instance, token: HexBytes([token; 16]) });
+            wire::encode(&HoldRelease {
+                request_id: "r".into(),
+                nonce: HexBytes([nonce; 16]),
+                reply_to,
+                reader: 0,
+                readers: 1,
+            })
+            .unwrap()
         };
         let status = |token, held| {
             let nonce = HexBytes([7; 16]);
@@ -487,7 +495,13 @@ mod tests {
 
     #[test]
     fn strays_are_garbage_unknown_releases_or_forged_nonces() {
-        let real = HoldRelease { request_id: "req-1".into(), nonce: HexBytes([9; 16]), reply_to: None };
+        let real = HoldRelease {
+            request_id: "req-1".into(),
+            nonce: HexBytes([9; 16]),
+            reply_to: None,
+            reader: 0,
+            readers: 1,
+        };
         let msg = wire::encode(&real).unwrap();
         let mut kinds = [0; 3];
         for seed in 0..300 {

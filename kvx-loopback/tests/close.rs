@@ -45,8 +45,8 @@ fn memory() -> Arc<HostMemory> {
 
 /// Answers `w`'s handshake fetches with `payload`.
 fn handshake(w: &mut ConnectorWorker, now: Instant, payload: &[u8]) {
-    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
-        w.handle_handshake(now, &engine_id, Ok(payload.to_vec()));
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, rank, .. })) = w.poll_command() {
+        w.handle_handshake(now, &engine_id, rank, Ok(payload.to_vec()));
     }
 }
 
@@ -62,6 +62,7 @@ fn load() -> ConnectorMetadata {
         nonce: Some(HexBytes([3; 16])),
         mac: None,
         remote_instance: None,
+        remote_tp_size: None,
     };
     ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() }
 }

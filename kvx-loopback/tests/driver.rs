@@ -166,6 +166,7 @@ fn one_load(remote: RemoteCoordinates) -> ConnectorMetadata {
         nonce: Some(HexBytes([1; 16])),
         mac: None,
         remote_instance: None,
+        remote_tp_size: None,
     };
     ConnectorMetadata { reqs_to_recv: vec![req], ..Default::default() }
 }

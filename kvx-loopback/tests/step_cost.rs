@@ -130,6 +130,7 @@ fn load(i: usize) -> RecvRequest {
         nonce: Some(HexBytes(nonce)),
         mac: None,
         remote_instance: None,
+        remote_tp_size: None,
     }
 }
 
@@ -146,8 +147,9 @@ fn a_step_costs_what_completed() {
     let now = Instant::now();
     let reqs_to_recv = (0..LOADS).map(load).collect();
     decode.start_load_kv(now, &ConnectorMetadata { reqs_to_recv, ..Default::default() });
-    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = decode.poll_command() {
-        decode.handle_handshake(now, &engine_id, Ok(prefill_payload.clone()));
+    while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, rank, .. })) = decode.poll_command()
+    {
+        decode.handle_handshake(now, &engine_id, rank, Ok(prefill_payload.clone()));
     }
     assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (LOADS as u64, LOADS));
 

@@ -51,10 +51,12 @@ impl Scheduler {
     /// their payloads in etcd: then the params it hands out carry no host or port.
     /// With `auth_key`, the params it hands out carry a MAC that the decode engines check.
     /// `lease_duration_s` is the deployment's `kv_lease_duration`: as a decode engine, it renews
-    /// the leases of requests waiting for their KV every sixth of it.
+    /// the leases of requests waiting for their KV every sixth of it. `tp_size` is the engine's
+    /// tensor-parallel size, named in the params it hands out.
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None,
-        lease_duration_s = 30.0, discovery = None))]
+        lease_duration_s = 30.0, discovery = None, tp_size = 1))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
         block_size: u32,
@@ -63,6 +65,7 @@ impl Scheduler {
         auth_key: Option<&str>,
         lease_duration_s: f64,
         discovery: Option<&str>,
+        tp_size: u32,
     ) -> PyResult<Self> {
         let side_channel = match crate::discovery::etcd_url(discovery)? {
             Some(_) => None,
@@ -75,6 +78,7 @@ impl Scheduler {
             auth_key: self::auth_key(auth_key)?,
             lease_duration: lease_duration(lease_duration_s)?,
             instance: None,
+            tp_size,
         };
         let inner = ConnectorScheduler::new(config).map_err(py_err)?;
         Ok(Scheduler { inner })
@@ -272,7 +276,7 @@ mod tests {
     /// The params a prefill scheduler hands out for a held request, with `discovery`.
     fn handed_out(discovery: Option<&str>) -> TransferParams {
         let mut s =
-            Scheduler::new("prefill".into(), 4, "10.0.0.1".into(), 5600, None, 30.0, discovery).unwrap();
+            Scheduler::new("prefill".into(), 4, "10.0.0.1".into(), 5600, None, 30.0, discovery, 1).unwrap();
         let asked = r#"{"do_remote_decode": true}"#;
         let (delay_free, params) = s.request_finished("r", Some(asked), "length", 8, vec![3, 4]).unwrap();
         assert!(delay_free);
@@ -287,7 +291,7 @@ mod tests {
         assert_eq!((&by_id.remote_host, by_id.remote_port), (&None, None));
         assert_eq!(by_id.coordinates(), Some(kvx_core::RemoteCoordinates::by_id("prefill")));
         for bad in ["zmq://h:1", "etcd://h"] {
-            assert!(Scheduler::new("p".into(), 4, "h".into(), 1, None, 30.0, Some(bad)).is_err(), "{bad}");
+            assert!(Scheduler::new("p".into(), 4, "h".into(), 1, None, 30.0, Some(bad), 1).is_err(), "{bad}");
         }
     }
 }

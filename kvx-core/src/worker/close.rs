@@ -115,10 +115,12 @@ impl ConnectorWorker {
         self.close_holds();
         for conn in self.take_connections() {
             left.dlists.push(conn.dlist);
+            left.dlists.extend(conn.head_dlist);
             left.peers.push(conn.agent);
         }
         if let Some(registered) = self.registered.take() {
             left.dlists.push(registered.local_dlist);
+            left.dlists.extend(registered.head_dlist);
             left.registrations = registered.registrations;
         }
         self.commands.clear();

@@ -10,21 +10,26 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::Instant;
 
-use crate::ids::RequestId;
-
-#[derive(Debug, Default)]
-pub(super) struct Deadlines {
-    heap: BinaryHeap<Reverse<(Instant, RequestId)>>,
+/// Due times of keys `K` (request ids for holds, a request's READ from one rank for loads).
+#[derive(Debug)]
+pub(super) struct Deadlines<K> {
+    heap: BinaryHeap<Reverse<(Instant, K)>>,
 }
 
-impl Deadlines {
+impl<K: Ord> Default for Deadlines<K> {
+    fn default() -> Self {
+        Deadlines { heap: BinaryHeap::new() }
+    }
+}
+
+impl<K: Ord> Deadlines<K> {
     /// `id` is due at `when` (unless its deadline has changed by then).
-    pub(super) fn push(&mut self, when: Instant, id: RequestId) {
+    pub(super) fn push(&mut self, when: Instant, id: K) {
         self.heap.push(Reverse((when, id)));
     }
 
     /// Takes the ids whose entries came due by `now`, earliest first, into `out`.
-    pub(super) fn take_due(&mut self, now: Instant, out: &mut Vec<RequestId>) {
+    pub(super) fn take_due(&mut self, now: Instant, out: &mut Vec<K>) {
         while let Some(Reverse((when, _))) = self.heap.peek() {
             if *when > now {
                 break;
@@ -49,6 +54,7 @@ impl Deadlines {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::RequestId;
     use std::time::Duration;
 
     #[test]

@@ -1,7 +1,9 @@
-//! The prefill side: each held request's blocks stay under a lease until its reader releases
-//! them or the lease runs out; heartbeats extend it. A release that asks is answered whether the
-//! hold was still alive: the release comes only after the READ completed, so "held" means the
-//! lease covered the whole READ.
+//! The prefill side: each held request's blocks stay under a lease until its readers release
+//! them or the lease runs out; heartbeats extend it. A decode engine with more ranks than this
+//! one has several readers for a rank's hold: each release names its reader and how many there
+//! are, and the hold ends with the last distinct reader. A release that asks is answered whether
+//! the hold was still alive: the release comes only after the READ completed, so "held" means
+//! the lease covered the whole READ.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -14,12 +16,29 @@ use crate::auth::Nonce;
 use crate::ids::{AgentName, RequestId};
 use crate::meta::{HeldRequest, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
 use crate::params::MAX_ID_LEN;
+use crate::tp::MAX_TP;
+
+/// At most this many releases of one hold are kept before the hold comes (the readers of one
+/// prefill rank: a decode engine up to this many times wider), so a flood of early releases
+/// costs at most `max_early_releases` times this many entries.
+const MAX_EARLY_READERS: usize = 32;
 use crate::wire;
 
 #[derive(Debug)]
 struct Hold {
     until: Instant,
     nonce: Nonce,
+    /// The readers the first release announced, and those that released so far.
+    readers: Option<u32>,
+    released: Vec<u32>,
+}
+
+/// A release that came before its hold: its reader, readers and whom to answer.
+#[derive(Debug)]
+struct Early {
+    reader: u32,
+    readers: u32,
+    reply_to: Option<ReplyTo>,
 }
 
 /// Held requests, releases that came before their hold, and holds that ended recently.
@@ -28,12 +47,12 @@ pub(super) struct Holds {
     lease: Duration,
     live: HashMap<RequestId, Hold>,
     /// When the live holds' leases run out.
-    due: Deadlines,
-    /// Releases that arrived before their hold, with whom to answer.
-    early: TtlMap<Option<ReplyTo>>,
-    /// Holds released or expired, and whether a "not held" answer went out for them: a late
-    /// release is answered "not held" at once, once.
-    ended: TtlMap<bool>,
+    due: Deadlines<RequestId>,
+    /// Releases that arrived before their hold (at most `MAX_EARLY_READERS` a hold).
+    early: TtlMap<Vec<Early>>,
+    /// Holds released or expired, and the readers a "not held" answer went out to: a late
+    /// release is answered "not held" at once, once a reader.
+    ended: TtlMap<Vec<u32>>,
 }
 
 impl Holds {
@@ -42,7 +61,7 @@ impl Holds {
             lease: config.lease_duration,
             live: HashMap::new(),
             due: Deadlines::default(),
-            early: TtlMap::new(config.max_early_releases, config.early_release_ttl),
+            early: TtlMap::weighted(config.max_early_releases, config.early_release_ttl, |e| e.len() as u64),
             // Kept at least as long as an early release: a release that comes later than that is
             // kept as early and never answered (the decode worker waits out its confirmation).
             ended: TtlMap::new(
@@ -79,34 +98,67 @@ impl ConnectorWorker {
     /// A hold from the scheduler: its lease starts now, unless its release already came.
     pub(super) fn hold(&mut self, now: Instant, held: &HeldRequest) {
         let key = (held.request_id.clone(), held.nonce);
-        if let Some(reply_to) = self.holds.early.take(&key) {
-            self.end_hold(now, key, reply_to);
-        } else {
-            let hold = Hold { until: now + self.holds.lease, nonce: held.nonce };
-            self.holds.due.push(hold.until, held.request_id.clone());
-            self.holds.live.insert(held.request_id.clone(), hold);
+        let hold =
+            Hold { until: now + self.holds.lease, nonce: held.nonce, readers: None, released: Vec::new() };
+        self.holds.due.push(hold.until, held.request_id.clone());
+        self.holds.live.insert(held.request_id.clone(), hold);
+        for early in self.holds.early.take(&key).unwrap_or_default() {
+            if self.holds.live.contains_key(&key.0) {
+                self.release_live(now, &key, early.reader, early.readers, early.reply_to);
+            } else {
+                // The hold ended with an earlier one of these releases: a duplicate.
+                self.stats.stray_notifications += 1;
+            }
         }
     }
 
-    /// Frees a hold its reader released, and answers if asked.
-    fn end_hold(&mut self, now: Instant, key: Key, reply_to: Option<ReplyTo>) {
-        self.stats.notifications += 1;
-        self.finished.sending.push(key.0.clone());
-        // An ended hold is answered "not held" once more at most, whoever asks.
-        self.holds.ended.insert(now, key.clone(), false);
-        self.answer(now, &key, reply_to, true);
+    /// Counts a live hold's release by `reader` of `readers`, answers it if asked, and frees the
+    /// hold once every reader released it. A release announcing another number of readers than
+    /// the first is refused; a reader's second release changes nothing (it is answered again).
+    fn release_live(
+        &mut self,
+        now: Instant,
+        key: &Key,
+        reader: u32,
+        readers: u32,
+        reply_to: Option<ReplyTo>,
+    ) {
+        let Some(hold) = self.holds.live.get_mut(&key.0) else { return };
+        if *hold.readers.get_or_insert(readers) != readers {
+            debug!(request_id = %key.0, reader, readers, "release with another count of readers refused");
+            self.stats.rejected_notifications += 1;
+            return;
+        }
+        if hold.released.contains(&reader) {
+            // A reader's second release: answered again (its first answer may have been lost),
+            // counted as a duplicate.
+            self.stats.stray_notifications += 1;
+        } else {
+            hold.released.push(reader);
+            self.stats.notifications += 1;
+            if hold.released.len() as u32 >= readers {
+                self.holds.live.remove(&key.0);
+                self.finished.sending.push(key.0.clone());
+                self.holds.ended.insert(now, key.clone(), Vec::new());
+            }
+        }
+        self.answer(now, key, reply_to, true);
     }
 
     pub(super) fn on_release(&mut self, now: Instant, from: &AgentName, release: HoldRelease) {
-        if release.request_id.as_str().len() > MAX_ID_LEN {
+        let (reader, readers) = (release.reader, release.readers);
+        if release.request_id.as_str().len() > MAX_ID_LEN
+            || readers == 0
+            || readers > MAX_TP
+            || reader >= MAX_TP
+        {
             self.stats.stray_notifications += 1;
             return;
         }
         let key = (release.request_id, release.nonce);
         match self.holds.live.get(&key.0) {
             Some(hold) if hold.nonce == key.1 => {
-                self.holds.live.remove(&key.0);
-                self.end_hold(now, key, release.reply_to);
+                self.release_live(now, &key, reader, readers, release.reply_to)
             }
             Some(_) => {
                 // Counted, and logged at debug only: a flood of forged releases must not flood
@@ -116,17 +168,31 @@ impl ConnectorWorker {
             }
             None if self.holds.ended.contains(&key) => {
                 // Its lease ran out (or it was released) before this release came: the READ may
-                // have copied reused blocks. Answered once: replays cost no more handshakes.
+                // have copied reused blocks. Answered once a reader: replays cost no more
+                // handshakes.
                 self.stats.stray_notifications += 1;
                 let asks = release.reply_to.is_some();
-                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| asks && !**a) {
-                    *answered = true;
+                if let Some(answered) =
+                    self.holds.ended.get_mut(&key).filter(|a| asks && !a.contains(&reader))
+                {
+                    answered.push(reader);
                     self.answer(now, &key, release.reply_to, false);
                 }
             }
             None => {
                 self.stats.early_notifications += 1;
-                self.stats.stray_notifications += self.holds.early.insert(now, key, release.reply_to);
+                let early = Early { reader, readers, reply_to: release.reply_to };
+                match self.holds.early.get_mut(&key) {
+                    // A reader's second early release replaces its first.
+                    Some(list) if list.iter().any(|e| e.reader == reader) => {
+                        list.retain(|e| e.reader != reader);
+                        list.push(early);
+                        self.stats.stray_notifications += 1;
+                    }
+                    Some(list) if list.len() < MAX_EARLY_READERS => list.push(early),
+                    Some(_) => self.stats.stray_notifications += 1,
+                    None => self.stats.stray_notifications += self.holds.early.insert(now, key, vec![early]),
+                }
             }
         }
     }
@@ -134,20 +200,24 @@ impl ConnectorWorker {
     /// Sends `status` to the decode worker that asked. A decode engine that restarted (a new
     /// instance) is handshaken again first.
     fn answer(&mut self, now: Instant, key: &Key, reply_to: Option<ReplyTo>, held: bool) {
-        let Some(ReplyTo { engine, instance, token }) = reply_to else { return };
+        let Some(ReplyTo { engine, rank, instance, token }) = reply_to else { return };
         let status = HoldStatus { request_id: key.0.clone(), nonce: key.1, held, token };
         if engine.check().is_err() || engine.engine_id == self.config.engine_id {
             self.stats.unsent_messages += 1;
             return;
         }
-        if matches!(self.peers.get(&engine.engine_id), Some(super::Peer::Ready(c)) if c.instance != instance)
-        {
-            self.invalidate(&engine.engine_id);
+        if rank >= MAX_TP {
+            self.stats.unsent_messages += 1;
+            return;
+        }
+        let peer = (engine.engine_id.clone(), rank);
+        if matches!(self.peers.get(&peer), Some(super::Peer::Ready(c)) if c.instance != instance) {
+            self.invalidate(&peer);
         }
         match wire::encode(&status) {
             Ok(msg) => {
                 self.stats.hold_answers += 1;
-                self.send_to(now, &engine, msg);
+                self.send_to(now, &engine, rank, msg);
             }
             Err(e) => debug!(error = %e, "encoding an answer failed"),
         }
@@ -190,7 +260,7 @@ impl ConnectorWorker {
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
             self.stats.expired_holds += 1;
             self.finished.sending.push(id.clone());
-            self.holds.ended.insert(now, (id, hold.nonce), false);
+            self.holds.ended.insert(now, (id, hold.nonce), Vec::new());
         }
     }
 }

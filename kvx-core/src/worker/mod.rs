@@ -7,7 +7,8 @@
 //! completions once and polls only the READs that ended, so it costs what completed, not what is
 //! in flight.
 //!
-//! - `loads`: the decode side (admit, READ, lease confirmation, heartbeats).
+//! - `loads`: the decode side (admit, READ from each prefill rank that holds the heads,
+//!   lease confirmation, heartbeats).
 //! - `holds`: the prefill side (leases, releases, their answers).
 //! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.
@@ -21,9 +22,10 @@ use crate::auth::AuthKey;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exchange::PeerLocator;
 use crate::ids::{EngineId, RequestId};
-use crate::layout::{KvCacheLayout, LayerCache};
+use crate::layout::{AttentionKind, KvCacheLayout, LayerCache};
 use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases};
 use crate::params::RemoteCoordinates;
+use crate::tp::HeadSplit;
 use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
 use crate::wire::{self, HandshakePayload, MessageKind};
 
@@ -44,8 +46,8 @@ pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 use close::Leftovers;
 use deadlines::Deadlines;
 use holds::Holds;
-use loads::Load;
-use peers::Peer;
+use loads::{Load, LoadKey};
+use peers::{Peer, PeerKey};
 
 /// Configuration of one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +58,10 @@ pub struct WorkerConfig {
     pub rank: u32,
     /// The engine's tensor-parallel size.
     pub world_size: u32,
+    /// KV heads of the whole model (vLLM's total number of KV heads), which the ranks split or,
+    /// when there are more ranks than heads, replicate. `None`: the heads in this rank's cache
+    /// times `world_size`. MLA's latent counts as one head (`None` or `Some(1)`).
+    pub kv_heads: Option<u32>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// What else peers must agree on: model name and dtype, say. Part of the compatibility hash.
@@ -97,6 +103,7 @@ impl WorkerConfig {
             engine_id,
             rank,
             world_size,
+            kv_heads: None,
             block_size,
             compat_tag: String::new(),
             side_channel: None,
@@ -167,7 +174,8 @@ pub struct WorkerStats {
     pub confirm_waits: Samples,
     /// Heartbeats (lease renewals) sent, one per hold.
     pub renewals_sent: u64,
-    /// Prefill side: releases received for held requests.
+    /// Prefill side: releases received for held requests, one for each reader (a hold is freed
+    /// by its last reader's).
     pub notifications: u64,
     /// Prefill side: releases that came before their hold (kept until it comes or they expire).
     pub early_notifications: u64,
@@ -210,9 +218,17 @@ const LOAD_TIMES_KEPT: usize = 1024;
 #[derive(Debug)]
 struct Registered {
     layout: KvCacheLayout,
+    /// How the model's heads lie on this engine's ranks.
+    split: HeadSplit,
     /// Each region's block window, when a layer has one (see `KvCacheLayout::region_windows`).
     region_windows: Option<Vec<Option<u32>>>,
+    /// The local blocks, whole.
     local_dlist: DlistId,
+    /// The local blocks one head at a time, prepared at the first READ of part of a peer's heads
+    /// (see `peers::Connected::head_dlist`).
+    head_dlist: Option<DlistId>,
+    /// The local regions' bases.
+    bases: Vec<u64>,
     payload: Vec<u8>,
     registrations: Vec<RegistrationId>,
 }
@@ -235,18 +251,20 @@ pub struct ConnectorWorker {
     /// Decode side: each READ's token (see `ReplyTo::token`).
     tokens: crate::auth::NonceSource,
     registered: Option<Registered>,
-    peers: HashMap<EngineId, Peer>,
+    peers: HashMap<PeerKey, Peer>,
     /// Peers dropped while READs to them were still in flight: forgotten once those end.
     retired: Vec<peers::Connected>,
-    /// The last instance seen of each engine, to count restarts.
-    instances: HashMap<EngineId, u64>,
-    /// Decode side: every load not yet reported, by request.
-    loads: HashMap<RequestId, Load>,
-    /// Decode side: when loads' READs or confirmations are due.
-    load_deadlines: Deadlines,
-    /// Decode side: the load of each READ in flight (in `Stage::Reading`), by transfer: what the
-    /// agent's completions are matched to.
-    reading: HashMap<XferId, RequestId>,
+    /// The last instance seen of each peer, to count restarts.
+    instances: HashMap<PeerKey, u64>,
+    /// Decode side: every request whose load is not yet reported.
+    requests: HashMap<RequestId, loads::Pending>,
+    /// Decode side: the READ of each request from each prefill rank, until it ends.
+    loads: HashMap<LoadKey, Load>,
+    /// Decode side: when READs or confirmations are due.
+    load_deadlines: Deadlines<LoadKey>,
+    /// Decode side: the READ of each transfer in flight (in `Stage::Reading`): what the agent's
+    /// completions are matched to.
+    reading: HashMap<XferId, LoadKey>,
     /// Decode side: the buffer `drain_completions` fills each step.
     completions: Vec<XferId>,
     /// Decode side: the nonce of each load's offer, to its request (one load per offer).
@@ -294,6 +312,7 @@ impl ConnectorWorker {
             peers: HashMap::new(),
             retired: Vec::new(),
             instances: HashMap::new(),
+            requests: HashMap::new(),
             loads: HashMap::new(),
             load_deadlines: Deadlines::default(),
             reading: HashMap::new(),
@@ -371,12 +390,12 @@ impl ConnectorWorker {
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
     /// engine's confirmation. Their local blocks must not be reused.
     pub fn num_in_flight(&self) -> usize {
-        self.loads.len()
+        self.requests.len()
     }
 
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
-        self.loads.is_empty()
+        self.requests.is_empty()
             && self.holds.is_empty()
             && self.peers.values().all(|p| matches!(p, Peer::Ready(_)))
             && self.finished.is_empty()
@@ -391,6 +410,7 @@ impl ConnectorWorker {
             return Err(Error::new(ErrorKind::State, "KV caches are already registered"));
         }
         let (layout, bases) = KvCacheLayout::detect(caches, self.config.block_size)?;
+        let split = self.head_split(&layout)?;
         let caps = self.agent.capabilities();
         if !caps.supports(layout.mem_kind) {
             return Err(Error::new(
@@ -407,18 +427,57 @@ impl ConnectorWorker {
             engine_id: self.config.engine_id.clone(),
             rank: self.config.rank,
             world_size: self.config.world_size,
+            kv_heads: split.heads(),
             agent_name: self.agent.name().clone(),
             agent_metadata: self.agent.local_metadata()?,
-            region_bases: bases,
+            region_bases: bases.clone(),
             num_blocks: layout.num_blocks,
             block_len: layout.block_len,
             compat_hash: layout.compat_hash(&self.config.compat_tag),
             instance: self.instance,
         })?;
         let region_windows = layout.region_windows();
-        self.registered =
-            Some(Registered { layout, region_windows, local_dlist, payload: payload.clone(), registrations });
+        self.registered = Some(Registered {
+            layout,
+            split,
+            region_windows,
+            local_dlist,
+            head_dlist: None,
+            bases,
+            payload: payload.clone(),
+            registrations,
+        });
         Ok(payload)
+    }
+
+    /// How the model's heads lie on this engine's ranks, checked against the cache's heads.
+    fn head_split(&self, layout: &KvCacheLayout) -> Result<HeadSplit> {
+        let world = self.config.world_size;
+        let heads = match (layout.kind, self.config.kv_heads) {
+            (AttentionKind::Mla, None | Some(1)) => 1,
+            (AttentionKind::Mla, Some(h)) => {
+                return Err(Error::invalid_argument(format!(
+                    "an MLA cache has one latent, not {h} KV heads"
+                )));
+            }
+            (_, Some(h)) => h,
+            (_, None) => layout.heads.saturating_mul(world),
+        };
+        let split = HeadSplit::new(heads, world)
+            .map_err(|e| Error::invalid_argument(format!("worker config: {}", e.message())))?;
+        if split.per_rank() != layout.heads {
+            return Err(Error::invalid_argument(format!(
+                "the cache holds {} KV heads a block; {heads} heads on {world} ranks give {} a rank",
+                layout.heads,
+                split.per_rank()
+            )));
+        }
+        // Descriptor ids of the per-head list are u32.
+        let descs = u64::from(layout.num_regions()) * u64::from(layout.num_blocks) * u64::from(layout.heads);
+        if descs > u64::from(u32::MAX) {
+            return Err(Error::invalid_argument(format!("{descs} head descriptors overflow u32 ids")));
+        }
+        Ok(split)
     }
 
     /// The encoded handshake payload, once registered.

@@ -1,6 +1,7 @@
 //! Peers: handshakes, instance epochs, and messages that wait for a peer to be ready.
 //!
-//! A peer is an engine this worker READs from (decode side) or answers (prefill side). It is
+//! A peer is one rank of an engine this worker READs from (decode side) or answers (prefill
+//! side); with tensor-parallel sizes that differ, a worker has several peers of one engine. It is
 //! `Handshaking` until its payload is fetched and checked, then `Ready`. A failed READ,
 //! notification or confirmation invalidates it: the next request for that engine handshakes
 //! again, so a restarted engine (a new instance in its payload) is found again. The old
@@ -12,25 +13,39 @@ use tracing::{debug, info};
 use super::{ConnectorWorker, WorkerCommand};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exchange::PeerLocator;
-use crate::ids::{AgentName, EngineId, RequestId};
+use crate::ids::{AgentName, EngineId};
 use crate::params::{Endpoint, RemoteCoordinates};
+use crate::tp::{HeadSplit, MAX_TP};
 use crate::transfer::{BlockList, DlistId, DlistOwner};
 use crate::wire::{self, HandshakePayload};
 
-/// A peer's loaded agent and prepared descriptor list.
+use super::loads::LoadKey;
+
+/// A peer: one rank of an engine.
+pub(super) type PeerKey = (EngineId, u32);
+
+/// A peer's loaded agent and prepared descriptor lists.
 #[derive(Debug)]
 pub(super) struct Connected {
     pub(super) agent: AgentName,
+    /// The peer's blocks, whole.
     pub(super) dlist: DlistId,
+    /// The peer's blocks one head at a time (descriptor `region * num_blocks * heads + block *
+    /// heads + head`), prepared at the first READ of part of its heads.
+    pub(super) head_dlist: Option<DlistId>,
+    /// The peer's regions (for preparing `head_dlist`).
+    pub(super) list: BlockList,
     pub(super) num_blocks: u32,
+    /// The peer engine's tensor-parallel size, and the heads of each of its ranks.
+    pub(super) split: HeadSplit,
     pub(super) instance: u64,
 }
 
 /// What waits for a peer's handshake.
 #[derive(Debug)]
 pub(super) enum Waiter {
-    /// A load, posted once the peer is ready.
-    Load(RequestId),
+    /// A load's READ from this peer, posted once the peer is ready.
+    Load(LoadKey),
     /// An encoded notification, sent once the peer is ready.
     Message(Vec<u8>),
 }
@@ -52,15 +67,17 @@ pub(super) enum Peer {
 }
 
 impl ConnectorWorker {
-    /// Hands `waiter` back when the peer is ready (the caller acts now); otherwise queues it on
-    /// the peer's handshake, starting one if needed.
+    /// Hands `waiter` back when rank `rank` of `remote` is ready (the caller acts now); otherwise
+    /// queues it on the peer's handshake, starting one if needed.
     pub(super) fn when_ready(
         &mut self,
         now: Instant,
         remote: &RemoteCoordinates,
+        rank: u32,
         waiter: Waiter,
     ) -> Result<Option<Waiter>> {
-        match self.peers.get_mut(&remote.engine_id) {
+        let key = (remote.engine_id.clone(), rank);
+        match self.peers.get_mut(&key) {
             Some(Peer::Ready(_)) => return Ok(Some(waiter)),
             Some(Peer::Handshaking(h)) => {
                 h.waiting.push(waiter);
@@ -68,7 +85,6 @@ impl ConnectorWorker {
             }
             None => {}
         }
-        let rank = self.config.rank;
         let endpoint = match &remote.endpoint {
             Some(Endpoint { host, port }) => {
                 let port = u16::try_from(u32::from(*port) + rank).map_err(|_| {
@@ -79,7 +95,7 @@ impl ConnectorWorker {
             None => None,
         };
         let engine_id = &remote.engine_id;
-        debug!(%engine_id, ?endpoint, "handshake queued");
+        debug!(%engine_id, rank, ?endpoint, "handshake queued");
         self.commands.push_back(WorkerCommand::FetchHandshake(PeerLocator {
             engine_id: engine_id.clone(),
             rank,
@@ -87,41 +103,43 @@ impl ConnectorWorker {
         }));
         let deadline = now + self.config.handshake_timeout;
         let h = Handshaking { started: now, deadline, waiting: vec![waiter], fetched: None };
-        self.peers.insert(engine_id.clone(), Peer::Handshaking(h));
+        self.peers.insert(key, Peer::Handshaking(h));
         Ok(None)
     }
 
-    /// Sends an encoded notification to the matching rank of `remote`, now or once it is ready.
-    pub(super) fn send_to(&mut self, now: Instant, remote: &RemoteCoordinates, msg: Vec<u8>) {
-        match self.when_ready(now, remote, Waiter::Message(msg)) {
-            Ok(Some(Waiter::Message(msg))) => self.notify_peer(&remote.engine_id, &msg),
+    /// Sends an encoded notification to rank `rank` of `remote`, now or once it is ready.
+    pub(super) fn send_to(&mut self, now: Instant, remote: &RemoteCoordinates, rank: u32, msg: Vec<u8>) {
+        match self.when_ready(now, remote, rank, Waiter::Message(msg)) {
+            Ok(Some(Waiter::Message(msg))) => self.notify_peer(&(remote.engine_id.clone(), rank), &msg),
             Ok(_) => {}
             Err(e) => {
-                debug!(engine_id = %remote.engine_id, error = %e, "message not sent");
+                debug!(engine_id = %remote.engine_id, rank, error = %e, "message not sent");
                 self.stats.unsent_messages += 1;
             }
         }
     }
 
     /// Sends to a ready peer; a failed send invalidates it.
-    pub(super) fn notify_peer(&mut self, engine_id: &EngineId, msg: &[u8]) {
-        let Some(Peer::Ready(conn)) = self.peers.get(engine_id) else {
-            debug!(%engine_id, "notification not sent: the peer was dropped");
+    pub(super) fn notify_peer(&mut self, key: &PeerKey, msg: &[u8]) {
+        let (engine_id, rank) = key;
+        let Some(Peer::Ready(conn)) = self.peers.get(key) else {
+            debug!(%engine_id, rank, "notification not sent: the peer was dropped");
             self.stats.unsent_messages += 1;
             return;
         };
         if let Err(e) = self.agent.notify(&conn.agent, msg) {
-            debug!(%engine_id, error = %e, "notification not sent: the peer is dropped");
+            debug!(%engine_id, rank, error = %e, "notification not sent: the peer is dropped");
             self.stats.unsent_messages += 1;
-            self.invalidate(engine_id);
+            self.invalidate(key);
         }
     }
 
     /// Drops a ready peer (the next request handshakes again); its connection is forgotten once
     /// no READ of it is in flight.
-    pub(super) fn invalidate(&mut self, engine_id: &EngineId) {
-        if let Some(Peer::Ready(conn)) = self.peers.remove(engine_id) {
-            debug!(%engine_id, agent = %conn.agent, "peer invalidated");
+    pub(super) fn invalidate(&mut self, key: &PeerKey) {
+        if let Some(Peer::Ready(conn)) = self.peers.remove(key) {
+            let (engine_id, rank) = key;
+            debug!(%engine_id, rank, agent = %conn.agent, "peer invalidated");
             self.stats.peers_invalidated += 1;
             self.retired.push(conn);
             self.forget_retired();
@@ -157,51 +175,61 @@ impl ConnectorWorker {
     }
 
     fn forget(&self, conn: &Connected) {
-        if let Err(e) = self.agent.release_dlist(conn.dlist) {
-            debug!(agent = %conn.agent, error = %e, "releasing a dropped peer's list failed");
+        for dlist in std::iter::once(conn.dlist).chain(conn.head_dlist) {
+            if let Err(e) = self.agent.release_dlist(dlist) {
+                debug!(agent = %conn.agent, error = %e, "releasing a dropped peer's list failed");
+            }
         }
         if let Err(e) = self.agent.forget_remote(&conn.agent) {
             debug!(agent = %conn.agent, error = %e, "forgetting a dropped peer failed");
         }
     }
 
-    /// The result of a [`WorkerCommand::FetchHandshake`]: the peer's encoded payload, or why the
-    /// fetch failed. Validates the payload, loads the peer's agent and prepares its descriptor
-    /// list, then posts the waiting loads and sends the waiting messages; on any failure the
-    /// loads fail (the prefill engine is told to free where it can be reached) and the next
-    /// request for that engine handshakes again.
-    pub fn handle_handshake(&mut self, now: Instant, engine_id: &EngineId, result: Result<Vec<u8>>) {
-        if !matches!(self.peers.get(engine_id), Some(Peer::Handshaking(_))) {
-            debug!(%engine_id, "late or unexpected handshake result ignored");
+    /// The result of a [`WorkerCommand::FetchHandshake`] for rank `rank` of `engine_id` (the
+    /// locator's): the peer's encoded payload, or why the fetch failed. Validates the payload,
+    /// loads the peer's agent and prepares its descriptor list, then posts the waiting loads and
+    /// sends the waiting messages; on any failure the loads fail (the prefill engine is told to
+    /// free where it can be reached) and the next request for that peer handshakes again.
+    pub fn handle_handshake(
+        &mut self,
+        now: Instant,
+        engine_id: &EngineId,
+        rank: u32,
+        result: Result<Vec<u8>>,
+    ) {
+        let key = (engine_id.clone(), rank);
+        if !matches!(self.peers.get(&key), Some(Peer::Handshaking(_))) {
+            debug!(%engine_id, rank, "late or unexpected handshake result ignored");
             return;
         }
         let bytes = match result {
             Ok(bytes) => bytes,
-            Err(e) => return self.handshake_failed(now, engine_id, e, None),
+            Err(e) => return self.handshake_failed(now, &key, e, None),
         };
-        match self.connect(engine_id, &bytes) {
-            Ok(Some(conn)) => self.handshake_done(now, engine_id, conn),
+        match self.connect(&key, &bytes) {
+            Ok(Some(conn)) => self.handshake_done(now, &key, conn),
             Ok(None) => {
-                if let Some(Peer::Handshaking(h)) = self.peers.get_mut(engine_id) {
+                if let Some(Peer::Handshaking(h)) = self.peers.get_mut(&key) {
                     h.fetched = Some(bytes);
                 }
             }
-            Err(e) => self.handshake_failed(now, engine_id, e, Some(&bytes)),
+            Err(e) => self.handshake_failed(now, &key, e, Some(&bytes)),
         }
     }
 
-    fn handshake_done(&mut self, now: Instant, engine_id: &EngineId, conn: Connected) {
+    fn handshake_done(&mut self, now: Instant, key: &PeerKey, conn: Connected) {
         let instance = conn.instance;
-        let Some(Peer::Handshaking(h)) = self.peers.insert(engine_id.clone(), Peer::Ready(conn)) else {
+        let Some(Peer::Handshaking(h)) = self.peers.insert(key.clone(), Peer::Ready(conn)) else {
             return;
         };
-        if let Some(old) = self.instances.insert(engine_id.clone(), instance).filter(|old| *old != instance) {
-            info!(%engine_id, "peer engine restarted: connected to its new instance");
+        let (engine_id, rank) = key;
+        if let Some(old) = self.instances.insert(key.clone(), instance).filter(|old| *old != instance) {
+            info!(%engine_id, rank, "peer engine restarted: connected to its new instance");
             self.stats.peer_restarts += 1;
-            self.fail_confirmations_of(now, engine_id, old);
+            self.fail_confirmations_of(now, key, old);
         }
         let took = now.saturating_duration_since(h.started);
-        debug!(%engine_id, ?took, "handshake done");
+        debug!(%engine_id, rank, ?took, "handshake done");
         self.stats.handshakes += 1;
         self.stats.handshake_times.push(took);
         // Messages first: a load may drop the peer again (an offer of a newer instance, a refused
@@ -211,21 +239,21 @@ impl ConnectorWorker {
         for waiter in messages.into_iter().chain(loads) {
             match waiter {
                 Waiter::Load(id) => self.issue(now, &id),
-                Waiter::Message(msg) => self.notify_peer(engine_id, &msg),
+                Waiter::Message(msg) => self.notify_peer(key, &msg),
             }
         }
     }
 
-    fn handshake_failed(&mut self, now: Instant, engine_id: &EngineId, e: Error, payload: Option<&[u8]>) {
-        let Some(Peer::Handshaking(h)) = self.peers.remove(engine_id) else { return };
+    fn handshake_failed(&mut self, now: Instant, key: &PeerKey, e: Error, payload: Option<&[u8]>) {
+        let Some(Peer::Handshaking(h)) = self.peers.remove(key) else { return };
+        let (engine_id, rank) = key;
         self.stats.handshake_failures += 1;
         // Refusals keep their kind (timeout, incompatible, unauthenticated, ...); a malformed
         // payload is the handshake's failure.
         let e = match e.kind() {
-            ErrorKind::Wire | ErrorKind::InvalidPeerData => {
-                Error::new(ErrorKind::Handshake, e.message()).context(format!("with engine {engine_id}"))
-            }
-            _ => e.context(format!("with engine {engine_id}")),
+            ErrorKind::Wire | ErrorKind::InvalidPeerData => Error::new(ErrorKind::Handshake, e.message())
+                .context(format!("with engine {engine_id} rank {rank}")),
+            _ => e.context(format!("with engine {engine_id} rank {rank}")),
         };
         let mut releases = Vec::new();
         for waiter in h.waiting {
@@ -258,73 +286,91 @@ impl ConnectorWorker {
     }
 
     pub(super) fn expire_handshakes(&mut self, now: Instant) {
-        let expired: Vec<EngineId> = self
+        let expired: Vec<PeerKey> = self
             .peers
             .iter()
             .filter(|(_, p)| matches!(p, Peer::Handshaking(h) if h.deadline <= now))
-            .map(|(e, _)| e.clone())
+            .map(|(k, _)| k.clone())
             .collect();
-        for engine_id in expired {
+        for key in expired {
             let timeout = self.config.handshake_timeout;
-            let e = Error::new(
-                ErrorKind::Timeout,
-                format!("handshake with engine {engine_id} took over {timeout:?}"),
-            );
-            self.handshake_failed(now, &engine_id, e, None);
+            let e = Error::new(ErrorKind::Timeout, format!("handshake took over {timeout:?}"));
+            self.handshake_failed(now, &key, e, None);
         }
     }
 
     /// Connects the payloads that waited for an old connection's READs to end.
     pub(super) fn retry_deferred_handshakes(&mut self, now: Instant) {
-        let deferred: Vec<(EngineId, Vec<u8>)> = self
+        let deferred: Vec<(PeerKey, Vec<u8>)> = self
             .peers
             .iter_mut()
-            .filter_map(|(e, p)| match p {
-                Peer::Handshaking(h) => h.fetched.take().map(|b| (e.clone(), b)),
+            .filter_map(|(k, p)| match p {
+                Peer::Handshaking(h) => h.fetched.take().map(|b| (k.clone(), b)),
                 Peer::Ready(_) => None,
             })
             .collect();
-        for (engine_id, bytes) in deferred {
-            self.handle_handshake(now, &engine_id, Ok(bytes));
+        for ((engine_id, rank), bytes) in deferred {
+            self.handle_handshake(now, &engine_id, rank, Ok(bytes));
         }
     }
 
     /// Checks a peer's payload and connects to it (again, when a dropped connection is to the same
     /// instance); `None` while READs of an earlier connection to the same agent are in flight
     /// (loading its new metadata would first forget the old).
-    fn connect(&mut self, engine_id: &EngineId, bytes: &[u8]) -> Result<Option<Connected>> {
+    ///
+    /// The peer may have another tensor-parallel size: its layout must be the same per head (the
+    /// compatibility hash), of the same model's heads, and its blocks must hold its rank's share
+    /// of them; an engine that cannot split the heads is refused as `Incompatible`.
+    fn connect(&mut self, key: &PeerKey, bytes: &[u8]) -> Result<Option<Connected>> {
         let Some(registered) = &self.registered else {
             return Err(Error::new(ErrorKind::State, "not registered"));
         };
+        let (engine_id, rank) = key;
         let layout = &registered.layout;
         let p: HandshakePayload = wire::decode(bytes)?;
-        if &p.engine_id != engine_id || p.engine_id == self.config.engine_id {
+        if &p.engine_id != engine_id || p.engine_id == self.config.engine_id || p.rank != *rank {
             return Err(Error::invalid_peer_data(format!(
-                "payload of engine {} where {engine_id} was expected",
-                p.engine_id
+                "payload of engine {} rank {} where {engine_id} rank {rank} was expected",
+                p.engine_id, p.rank
             )));
         }
-        if p.rank != self.config.rank || p.world_size != self.config.world_size {
+        if p.world_size == 0 || p.world_size > MAX_TP || p.rank >= p.world_size {
+            return Err(Error::invalid_peer_data(format!("peer is rank {} of {}", p.rank, p.world_size)));
+        }
+        if p.compat_hash != layout.compat_hash(&self.config.compat_tag) {
             return Err(Error::new(
                 ErrorKind::Incompatible,
                 format!(
-                    "peer is rank {} of {}, this worker rank {} of {}",
-                    p.rank, p.world_size, self.config.rank, self.config.world_size
+                    "engine {engine_id} has an incompatible KV layout or model (head size, dtype, layers, block size or windows differ)"
                 ),
             ));
         }
-        if p.compat_hash != layout.compat_hash(&self.config.compat_tag) || p.block_len != layout.block_len {
+        if p.kv_heads != registered.split.heads() {
             return Err(Error::new(
                 ErrorKind::Incompatible,
                 format!(
-                    "engine {engine_id} has an incompatible KV layout or model (block_len {})",
-                    p.block_len
+                    "engine {engine_id} has {} KV heads, this engine {}",
+                    p.kv_heads,
+                    registered.split.heads()
                 ),
             ));
         }
-        // Descriptor ids are u32 (`region * num_blocks + block`): a pool too large for them is
-        // refused here rather than wrapping later.
-        let num_descs = u64::from(layout.num_regions()) * u64::from(p.num_blocks);
+        let split = HeadSplit::new(p.kv_heads, p.world_size)?;
+        if Some(p.block_len) != u64::from(split.per_rank()).checked_mul(layout.head_len()) {
+            return Err(Error::new(
+                ErrorKind::Incompatible,
+                format!(
+                    "engine {engine_id} rank {rank} has blocks of {} bytes, not {} heads of {} bytes",
+                    p.block_len,
+                    split.per_rank(),
+                    layout.head_len()
+                ),
+            ));
+        }
+        // Descriptor ids are u32 (`region * num_blocks * heads + ..`): a pool too large for them
+        // is refused here rather than wrapping later.
+        let num_descs =
+            u64::from(layout.num_regions()) * u64::from(p.num_blocks) * u64::from(split.per_rank());
         if p.region_bases.len() != layout.num_regions() as usize
             || p.num_blocks == 0
             || num_descs > u64::from(u32::MAX)
@@ -348,7 +394,11 @@ impl ConnectorWorker {
             let old = self.retired.swap_remove(i);
             self.forget(&old);
         }
-        let list = BlockList { num_blocks: p.num_blocks, ..layout.block_list(p.region_bases) };
+        let list = BlockList {
+            num_blocks: p.num_blocks,
+            block_len: p.block_len,
+            ..layout.block_list(p.region_bases)
+        };
         let agent = match self.agent.load_remote(&p.agent_metadata) {
             Ok(name) if name != p.agent_name => {
                 let _ = self.agent.forget_remote(&name);
@@ -371,6 +421,14 @@ impl ConnectorWorker {
                 return Err(e);
             }
         };
-        Ok(Some(Connected { agent, dlist, num_blocks: p.num_blocks, instance: p.instance }))
+        Ok(Some(Connected {
+            agent,
+            dlist,
+            head_dlist: None,
+            list,
+            num_blocks: p.num_blocks,
+            split,
+            instance: p.instance,
+        }))
     }
 }

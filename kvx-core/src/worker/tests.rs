@@ -125,6 +125,7 @@ fn peer_payload(rank: u32, windows: &[Option<u32>], edit: impl FnOnce(&mut Hands
         engine_id: "prefill".into(),
         rank,
         world_size: 2,
+        kv_heads: layout.heads * 2,
         agent_name: "peer".into(),
         agent_metadata: b"peer-md".to_vec(),
         region_bases: (0..layout.num_regions()).map(|r| 0x10_0000 * u64::from(r + 1)).collect(),
@@ -154,7 +155,14 @@ fn link_down() -> Error {
 }
 
 fn release(id: &str) -> Vec<u8> {
-    wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to: None }).unwrap()
+    wire::encode(&HoldRelease {
+        request_id: id.into(),
+        nonce: nonce_of(id),
+        reply_to: None,
+        reader: 0,
+        readers: 1,
+    })
+    .unwrap()
 }
 
 /// Checks that `posted` is the release a READ of `id` by `w` carries: asking for an answer.
@@ -191,6 +199,7 @@ fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
         nonce: Some(nonce_of(id)),
         mac: None,
         remote_instance: None,
+        remote_tp_size: None,
     }
 }
 
@@ -211,7 +220,7 @@ fn start_and_handshake(w: &mut ConnectorWorker, now: Instant, reqs: Vec<RecvRequ
             endpoint: Some(Endpoint::new("h", 5600 + rank as u16)),
         })
     );
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(rank, &[None, None], |_| {})));
+    w.handle_handshake(now, &"prefill".into(), rank, Ok(peer_payload(rank, &[None, None], |_| {})));
 }
 
 #[test]
@@ -254,7 +263,7 @@ fn requests_wait_for_the_handshake_then_read_the_last_blocks() {
         Some(WorkerCommand::FetchHandshake(PeerLocator { endpoint: Some(Endpoint { port: 5601, .. }), .. }))
     ));
     assert_eq!(w.poll_command(), None, "one handshake per peer");
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+    w.handle_handshake(now, &"prefill".into(), 1, Ok(peer_payload(1, &[None, None], |_| {})));
     let posts = posts.lock().unwrap();
     assert_eq!(posts.len(), 2);
     // Regions K0 V0 K1 V1; local num_blocks 8, remote 16.
@@ -275,7 +284,7 @@ fn windowed_layers_read_only_their_last_blocks() {
     let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &windows);
     w.start_load_kv(Instant::now(), &meta(vec![recv("a", vec![1, 2], vec![3, 4])]));
     w.poll_command();
-    w.handle_handshake(Instant::now(), &"prefill".into(), Ok(peer_payload(0, &windows, |_| {})));
+    w.handle_handshake(Instant::now(), &"prefill".into(), 0, Ok(peer_payload(0, &windows, |_| {})));
     let posts = posts.lock().unwrap();
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 18, 26]);
     assert_eq!(posts[0].remote, vec![3, 4, 19, 20, 36, 52]);
@@ -347,7 +356,12 @@ fn the_prefill_engines_request_id_names_every_notification() {
 fn answer_handshakes(w: &mut ConnectorWorker, now: Instant, instance: u64) {
     let rank = w.config().rank;
     while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
-        w.handle_handshake(now, &engine_id, Ok(peer_payload(rank, &[None, None], |p| p.instance = instance)));
+        w.handle_handshake(
+            now,
+            &engine_id,
+            rank,
+            Ok(peer_payload(rank, &[None, None], |p| p.instance = instance)),
+        );
     }
 }
 
@@ -426,7 +440,7 @@ fn a_failed_handshake_fails_exactly_the_waiting_requests_and_is_retried() {
     let now = Instant::now();
     w.start_load_kv(now, &meta(vec![recv("a", vec![1], vec![1]), recv("b", vec![2], vec![2])]));
     w.poll_command();
-    w.handle_handshake(now, &"prefill".into(), Err(Error::new(ErrorKind::Io, "connection refused")));
+    w.handle_handshake(now, &"prefill".into(), 0, Err(Error::new(ErrorKind::Io, "connection refused")));
     let f = w.get_finished(now);
     let failed: Vec<_> = f.failed_recving.iter().map(|f| f.request_id.as_str()).collect();
     assert_eq!(failed, ["a", "b"]);
@@ -451,11 +465,11 @@ fn a_failed_handshake_says_so_once() {
     {
         w.start_load_kv(now, &meta(vec![recv(&format!("r{n}"), vec![1], vec![1])]));
         w.poll_command();
-        w.handle_handshake(now, &"prefill".into(), Err(cause));
+        w.handle_handshake(now, &"prefill".into(), 0, Err(cause));
         let error = w.get_finished(now).failed_recving.remove(0).error;
         assert_eq!(error.kind(), ErrorKind::Handshake, "{error}");
         let reason = error.to_string();
-        assert!(reason.starts_with("handshake failed: with engine prefill: "), "{reason}");
+        assert!(reason.starts_with("handshake failed: with engine prefill rank 0: "), "{reason}");
         assert_eq!(reason.matches("handshake failed").count(), 1, "{reason}");
     }
 }
@@ -471,7 +485,7 @@ fn a_handshake_that_never_answers_times_out() {
     assert_eq!(f.failed_recving.len(), 1);
     assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::Timeout, "{:?}", f.failed_recving[0]);
     // A result arriving after the timeout is ignored.
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |_| {})));
+    w.handle_handshake(now, &"prefill".into(), 0, Ok(peer_payload(0, &[None, None], |_| {})));
     assert!(w.is_idle());
 }
 
@@ -524,7 +538,12 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         let mut w = worker_with(agent(posts.clone(), |_| {}), 1, &[None, None]);
         w.start_load_kv(Instant::now(), &meta(vec![req]));
         if w.poll_command().is_some() {
-            w.handle_handshake(Instant::now(), &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+            w.handle_handshake(
+                Instant::now(),
+                &"prefill".into(),
+                1,
+                Ok(peer_payload(1, &[None, None], |_| {})),
+            );
         }
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
@@ -539,8 +558,13 @@ fn bad_handshake_payloads_are_refused() {
     let cases: Vec<(&str, Vec<u8>, ErrorKind)> = vec![
         ("garbage", b"not a payload".to_vec(), ErrorKind::Handshake),
         ("other engine", peer_payload(0, &[None, None], |p| p.engine_id = "x".into()), ErrorKind::Handshake),
-        ("other rank", peer_payload(1, &[None, None], |_| {}), ErrorKind::Incompatible),
-        ("other TP size", peer_payload(0, &[None, None], |p| p.world_size = 4), ErrorKind::Incompatible),
+        ("other rank", peer_payload(1, &[None, None], |_| {}), ErrorKind::Handshake),
+        (
+            "a TP size the heads do not split over",
+            peer_payload(0, &[None, None], |p| p.world_size = 3),
+            ErrorKind::Incompatible,
+        ),
+        ("other model heads", peer_payload(0, &[None, None], |p| p.kv_heads = 4), ErrorKind::Incompatible),
         ("other layout", peer_payload(0, &[None, None], |p| p.compat_hash ^= 1), ErrorKind::Incompatible),
         (
             "other block length",
@@ -564,7 +588,7 @@ fn bad_handshake_payloads_are_refused() {
         let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &[None, None]);
         w.start_load_kv(Instant::now(), &meta(vec![recv("r", vec![1], vec![1])]));
         w.poll_command();
-        w.handle_handshake(Instant::now(), &"prefill".into(), Ok(payload));
+        w.handle_handshake(Instant::now(), &"prefill".into(), 0, Ok(payload));
         let f = w.get_finished(Instant::now());
         assert_eq!(f.failed_recving.len(), 1, "{what}");
         assert_eq!(f.failed_recving[0].error.kind(), kind, "{what}: {}", f.failed_recving[0].error);
@@ -627,7 +651,16 @@ fn a_forged_or_replayed_release_frees_no_hold() {
     let send = |ids: &[&str]| ConnectorMetadata { reqs_to_send: held(ids), ..Default::default() };
     let forged = |id: &str| {
         let nonce = crate::auth::HexBytes([0xee; 16]);
-        notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce, reply_to: None }).unwrap())
+        notif(
+            &wire::encode(&HoldRelease {
+                request_id: id.into(),
+                nonce,
+                reply_to: None,
+                reader: 0,
+                readers: 1,
+            })
+            .unwrap(),
+        )
     };
     w.start_load_kv(now, &send(&["victim"]));
     // Another client names the victim's request id: without its nonce, nothing is freed.
@@ -794,7 +827,7 @@ fn the_same_request_twice_while_its_handshake_runs_loads_once() {
     let f = w.get_finished(now);
     assert_eq!(f.failed_recving.len(), 1, "the second is refused");
     while let Some(WorkerCommand::FetchHandshake(PeerLocator { engine_id, .. })) = w.poll_command() {
-        w.handle_handshake(now, &engine_id, Ok(peer_payload(0, &[None, None], |_| {})));
+        w.handle_handshake(now, &engine_id, 0, Ok(peer_payload(0, &[None, None], |_| {})));
     }
     assert_eq!(posts.lock().unwrap().len(), 1, "one READ");
     inbox.lock().unwrap().push(answer(&posts, "a", true));
@@ -817,9 +850,22 @@ fn an_id_a_report_names_twice_counts_once_for_its_rank() {
 
 /// A release from decode worker `instance` that asks for an answer.
 fn release_asking(id: &str, instance: u64) -> Notification {
-    let reply_to =
-        Some(ReplyTo { engine: decode_side_channel(), instance, token: crate::auth::HexBytes([9; 16]) });
-    notif(&wire::encode(&HoldRelease { request_id: id.into(), nonce: nonce_of(id), reply_to }).unwrap())
+    let reply_to = Some(ReplyTo {
+        engine: decode_side_channel(),
+        rank: 0,
+        instance,
+        token: crate::auth::HexBytes([9; 16]),
+    });
+    notif(
+        &wire::encode(&HoldRelease {
+            request_id: id.into(),
+            nonce: nonce_of(id),
+            reply_to,
+            reader: 0,
+            readers: 1,
+        })
+        .unwrap(),
+    )
 }
 
 /// The answers a prefill worker sent: what `notify` carried to the decode agent.
@@ -874,7 +920,7 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
             endpoint: Some(Endpoint::new("d", 5700)),
         }))
     );
-    w.handle_handshake(now, &"decode".into(), Ok(decode_payload(7)));
+    w.handle_handshake(now, &"decode".into(), 0, Ok(decode_payload(7)));
     assert_eq!(answers(&sent), [("live".to_owned(), true)]);
     // "late"'s lease runs out; its READ's release comes after: answered "not held" at once.
     let lease = w.config().lease_duration;
@@ -892,7 +938,7 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
     inbox.lock().unwrap().push(release_asking("next", 8));
     w.get_finished(now + lease);
     assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(_))));
-    w.handle_handshake(now + lease, &"decode".into(), Ok(decode_payload(8)));
+    w.handle_handshake(now + lease, &"decode".into(), 0, Ok(decode_payload(8)));
     assert_eq!(answers(&sent).last(), Some(&("next".to_owned(), true)));
     let s = w.stats();
     assert_eq!((s.hold_answers, s.expired_holds, s.peer_restarts), (3, 1, 1));
@@ -963,13 +1009,13 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
     let now = Instant::now();
     let ids: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
     let holds = held(&ids.iter().map(String::as_str).collect::<Vec<_>>());
-    let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, holds };
+    let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, remote_tp_size: None, holds };
     w.start_load_kv(now, &ConnectorMetadata { heartbeats: vec![beat], ..Default::default() });
     assert!(matches!(
         w.poll_command(),
         Some(WorkerCommand::FetchHandshake(PeerLocator { endpoint: Some(Endpoint { port: 5601, .. }), .. }))
     ));
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(1, &[None, None], |_| {})));
+    w.handle_handshake(now, &"prefill".into(), 1, Ok(peer_payload(1, &[None, None], |_| {})));
     let renewed: Vec<usize> =
         sent.lock().unwrap().iter().map(|m| wire::decode::<RenewLeases>(m).unwrap().holds.len()).collect();
     assert_eq!(renewed, [128, 128, 44]);
@@ -1033,7 +1079,7 @@ fn a_load_that_drops_its_peer_does_not_fail_the_others_waiting_on_the_handshake(
     w.start_load_kv(now, &meta(loads));
     // The first handshake finds instance 1 (the engine restarted since it made the offer).
     assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(_))));
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |p| p.instance = 1)));
+    w.handle_handshake(now, &"prefill".into(), 0, Ok(peer_payload(0, &[None, None], |p| p.instance = 1)));
     let f = w.get_finished(now);
     assert!(
         f.failed_recving.is_empty(),
@@ -1196,7 +1242,7 @@ fn close_gives_back_every_registration_list_and_peer_and_refuses_work() {
     assert_eq!(f.sending, vec![RequestId::new("h2")]);
     assert_eq!(f.failed_recving[0].request_id, "b".into());
     assert_eq!(f.failed_recving[0].error.kind(), ErrorKind::State, "{}", f.failed_recving[0].error);
-    w.handle_handshake(now, &"prefill".into(), Ok(peer_payload(0, &[None, None], |_| {})));
+    w.handle_handshake(now, &"prefill".into(), 0, Ok(peer_payload(0, &[None, None], |_| {})));
     w.close().unwrap();
     assert!(calls.lock().unwrap().is_empty(), "closed: the agent was called: {:?}", calls.lock().unwrap());
 }
@@ -1210,7 +1256,7 @@ fn close_again_gives_back_what_the_agent_refused() {
     // A connection dropped while its READ runs is kept (retired) until the READ ends: closing
     // forgets it too.
     start_and_handshake(&mut w, now, vec![recv("a", vec![1], vec![1])]);
-    w.invalidate(&"prefill".into());
+    w.invalidate(&("prefill".into(), 0));
     calls.lock().unwrap().clear();
 
     let e = w.close().unwrap_err();

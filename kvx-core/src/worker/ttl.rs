@@ -23,28 +23,37 @@ pub(super) type Key = (RequestId, Nonce);
 pub(super) struct TtlMap<V> {
     capacity: usize,
     ttl: Duration,
+    /// How many notifications an entry stands for (what dropping it adds to the stray counter).
+    weight: fn(&V) -> u64,
     entries: HashMap<Key, (Instant, V)>,
     /// Keys in arrival order (with their expiry, so a re-inserted key is told apart).
     order: VecDeque<(Key, Instant)>,
 }
 
 impl<V> TtlMap<V> {
+    /// A map of at most `capacity` entries kept `ttl` each, each standing for one notification.
     pub(super) fn new(capacity: usize, ttl: Duration) -> Self {
-        TtlMap { capacity, ttl, entries: HashMap::new(), order: VecDeque::new() }
+        Self::weighted(capacity, ttl, |_| 1)
     }
 
-    /// Keeps `value` until `now + ttl`. Returns how many entries it pushed out (a replaced one
-    /// and evictions), for the stray counter.
+    /// The same, each entry standing for `weight(entry)` notifications.
+    pub(super) fn weighted(capacity: usize, ttl: Duration, weight: fn(&V) -> u64) -> Self {
+        TtlMap { capacity, ttl, weight, entries: HashMap::new(), order: VecDeque::new() }
+    }
+
+    /// Keeps `value` until `now + ttl`. Returns how many notifications it pushed out (a replaced
+    /// entry and evictions, by weight), for the stray counter.
     pub(super) fn insert(&mut self, now: Instant, key: Key, value: V) -> u64 {
         if self.capacity == 0 {
-            return 1;
+            return (self.weight)(&value);
         }
         let until = now + self.ttl;
-        let mut dropped = u64::from(self.entries.insert(key.clone(), (until, value)).is_some());
+        let mut dropped =
+            self.entries.insert(key.clone(), (until, value)).map_or(0, |(_, v)| (self.weight)(&v));
         self.order.push_back((key, until));
         // `order` also keeps the keys of taken entries until they reach the front: bound it too.
         while self.entries.len() > self.capacity || self.order.len() > 2 * self.capacity {
-            dropped += u64::from(self.pop_front());
+            dropped += self.pop_front();
         }
         dropped
     }
@@ -65,26 +74,25 @@ impl<V> TtlMap<V> {
         self.entries.contains_key(key)
     }
 
-    /// Drops the releases whose time is up; returns how many.
+    /// Drops the entries whose time is up; returns how many notifications they stood for.
     pub(super) fn expire(&mut self, now: Instant) -> u64 {
         let mut expired = 0;
         while let Some((_, until)) = self.order.front() {
             if *until > now {
                 break;
             }
-            expired += u64::from(self.pop_front());
+            expired += self.pop_front();
         }
         expired
     }
 
-    /// Removes the oldest entry of `order`; true if it was still live.
-    fn pop_front(&mut self) -> bool {
-        let Some((key, until)) = self.order.pop_front() else { return false };
+    /// Removes the oldest entry of `order`; returns the weight of the entry if it was still live.
+    fn pop_front(&mut self) -> u64 {
+        let Some((key, until)) = self.order.pop_front() else { return 0 };
         if self.entries.get(&key).is_some_and(|(u, _)| *u == until) {
-            self.entries.remove(&key);
-            true
+            self.entries.remove(&key).map_or(0, |(_, v)| (self.weight)(&v))
         } else {
-            false
+            0
         }
     }
 

@@ -52,6 +52,7 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
         auth_key,
         lease_duration: std::time::Duration::from_secs(30),
         instance: None,
+        tp_size: 1,
     })
     .ok()
 }

@@ -49,6 +49,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 engine_id: "prefill-0".into(),
                 rank: 1,
                 world_size: 2,
+                kv_heads: 8,
                 agent_name: "prefill-0-rank-1".into(),
                 agent_metadata: live.agent_metadata.clone(),
                 region_bases: vec![0x7f00_0000_0000, 0x7f00_0010_0000, 0x7f00_0020_0000, 0x7f00_0030_0000],
@@ -64,6 +65,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 engine_id: "".into(),
                 rank: 0,
                 world_size: 0,
+                kv_heads: 0,
                 agent_name: "".into(),
                 agent_metadata: vec![],
                 region_bases: vec![],
@@ -79,6 +81,7 @@ pub(crate) fn handshake_samples() -> Vec<(&'static str, HandshakePayload)> {
                 engine_id: "e".repeat(300).into(),
                 rank: u32::MAX,
                 world_size: u32::MAX,
+                kv_heads: u32::MAX,
                 agent_name: "a".into(),
                 agent_metadata: vec![0xff; 300],
                 region_bases: vec![u64::MAX; 17],
@@ -104,6 +107,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             auth_key: Some(auth_key()),
             lease_duration: std::time::Duration::from_secs(30),
             instance: None,
+            tp_size: 1,
         }),
         "scheduler",
     )
@@ -158,10 +162,12 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),
                     remote_instance: Some(kvx_core::HexBytes([0xff; 8])),
+                    remote_tp_size: Some(u32::MAX),
                 }],
                 reqs_to_send: vec![HeldRequest { request_id: "".into(), nonce: NONCE }; 2],
                 heartbeats: vec![kvx_core::Heartbeat {
                     remote: RemoteCoordinates::at("prefill", "h".repeat(300), 5600),
+                    remote_tp_size: Some(8),
                     holds: vec![HeldRequest { request_id: "x".into(), nonce: NONCE }; 3],
                 }],
             },
@@ -182,10 +188,25 @@ pub(crate) fn rank_report_seeds() -> Vec<Seed> {
 pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
     let decode = super::fixture::decode_side_channel();
     vec![
-        ("typical", HoldRelease { request_id: "cmpl-7f3a-0".into(), nonce: NONCE, reply_to: None }),
+        (
+            "typical",
+            HoldRelease {
+                request_id: "cmpl-7f3a-0".into(),
+                nonce: NONCE,
+                reply_to: None,
+                reader: 0,
+                readers: 1,
+            },
+        ),
         (
             "empty-id",
-            HoldRelease { request_id: "".into(), nonce: kvx_core::HexBytes([0; 16]), reply_to: None },
+            HoldRelease {
+                request_id: "".into(),
+                nonce: kvx_core::HexBytes([0; 16]),
+                reply_to: None,
+                reader: 0,
+                readers: 1,
+            },
         ),
         (
             "after-a-read",
@@ -194,9 +215,12 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 nonce: NONCE,
                 reply_to: Some(ReplyTo {
                     engine: decode.clone(),
+                    rank: 3,
                     instance: 0x0123_4567_89ab_cdef,
                     token: NONCE,
                 }),
+                reader: 3,
+                readers: 4,
             },
         ),
         (
@@ -206,9 +230,12 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 nonce: NONCE,
                 reply_to: Some(ReplyTo {
                     engine: RemoteCoordinates::at("", "h".repeat(300), u16::MAX),
+                    rank: u32::MAX,
                     instance: u64::MAX,
                     token: kvx_core::HexBytes([0xff; 16]),
                 }),
+                reader: u32::MAX,
+                readers: u32::MAX,
             },
         ),
     ]

@@ -301,6 +301,7 @@ class KvxConnector(KVConnectorBase_V1):
                 auth_key=self._auth_key,
                 lease_duration_s=self._lease_s,
                 discovery=self._discovery,
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             )
             if cfg.is_kv_producer and self._discovery == "tcp":
                 # Decode engines connect to the host in the params this engine hands out.

@@ -51,7 +51,7 @@ impl Session {
             7 => (RemoteCoordinates { engine_id: "elsewhere".into(), ..decode }, instance),
             _ => (RemoteCoordinates { engine_id: "e".repeat(MAX_ID_LEN + 1).into(), ..decode }, src.u64()),
         };
-        Some(ReplyTo { engine, instance, token: kvx_core::HexBytes([src.u8(); 16]) })
+        Some(ReplyTo { engine, rank: 0, instance, token: kvx_core::HexBytes([src.u8(); 16]) })
     }
 
     pub(super) fn event(&mut self, src: &mut ByteSource<'_>) {
@@ -75,7 +75,10 @@ impl Session {
                 // Released by someone who knows the offer, asking for the answer at the decode
                 // engine: the answer carries this release's token, not the READ's.
                 let reply_to = self.pick_reply_to(src);
-                let msg = must(wire::encode(&HoldRelease { request_id, nonce, reply_to }), "encoding");
+                let msg = must(
+                    wire::encode(&HoldRelease { request_id, nonce, reply_to, reader: 0, readers: 1 }),
+                    "encoding",
+                );
                 let from_peer = src.below(4) == 3;
                 self.send(To::Prefill, from_peer, &msg);
             }
@@ -133,7 +136,10 @@ impl Session {
                     ),
                     1 => {
                         let reply_to = self.pick_reply_to(src);
-                        (To::Decode, wire::encode(&HoldRelease { request_id, nonce, reply_to }))
+                        (
+                            To::Decode,
+                            wire::encode(&HoldRelease { request_id, nonce, reply_to, reader: 0, readers: 1 }),
+                        )
                     }
                     _ => (
                         To::Decode,
@@ -181,8 +187,10 @@ impl Session {
                     1 => RemoteCoordinates { engine_id: "elsewhere".into(), ..prefill_coordinates() },
                     _ => RemoteCoordinates::at(prefill_coordinates().engine_id, "10.0.0.1", u16::MAX),
                 };
-                let meta =
-                    ConnectorMetadata { heartbeats: vec![Heartbeat { remote, holds }], ..Default::default() };
+                let meta = ConnectorMetadata {
+                    heartbeats: vec![Heartbeat { remote, remote_tp_size: None, holds }],
+                    ..Default::default()
+                };
                 self.decode.worker.start_load_kv(self.now, &meta);
                 self.answer_decode_fetches();
             }

@@ -132,7 +132,7 @@ impl Session {
     /// The decode rank's handshakes: the prefill engine's payload; any other engine is
     /// unreachable.
     pub(super) fn answer_decode_fetches(&mut self) {
-        while let Some(WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, .. })) =
+        while let Some(WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, rank, .. })) =
             self.decode.worker.poll_command()
         {
             let result = if engine_id.as_str() == PREFILL {
@@ -140,7 +140,7 @@ impl Session {
             } else {
                 Err(unreachable_peer(&engine_id))
             };
-            self.decode.worker.handle_handshake(self.now, &engine_id, result);
+            self.decode.worker.handle_handshake(self.now, &engine_id, rank, result);
         }
     }
 
@@ -166,13 +166,13 @@ impl Session {
             fetches.push(command);
         }
         self.prefill_fetches += fetches.len() as u64;
-        for WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, .. }) in fetches {
+        for WorkerCommand::FetchHandshake(kvx_core::PeerLocator { engine_id, rank, .. }) in fetches {
             let result = if engine_id.as_str() == DECODE {
                 Ok(self.decode.payload.clone())
             } else {
                 Err(unreachable_peer(&engine_id))
             };
-            self.prefill.worker.handle_handshake(self.now, &engine_id, result);
+            self.prefill.worker.handle_handshake(self.now, &engine_id, rank, result);
         }
         // What is neither counted nor buffered is lost; what is buffered is bounded.
         let p = self.prefill.worker.stats();

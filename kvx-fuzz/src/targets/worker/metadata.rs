@@ -56,6 +56,7 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
         heartbeats: vec![
             Heartbeat {
                 remote: prefill_coordinates(),
+                remote_tp_size: None,
                 holds: vec![
                     HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") },
                     HeldRequest { request_id: "ok".into(), nonce: NONCE },
@@ -67,10 +68,12 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
                     engine_id: "elsewhere".into(),
                     ..prefill_coordinates()
                 },
+                remote_tp_size: Some(4),
                 holds: vec![HeldRequest { request_id: "unreachable".into(), nonce: nonce_of("unreachable") }],
             },
             Heartbeat {
                 remote: kvx_core::RemoteCoordinates::at(PREFILL, "h".repeat(300), 5600),
+                remote_tp_size: Some(u32::MAX),
                 holds: vec![HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") }],
             },
         ],
@@ -123,7 +126,7 @@ fn fuzzed_metadata(
     leases: &mut Vec<Lease>,
 ) -> ConnectorMetadata {
     let loads = if step == 0 { 1 + src.below(4) } else { src.below(4) };
-    let reqs_to_recv = (0..loads)
+    let mut reqs_to_recv: Vec<RecvRequest> = (0..loads)
         .map(|i| {
             let request_id = match src.below(4) {
                 0 => format!("s{step}-r{i}"),
@@ -189,6 +192,7 @@ fn fuzzed_metadata(
                 nonce,
                 mac: None,
                 remote_instance: None,
+                remote_tp_size: None,
             };
             if keyed {
                 r.mac = match src.below(4) {
@@ -213,6 +217,13 @@ fn fuzzed_metadata(
             HeldRequest { request_id: request_id.into(), nonce: NONCE }
         })
         .collect();
+    // Drawn last, so that the inputs drawn before keep their meaning: mostly the decode engine's
+    // own size; sometimes another, possibly impossible one.
+    for r in &mut reqs_to_recv {
+        if src.below(4) == 3 {
+            r.remote_tp_size = Some(u32::from(src.u8() % 9));
+        }
+    }
     ConnectorMetadata { reqs_to_recv, reqs_to_send, heartbeats: vec![] }
 }
 

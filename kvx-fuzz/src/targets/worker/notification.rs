@@ -91,7 +91,8 @@ const OTHER_NONCE: Nonce = kvx_core::HexBytes([0xa5; 16]);
 /// Releases: of each hold, with the wrong nonce, of no hold (it comes before its hold), and
 /// hostile variants; then bare request ids (what kvx sent before nonces), and other bytes.
 pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
-    let release = |id: &str, nonce| HoldRelease { request_id: id.into(), nonce, reply_to: None };
+    let release =
+        |id: &str, nonce| HoldRelease { request_id: id.into(), nonce, reply_to: None, reader: 0, readers: 1 };
     let samples = vec![
         ("releases-a-hold", release("req-0", NONCE)),
         ("releases-a-vllm-hold", release("cmpl-7f3a-0", OTHER_NONCE)),
@@ -99,9 +100,11 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
         ("releases-an-unknown-hold", release("cmpl-unknown-9", NONCE)),
         ("empty-id", release("", NONCE)),
         ("over-long-id", release(&"x".repeat(32 << 10), NONCE)),
+        ("first-of-two-readers", HoldRelease { reader: 1, readers: 2, ..release("req-0", NONCE) }),
+        ("absurd-readers", HoldRelease { reader: u32::MAX, readers: u32::MAX, ..release("req-0", NONCE) }),
     ];
     let reply_to = |engine: kvx_core::RemoteCoordinates, instance| HoldRelease {
-        reply_to: Some(kvx_core::ReplyTo { engine, instance, token: NONCE }),
+        reply_to: Some(kvx_core::ReplyTo { engine, rank: 0, instance, token: NONCE }),
         ..release("req-0", NONCE)
     };
     let samples = [

@@ -35,6 +35,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             auth_key: None,
             lease_duration: Duration::from_secs(30),
             instance: None,
+            tp_size: 1,
         }),
         "scheduler",
     );
