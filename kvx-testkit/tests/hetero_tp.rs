@@ -2,11 +2,12 @@
 //! prefill engine of TP `P` and a decode engine of TP `D` for every pair of (1,2), (2,1), (2,4),
 //! (4,2), (1,4) and (4,1), with standard attention (head-major, split heads), replicated heads
 //! (more ranks than KV heads), MLA, and a hybrid model whose layers mix global attention and
-//! windows. Each runs random prompts with prefix hits on the decode side and aborts at both
-//! engines; every byte each decode rank receives is checked against what that rank (of its own
-//! TP size) must hold, nothing leaks in either pool and every request ends. Pairings kvx cannot
-//! serve (a token-major cache that would need slicing, TP sizes that do not divide each other)
-//! fail every request at once with `Incompatible`, refused at the handshake.
+//! windows, and TP sizes that do not divide each other (2 and 3, 6 heads). Each runs random
+//! prompts with prefix hits on the decode side and aborts at both engines; every byte each decode
+//! rank receives is checked against what that rank (of its own TP size) must hold, nothing leaks
+//! in either pool and every request ends. Pairings kvx cannot serve (a token-major cache that
+//! would need slicing, another head size) fail every request at once with `Incompatible`, refused
+//! at the handshake.
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
@@ -171,17 +172,21 @@ fn equal_sizes_in_both_layouts() {
 
 /// A pairing kvx cannot serve: every request fails with `Incompatible` from the handshake, long
 /// before the handshake timeout (in simulated time), with no READ posted; nothing leaks.
-fn refused(model: &ModelSpec, (p, d): (u32, u32)) {
-    let what = format!("P={p} D={d} {:?} {:?}", model.shape, model.layout);
+fn refused(prefill: &ModelSpec, decode: &ModelSpec, (p, d): (u32, u32)) {
+    let what = format!("P={p} D={d} {:?} {:?} to {:?}", prefill.shape, prefill.layout, decode.shape);
     let lb = Loopback::simulated();
-    let mut c = cluster(&lb, model, (p, d));
+    let prefill = lb.engine(EngineConfig { tp: p, ..lb.config("prefill", prefill) });
+    let decode = lb.engine(EngineConfig { tp: d, ..lb.config("decode", decode) });
+    let mut c = lb.cluster_of(vec![prefill], decode);
     let ids: Vec<_> = (0..3).map(|i| id(format!("refused-{i}"))).collect();
     for (i, rid) in ids.iter().enumerate() {
         submit(&mut c, rid, prompt(600 + i as u64, 2 * BS + i));
     }
     let clock = lb.time.as_ref().unwrap().clock().clone();
-    step_until(&mut c, &format!("{what}: every request fails"), |c| {
-        ids.iter().all(|rid| matches!(c.decodes[0].state(rid), Some(RequestState::Failed(_))))
+    step_until(&mut c, &format!("{what}: every request ends"), |c| {
+        ids.iter().all(|rid| {
+            matches!(c.decodes[0].state(rid), Some(RequestState::Finished(_) | RequestState::Failed(_)))
+        })
     });
     let handshake_timeout = c.decodes[0].config().handshake_timeout;
     assert!(
@@ -202,11 +207,22 @@ fn refused(model: &ModelSpec, (p, d): (u32, u32)) {
 #[test]
 fn a_token_major_cache_that_needs_slicing_is_refused() {
     let nhd = split_heads().with_layout(HeadLayout::Nhd);
-    refused(&nhd, (1, 2));
-    refused(&nhd, (4, 2));
+    refused(&nhd, &nhd, (1, 2));
+    refused(&nhd, &nhd, (4, 2));
 }
 
 #[test]
-fn tp_sizes_that_do_not_divide_each_other_are_refused() {
-    refused(&ModelSpec::standard(2, 6, 8, BS as u32).with_layout(HeadLayout::Hnd), (2, 3));
+fn another_head_size_is_refused() {
+    let other = ModelSpec::standard(2, 8, 16, BS as u32).with_layout(HeadLayout::Hnd);
+    refused(&split_heads(), &other, (1, 2));
+    refused(&split_heads(), &other, (2, 1));
+}
+
+/// TP sizes that do not divide each other: a decode rank's heads lie on two prefill ranks, or two
+/// decode ranks share a prefill rank's heads unevenly.
+#[test]
+fn tp_sizes_that_do_not_divide_each_other() {
+    let six = ModelSpec::standard(2, 6, 8, BS as u32).with_layout(HeadLayout::Hnd);
+    run_pair(&six, (2, 3), 700);
+    run_pair(&six, (3, 2), 701);
 }
