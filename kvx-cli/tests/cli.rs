@@ -33,18 +33,27 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Runs `kvx demo` with `args` and the small [`SIZES`] (within [`LIMIT`]).
+fn run_demo(args: &[&str]) -> Output {
+    wait(
+        Command::new(KVX)
+            .arg("demo")
+            .args(args)
+            .args(SIZES)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// Runs `kvx demo` on `backend` with 40 requests and `extra` options, checks that all finished,
 /// every byte matched and nothing leaked, and returns its output.
 fn demo_on(backend: &str, extra: &[&str]) -> String {
-    let child = Command::new(KVX)
-        .args(["demo", "--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"])
-        .args(extra)
-        .args(SIZES)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child);
+    let out = run_demo(
+        &[&["--backend", backend, "--requests", "40", "--prompt-len", "1..100", "--seed", "7"], extra]
+            .concat(),
+    );
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert!(stdout.contains(&format!("{backend} backend")), "{stdout}");
@@ -137,14 +146,7 @@ fn demo_moves_kv_between_tp_sizes() {
 /// handshake's refusal, and the demo says why and exits 1.
 #[test]
 fn demo_with_a_token_major_cache_refuses_different_tp_sizes() {
-    let child = Command::new(KVX)
-        .args(["demo", "--requests", "3", "--prefill-tp", "1", "--decode-tp", "2", "--layout", "nhd"])
-        .args(SIZES)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child);
+    let out = run_demo(&["--requests", "3", "--prefill-tp", "1", "--decode-tp", "2", "--layout", "nhd"]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
     assert!(stdout.contains("3 (0 finished, 3 failed)"), "{stdout}");

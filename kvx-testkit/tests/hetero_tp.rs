@@ -135,32 +135,31 @@ fn run_pair(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
     assert_eq!(expired, vec![0; p as usize], "{what}: holds expired per prefill rank");
 }
 
+/// [`run_pair`] on every pair of [`PAIRS`], seeds from `seed` on.
+fn on_every_pair(model: &ModelSpec, seed: u64) {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_pair(model, pair, seed + i as u64);
+    }
+}
+
 #[test]
 fn split_heads_on_every_pair() {
-    for (i, pair) in PAIRS.into_iter().enumerate() {
-        run_pair(&split_heads(), pair, 100 + i as u64);
-    }
+    on_every_pair(&split_heads(), 100);
 }
 
 #[test]
 fn replicated_heads_on_every_pair() {
-    for (i, pair) in PAIRS.into_iter().enumerate() {
-        run_pair(&replicated_heads(), pair, 200 + i as u64);
-    }
+    on_every_pair(&replicated_heads(), 200);
 }
 
 #[test]
 fn mla_on_every_pair() {
-    for (i, pair) in PAIRS.into_iter().enumerate() {
-        run_pair(&ModelSpec::mla(2, 32, BS as u32), pair, 300 + i as u64);
-    }
+    on_every_pair(&ModelSpec::mla(2, 32, BS as u32), 300);
 }
 
 #[test]
 fn hybrid_windows_on_every_pair() {
-    for (i, pair) in PAIRS.into_iter().enumerate() {
-        run_pair(&hybrid(), pair, 400 + i as u64);
-    }
+    on_every_pair(&hybrid(), 400);
 }
 
 /// Equal TP sizes stay as they were in either layout (a token-major cache needs no slicing).
