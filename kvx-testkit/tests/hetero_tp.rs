@@ -5,9 +5,10 @@
 //! windows, and TP sizes that do not divide each other (2 and 3, 6 heads). Each runs random
 //! prompts with prefix hits on the decode side and aborts at both engines; every byte each decode
 //! rank receives is checked against what that rank (of its own TP size) must hold, nothing leaks
-//! in either pool and every request ends. Pairings kvx cannot serve (a token-major cache that
-//! would need slicing, another head size) fail every request at once with `Incompatible`, refused
-//! at the handshake.
+//! in either pool and every request ends. A READ failing on one of several readers fails its
+//! request and still frees the prefill blocks; prefill engines of two TP sizes feed one decode
+//! engine. Pairings kvx cannot serve (a token-major cache that would need slicing, another head
+//! size) fail every request at once with `Incompatible`, refused at the handshake.
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
@@ -15,6 +16,7 @@ mod common;
 
 use common::*;
 use kvx_core::{ErrorKind, FinishReason, RequestId};
+use kvx_loopback::Faults;
 use kvx_testkit::matrix::{assert_failed, step_until};
 use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, ModelSpec, RequestState, SimEngine};
 use rand::rngs::StdRng;
@@ -43,12 +45,28 @@ fn hybrid() -> ModelSpec {
     ])
 }
 
+/// An engine `name` of TP `tp` for `model`, in `lb`'s simulated time.
+fn engine(lb: &Loopback, name: &str, model: &ModelSpec, tp: u32) -> SimEngine {
+    lb.engine(EngineConfig { tp, ..lb.config(name, model) })
+}
+
 /// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
 fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
-    let config = |name: &str, tp| EngineConfig { tp, ..lb.config(name, model) };
-    let prefill = lb.engine(config("prefill", p));
-    let decode = lb.engine(config("decode", d));
-    lb.cluster_of(vec![prefill], decode)
+    lb.cluster_of(vec![engine(lb, "prefill", model, p)], engine(lb, "decode", model, d))
+}
+
+/// Every hold of every rank of `prefill` was released by its readers; none expired.
+#[track_caller]
+fn assert_no_hold_expired(prefill: &SimEngine, what: &str) {
+    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
+    assert_eq!(expired, vec![0; expired.len()], "{what}: holds expired per rank of {}", prefill.engine_id());
+}
+
+/// Blocks a decode engine of TP `d` checks when it loaded `tokens` tokens of `model` (no windows):
+/// every block on every rank, layer and region.
+fn verified(model: &ModelSpec, d: u32, tokens: u64) -> u64 {
+    let regions = u64::from(model.kind().regions_per_layer());
+    tokens / BS as u64 * model.num_layers() as u64 * regions * u64::from(d)
 }
 
 /// Submits `id` with `prompt`, 2 tokens to generate.
@@ -124,15 +142,14 @@ fn run_pair(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
     let per_block = regions * u64::from(d);
     assert!(loaded > 0, "{what}: {s:?}");
     if global == model.num_layers() as u64 {
-        assert_eq!(s.blocks_verified, loaded * global * per_block, "{what}: {s:?}");
+        assert_eq!(s.blocks_verified, verified(model, d, s.tokens_loaded), "{what}: {s:?}");
     } else {
         let windowed = model.num_layers() as u64 - global;
         assert!(s.blocks_verified >= loaded * global * per_block + windowed * per_block, "{what}: {s:?}");
         assert!(s.blocks_verified < loaded * model.num_layers() as u64 * per_block, "{what}: {s:?}");
     }
-    // Every hold of every prefill rank was released by its readers, none expired.
-    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
-    assert_eq!(expired, vec![0; p as usize], "{what}: holds expired per prefill rank");
+    assert_no_hold_expired(prefill, &what);
+    assert_eq!(prefill.worker_stats().len(), p as usize);
 }
 
 /// [`run_pair`] on every pair of [`PAIRS`], seeds from `seed` on.
@@ -224,4 +241,56 @@ fn tp_sizes_that_do_not_divide_each_other() {
     let six = ModelSpec::standard(2, 6, 8, BS as u32).with_layout(HeadLayout::Hnd);
     run_pair(&six, (2, 3), 700);
     run_pair(&six, (3, 2), 701);
+}
+
+/// A READ that fails on one decode rank fails the request with `Transfer`, and the prefill ranks
+/// it read from are still freed by the failed reader (no hold waits for its lease): with one
+/// prefill rank read by two decode ranks, one decode rank reading two prefill ranks, and two of
+/// each. The next request succeeds.
+#[test]
+fn a_failed_read_fails_the_request_and_still_frees_the_prefill_blocks() {
+    for ((p, d), failing) in [((1, 2), 1), ((2, 1), 0), ((4, 2), 1)] {
+        let what = format!("P={p} D={d}, decode rank {failing} fails its first READ");
+        let lb = Loopback::simulated();
+        let mut c = cluster(&lb, &split_heads(), (p, d));
+        lb.agent("decode", failing).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
+        let (victim, after) = (id("victim"), id("after"));
+        submit(&mut c, &victim, prompt(800, 3 * BS + 2));
+        c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let e = assert_failed(&c.decodes[0], &victim, &[ErrorKind::Transfer]);
+        assert!(e.message().contains("injected"), "{what}: {e}");
+        submit(&mut c, &after, prompt(801, 3 * BS + 2));
+        c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_state(&c.decodes[0], &after, RequestState::Finished(FinishReason::LengthCapped), &what);
+        assert_clean(&c);
+        assert_eq!(
+            c.decodes[0].stats().blocks_verified,
+            verified(&split_heads(), d, 3 * BS as u64),
+            "{what}"
+        );
+        assert_no_hold_expired(&c.prefills[0], &what);
+    }
+}
+
+/// Prefill engines of TP 1 and TP 4 feed one decode engine of TP 2: its workers read from peers
+/// of both sizes side by side.
+#[test]
+fn prefill_engines_of_different_tp_sizes_feed_one_decode_engine() {
+    let (lb, m) = (Loopback::simulated(), split_heads());
+    let prefills = vec![engine(&lb, "prefill-1", &m, 1), engine(&lb, "prefill-4", &m, 4)];
+    let mut c = lb.cluster_of(prefills, engine(&lb, "decode", &m, 2));
+    let ids: Vec<_> = (0..8).map(|i| id(format!("mixed-{i}"))).collect();
+    for (i, rid) in ids.iter().enumerate() {
+        submit(&mut c, rid, prompt(900 + i as u64, 2 * BS + i));
+    }
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    for rid in &ids {
+        assert_state(&c.decodes[0], rid, RequestState::Finished(FinishReason::LengthCapped), "mixed");
+    }
+    assert!(c.prefills.iter().all(|p| p.stats().finished == 4), "requests split evenly");
+    assert_eq!(c.decodes[0].stats().blocks_verified, verified(&m, 2, 8 * 2 * BS as u64));
+    for prefill in &c.prefills {
+        assert_no_hold_expired(prefill, "mixed");
+    }
 }
