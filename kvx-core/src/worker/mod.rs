@@ -567,3 +567,5 @@ impl ConnectorWorker {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tp_tests;
