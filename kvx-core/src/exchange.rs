@@ -14,7 +14,8 @@ use crate::params::Endpoint;
 pub struct PeerLocator {
     /// The peer engine.
     pub engine_id: EngineId,
-    /// The peer worker's rank (the fetching worker's own: rank `r` reads from rank `r`).
+    /// The peer worker's rank: with equal TP sizes the fetching worker's own; otherwise each
+    /// prefill rank that holds heads the worker reads, or that it releases (`kvx_core::tp`).
     pub rank: u32,
     /// The rank's side channel (the engine's base port plus `rank`); `None`: the params named
     /// none, and only an exchange that finds peers by id can fetch.

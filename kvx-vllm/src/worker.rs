@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kvx_core::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
 use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
-    BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, ErrorKind, LayerCache, MetadataExchange,
+    BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, LayerCache, MetadataExchange,
     RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
 };
 use kvx_etcd::{EtcdConfig, EtcdExchange};
@@ -31,8 +31,14 @@ pub struct WorkerOptions {
     pub engine_id: String,
     /// Tensor-parallel rank of this worker.
     pub rank: u32,
-    /// Tensor-parallel size (kvx-vllm supports 1).
+    /// Tensor-parallel size.
     pub world_size: u32,
+    /// KV heads of the whole model (vLLM's total KV heads); `None`: this rank's cache's heads
+    /// times `world_size`.
+    pub kv_heads: Option<u32>,
+    /// The engine's instance, the same on every rank (rank 0 draws it and vLLM's TP group
+    /// broadcasts it); `None`: drawn by this worker (TP 1).
+    pub instance: Option<u64>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Model and dtype: peers must agree on it.
@@ -62,8 +68,8 @@ pub struct WorkerOptions {
 impl WorkerOptions {
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
-        world_size = 1, compat_tag = String::new(), handshake_timeout_s = 30.0, lease_duration_s = 30.0,
-        runtime_threads = 1, auth_key = None, metrics_port = None, discovery = None))]
+        world_size = 1, kv_heads = None, instance = None, compat_tag = String::new(), handshake_timeout_s = 30.0,
+        lease_duration_s = 30.0, runtime_threads = 1, auth_key = None, metrics_port = None, discovery = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -72,6 +78,8 @@ impl WorkerOptions {
         side_channel_port: u16,
         rank: u32,
         world_size: u32,
+        kv_heads: Option<u32>,
+        instance: Option<u64>,
         compat_tag: String,
         handshake_timeout_s: f64,
         lease_duration_s: f64,
@@ -84,6 +92,8 @@ impl WorkerOptions {
             engine_id,
             rank,
             world_size,
+            kv_heads,
+            instance,
             block_size,
             compat_tag,
             side_channel_host,
@@ -229,11 +239,11 @@ impl Worker {
     /// transport's threads are not pinned to the engine thread's core): starts its runtime and
     /// binds its side channel at once, so a taken port fails here.
     pub fn create(options: &WorkerOptions, agent: Arc<dyn TransferAgent>) -> PyResult<Self> {
-        if options.world_size != 1 {
-            return Err(py_err(Error::new(
-                ErrorKind::Unsupported,
-                format!("kvx-vllm supports tensor-parallel size 1, not {}", options.world_size),
-            )));
+        if options.world_size > 1 && options.instance.is_none() {
+            return Err(py_err(Error::invalid_argument(format!(
+                "rank {} of {}: the ranks of an engine share one instance; none was given",
+                options.rank, options.world_size
+            ))));
         }
         // Started off the engine thread's CPU pinning (see `affinity`).
         let runtime = unpinned(|| {
@@ -282,6 +292,8 @@ impl Worker {
             options.block_size,
         );
         config.compat_tag = options.compat_tag.clone();
+        config.kv_heads = options.kv_heads;
+        config.instance = options.instance;
         config.handshake_timeout = duration(options.handshake_timeout_s, "handshake_timeout_s")?;
         config.lease_duration = crate::scheduler::lease_duration(options.lease_duration_s)?;
         config.auth_key = auth_key;
@@ -585,6 +597,8 @@ mod tests {
             0,
             0,
             1,
+            None,
+            None,
             String::new(),
             5.0,
             30.0,
@@ -636,6 +650,8 @@ mod tests {
             0,
             0,
             1,
+            None,
+            None,
             String::new(),
             5.0,
             30.0,
@@ -681,6 +697,8 @@ mod tests {
             1,
             0,
             1,
+            None,
+            None,
             String::new(),
             5.0,
             30.0,

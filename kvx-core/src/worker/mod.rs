@@ -122,8 +122,8 @@ impl WorkerConfig {
 /// Network work the worker asks its driver to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerCommand {
-    /// Fetch the handshake payload of the peer worker (the matching rank; its endpoint already
-    /// offset by the rank) and hand the result to [`ConnectorWorker::handle_handshake`].
+    /// Fetch the handshake payload of the peer worker (its endpoint already offset by the peer's
+    /// rank) and hand the result to [`ConnectorWorker::handle_handshake`].
     FetchHandshake(PeerLocator),
 }
 
@@ -567,3 +567,5 @@ impl ConnectorWorker {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tp_tests;

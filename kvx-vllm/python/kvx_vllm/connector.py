@@ -70,6 +70,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -318,18 +319,27 @@ class KvxConnector(KVConnectorBase_V1):
         )
 
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
         _move_to_kv_cores()
         native = _native(self._backend)
         model = vllm_config.model_config
+        world_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # The ranks of an engine publish one instance (its params name it): rank 0 draws it.
+        instance = None
+        if world_size > 1:
+            drawn = secrets.randbits(64) if get_tensor_model_parallel_rank() == 0 else None
+            instance = int(get_tp_group().broadcast_object(drawn, src=0))
         options = native.WorkerOptions(
             self._engine_id,
             self._block_size,
             self._host,
             self._port,
             rank=int(get_tensor_model_parallel_rank()),
-            world_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            world_size=world_size,
+            # MLA's latent is one head on every rank.
+            kv_heads=1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads()),
+            instance=instance,
             compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             lease_duration_s=self._lease_s,
