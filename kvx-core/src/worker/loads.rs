@@ -6,6 +6,7 @@
 //! Every stage has a deadline. A load that fails after its offer checked tells the prefill
 //! engine to free at once.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
@@ -450,9 +451,9 @@ impl ConnectorWorker {
         let (local_blocks, remote_blocks, windows, unit_len, (local_heads, remote_heads)) = match lists.heads
         {
             None => (
-                req.local_block_ids.clone(),
-                remote.to_vec(),
-                registered.region_windows.clone(),
+                Cow::Borrowed(req.local_block_ids.as_slice()),
+                Cow::Borrowed(remote),
+                registered.region_windows.as_deref().map(Cow::Borrowed),
                 layout.block_len,
                 (1, 1),
             ),
@@ -462,9 +463,9 @@ impl ConnectorWorker {
                     windows.iter().map(|w| w.map(|w| w.saturating_mul(s.heads))).collect::<Vec<_>>()
                 });
                 (
-                    head_units(&req.local_block_ids, local_heads, s.local_head, s.heads),
-                    head_units(remote, remote_heads, s.remote_head, s.heads),
-                    windows,
+                    Cow::Owned(head_units(&req.local_block_ids, local_heads, s.local_head, s.heads)),
+                    Cow::Owned(head_units(remote, remote_heads, s.remote_head, s.heads)),
+                    windows.map(Cow::Owned),
                     layout.head_len(),
                     (local_heads, remote_heads),
                 )
