@@ -67,8 +67,9 @@ def summarize_event(d: dict) -> None:
         d["request_id"] = d["request_id"][-8:]  # vLLM's suffix is enough to tell requests apart
     if event == "init":
         c = d["kv_cache_config"]
-        print(f"init {d['role']} tp_rank {d['tp_rank']} hma {d['hma_enabled']} num_blocks {c['num_blocks']} "
-              f"layout {c['kv_cache_layout']} transfer_groups {d['transfer_group_ids']}")
+        print(f"init {d['role']} tp_rank {d['tp_rank']} engine_id {d['engine_id']} instance_id {d['instance_id']} "
+              f"hma {d['hma_enabled']} num_blocks {c['num_blocks']} layout {c['kv_cache_layout']} "
+              f"transfer_groups {d['transfer_group_ids']}")
         for t in c["kv_cache_tensors"]:
             print("  tensor", {k: t[k] for k in ("size", "layers", "layer_stride", "block_stride", "offset")})
         for i, g in enumerate(c["kv_cache_groups"]):

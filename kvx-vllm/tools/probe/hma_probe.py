@@ -103,6 +103,8 @@ class HmaProbeConnector(KVConnectorBase_V1, SupportsHMA):
             role=role.name,
             tp_rank=self._tp_rank() if role == KVConnectorRole.WORKER else None,
             hma_enabled=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+            engine_id=vllm_config.kv_transfer_config.engine_id,
+            instance_id=vllm_config.instance_id,  # one value for all ranks of an engine start?
             block_size=vllm_config.cache_config.block_size,
             kv_cache_config=config,
             transfer_group_ids=getattr(config, "transfer_group_ids", None),
