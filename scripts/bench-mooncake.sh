@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # kvx-ucx over TCP against Mooncake Transfer Engine's TCP transport on the same scattered blocks,
 # round by round (kvx round, Mooncake round, kvx round, ...), with kvx bench's plain TCP stream
-# from the same kvx rounds: prints size, kvx GB/s, Mooncake GB/s, stream GB/s and the median of
-# the per-round kvx / Mooncake ratios (issue 14's goal: >= 1.5 at every size). A by-hand
-# benchmark, not part of scripts/test.sh. Options go to scripts/bench_mooncake.py:
+# from the same kvx rounds: prints size, kvx GB/s, Mooncake GB/s, stream GB/s, the median of
+# the per-round kvx / Mooncake ratios (issue 14's goal: >= 1.5 at every size), the same for the
+# stream (what a data path that sends from the pool and receives into the slot over one
+# connection reaches) and Mooncake's CPU seconds per GB. A by-hand benchmark, not part of
+# scripts/test.sh. Options go to scripts/bench_mooncake.py:
 #   --sizes 16K,64K,1M  --blocks 1000  --pool-blocks 2000  --rounds 5  --csv FILE
 # Environment:
 #   KVX_MOONCAKE_VENV  the venv (default .venv-mooncake, gitignored): created on first use with
