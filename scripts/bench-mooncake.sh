@@ -39,7 +39,9 @@ engine="$site/mooncake/engine.so"
 cudart="$site/nvidia/cuda_runtime/lib"
 export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-if LD_LIBRARY_PATH="$LD_LIBRARY_PATH" ldd "$engine" | grep -q 'libcuda.so.1 => not found'; then
+# (ldd's output first: under pipefail, `ldd | grep -q` fails when grep exits before ldd is done.)
+linked="$(ldd "$engine")"
+if grep -q 'libcuda.so.1 => not found' <<<"$linked"; then
     stub="$VENV/kvx-libcuda-stub"
     if [ ! -f "$stub/libcuda.so.1" ]; then
         command -v cc >/dev/null || skip "no libcuda.so.1 and no C compiler to build its stub"
