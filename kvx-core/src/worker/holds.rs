@@ -19,8 +19,8 @@ use crate::params::MAX_ID_LEN;
 use crate::tp::MAX_TP;
 
 /// At most this many releases of one hold are kept before the hold comes (the readers of one
-/// prefill rank: a decode engine up to this many times wider), so a flood of early releases
-/// costs at most `max_early_releases` times this many entries.
+/// prefill rank: a decode engine up to this many times wider). All holds together keep at most
+/// `max_early_releases` releases.
 const MAX_EARLY_READERS: usize = 32;
 use crate::wire;
 
@@ -48,11 +48,14 @@ pub(super) struct Holds {
     live: HashMap<RequestId, Hold>,
     /// When the live holds' leases run out.
     due: Deadlines<RequestId>,
-    /// Releases that arrived before their hold (at most `MAX_EARLY_READERS` a hold).
+    /// Releases that arrived before their hold (at most `MAX_EARLY_READERS` a hold, at most
+    /// `max_early_releases` in all).
     early: TtlMap<Vec<Early>>,
-    /// Holds released or expired, and the readers a "not held" answer went out to: a late
-    /// release is answered "not held" at once, once a reader.
-    ended: TtlMap<Vec<u32>>,
+    /// Holds released or expired, and whether a "not held" answer went out for them: a late
+    /// release is answered "not held" at once, once (whoever asks, whichever reader it names, so
+    /// that replays and forged reader numbers cost no more handshakes; another late reader of
+    /// the same hold gets no answer and fails its load when its confirmation times out).
+    ended: TtlMap<bool>,
 }
 
 impl Holds {
@@ -139,7 +142,7 @@ impl ConnectorWorker {
             if hold.released.len() as u32 >= readers {
                 self.holds.live.remove(&key.0);
                 self.finished.sending.push(key.0.clone());
-                self.holds.ended.insert(now, key.clone(), Vec::new());
+                self.holds.ended.insert(now, key.clone(), false);
             }
         }
         self.answer(now, key, reply_to, true);
@@ -168,31 +171,33 @@ impl ConnectorWorker {
             }
             None if self.holds.ended.contains(&key) => {
                 // Its lease ran out (or it was released) before this release came: the READ may
-                // have copied reused blocks. Answered once a reader: replays cost no more
-                // handshakes.
+                // have copied reused blocks. Answered once: replays cost no more handshakes.
                 self.stats.stray_notifications += 1;
                 let asks = release.reply_to.is_some();
-                if let Some(answered) =
-                    self.holds.ended.get_mut(&key).filter(|a| asks && !a.contains(&reader))
-                {
-                    answered.push(reader);
+                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| asks && !**a) {
+                    *answered = true;
                     self.answer(now, &key, release.reply_to, false);
                 }
             }
             None => {
                 self.stats.early_notifications += 1;
                 let early = Early { reader, readers, reply_to: release.reply_to };
-                match self.holds.early.get_mut(&key) {
-                    // A reader's second early release replaces its first.
-                    Some(list) if list.iter().any(|e| e.reader == reader) => {
-                        list.retain(|e| e.reader != reader);
-                        list.push(early);
-                        self.stats.stray_notifications += 1;
-                    }
-                    Some(list) if list.len() < MAX_EARLY_READERS => list.push(early),
-                    Some(_) => self.stats.stray_notifications += 1,
-                    None => self.stats.stray_notifications += self.holds.early.insert(now, key, vec![early]),
+                if !self.holds.early.contains(&key) {
+                    self.stats.stray_notifications += self.holds.early.insert(now, key, vec![early]);
+                    return;
                 }
+                // A reader's second early release replaces its first (the first counts as
+                // stray), as does one past `MAX_EARLY_READERS` (itself stray).
+                let mut stray = 1;
+                let pushed_out = self.holds.early.update(&key, |list| {
+                    if let Some(e) = list.iter_mut().find(|e| e.reader == reader) {
+                        *e = early;
+                    } else if list.len() < MAX_EARLY_READERS {
+                        list.push(early);
+                        stray = 0;
+                    }
+                });
+                self.stats.stray_notifications += stray + pushed_out;
             }
         }
     }
@@ -260,7 +265,7 @@ impl ConnectorWorker {
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
             self.stats.expired_holds += 1;
             self.finished.sending.push(id.clone());
-            self.holds.ended.insert(now, (id, hold.nonce), Vec::new());
+            self.holds.ended.insert(now, (id, hold.nonce), false);
         }
     }
 }

@@ -23,8 +23,11 @@ pub(super) type Key = (RequestId, Nonce);
 pub(super) struct TtlMap<V> {
     capacity: usize,
     ttl: Duration,
-    /// How many notifications an entry stands for (what dropping it adds to the stray counter).
+    /// How many notifications an entry stands for (what dropping it adds to the stray counter);
+    /// the map holds at most `capacity` of them.
     weight: fn(&V) -> u64,
+    /// The weight of the live entries.
+    total: u64,
     entries: HashMap<Key, (Instant, V)>,
     /// Keys in arrival order (with their expiry, so a re-inserted key is told apart).
     order: VecDeque<(Key, Instant)>,
@@ -38,7 +41,7 @@ impl<V> TtlMap<V> {
 
     /// The same, each entry standing for `weight(entry)` notifications.
     pub(super) fn weighted(capacity: usize, ttl: Duration, weight: fn(&V) -> u64) -> Self {
-        TtlMap { capacity, ttl, weight, entries: HashMap::new(), order: VecDeque::new() }
+        TtlMap { capacity, ttl, weight, total: 0, entries: HashMap::new(), order: VecDeque::new() }
     }
 
     /// Keeps `value` until `now + ttl`. Returns how many notifications it pushed out (a replaced
@@ -48,12 +51,30 @@ impl<V> TtlMap<V> {
             return (self.weight)(&value);
         }
         let until = now + self.ttl;
-        let mut dropped =
-            self.entries.insert(key.clone(), (until, value)).map_or(0, |(_, v)| (self.weight)(&v));
+        self.total += (self.weight)(&value);
+        let replaced = self.entries.insert(key.clone(), (until, value)).map_or(0, |(_, v)| (self.weight)(&v));
+        self.total -= replaced;
         self.order.push_back((key, until));
+        replaced + self.shrink()
+    }
+
+    /// Changes the value of `key`'s entry, if it is there, with `change` (its expiry stays).
+    /// Returns how many notifications that pushed out of the map (the oldest go first).
+    pub(super) fn update(&mut self, key: &Key, change: impl FnOnce(&mut V)) -> u64 {
+        let Some((_, value)) = self.entries.get_mut(key) else { return 0 };
+        let before = (self.weight)(value);
+        change(value);
+        self.total = self.total - before + (self.weight)(value);
+        self.shrink()
+    }
+
+    /// Drops the oldest entries while the map holds more than its capacity; returns their weight.
+    fn shrink(&mut self) -> u64 {
+        let mut dropped = 0;
         // `order` also keeps the keys of taken entries until they reach the front: bound it too.
-        while self.entries.len() > self.capacity || self.order.len() > 2 * self.capacity {
-            dropped += self.pop_front();
+        while self.total > self.capacity as u64 || self.order.len() > 2 * self.capacity {
+            let Some(weight) = self.pop_front() else { break };
+            dropped += weight;
         }
         dropped
     }
@@ -61,7 +82,9 @@ impl<V> TtlMap<V> {
     /// Takes the entry of `key`, if it is there.
     pub(super) fn take(&mut self, key: &Key) -> Option<V> {
         // Its entry in `order` is skipped when it reaches the front.
-        self.entries.remove(key).map(|(_, v)| v)
+        let (_, value) = self.entries.remove(key)?;
+        self.total -= (self.weight)(&value);
+        Some(value)
     }
 
     /// The value of `key`'s entry, if it is there.
@@ -81,19 +104,21 @@ impl<V> TtlMap<V> {
             if *until > now {
                 break;
             }
-            expired += self.pop_front();
+            expired += self.pop_front().unwrap_or(0);
         }
         expired
     }
 
-    /// Removes the oldest entry of `order`; returns the weight of the entry if it was still live.
-    fn pop_front(&mut self) -> u64 {
-        let Some((key, until)) = self.order.pop_front() else { return 0 };
-        if self.entries.get(&key).is_some_and(|(u, _)| *u == until) {
-            self.entries.remove(&key).map_or(0, |(_, v)| (self.weight)(&v))
-        } else {
-            0
+    /// Removes the oldest entry of `order`; returns the weight of the entry if it was still live
+    /// (0 for a stale one), `None` when `order` is empty.
+    fn pop_front(&mut self) -> Option<u64> {
+        let (key, until) = self.order.pop_front()?;
+        if self.entries.get(&key).is_none_or(|(u, _)| *u != until) {
+            return Some(0);
         }
+        let weight = self.entries.remove(&key).map_or(0, |(_, v)| (self.weight)(&v));
+        self.total -= weight;
+        Some(weight)
     }
 
     #[cfg(test)]
@@ -132,6 +157,21 @@ mod tests {
         assert!(early.order.len() <= 100, "no stale keys pile up: {}", early.order.len());
         assert!(early.take(&key("99999", 1)).is_some());
         assert!(early.take(&key("0", 1)).is_none(), "the oldest went first");
+    }
+
+    #[test]
+    fn weighted_entries_count_against_the_capacity_and_growing_one_pushes_the_oldest_out() {
+        let now = Instant::now();
+        let mut early = TtlMap::<Vec<u8>>::weighted(4, Duration::from_secs(10), |v| v.len() as u64);
+        assert_eq!(early.insert(now, key("a", 1), vec![1, 2]), 0);
+        assert_eq!(early.insert(now, key("b", 1), vec![1]), 0);
+        // "b" grows to 3: 5 in all, so the oldest ("a", 2) goes.
+        assert_eq!(early.update(&key("b", 1), |v| v.extend([2, 3])), 2);
+        assert_eq!(early.len(), 1);
+        assert_eq!(early.update(&key("none", 1), |v| v.push(0)), 0, "no entry, no change");
+        assert_eq!(early.take(&key("b", 1)), Some(vec![1, 2, 3]));
+        assert_eq!(early.insert(now, key("c", 1), vec![0; 4]), 0, "taking freed the room");
+        assert_eq!(early.expire(now + Duration::from_secs(10)), 4, "expiry counts weights");
     }
 
     #[test]
