@@ -397,28 +397,18 @@ impl ConnectorWorker {
         if tp::whole_blocks(slice, remote_heads, local_heads) {
             return Ok(ReadLists { local: registered.local_dlist, remote: conn.dlist, heads: None });
         }
-        let layout = &registered.layout;
         let local = match registered.head_dlist {
             Some(d) => d,
             None => {
-                let list = BlockList {
-                    num_blocks: layout.num_blocks * local_heads,
-                    block_len: layout.head_len(),
-                    ..layout.block_list(registered.bases.clone())
-                };
+                let list = per_head(&registered.local_list, local_heads);
                 *registered.head_dlist.insert(self.agent.prep_dlist(&DlistOwner::Local, &list)?)
             }
         };
         let remote = match conn.head_dlist {
             Some(d) => d,
             None => {
-                let list = BlockList {
-                    num_blocks: conn.num_blocks * remote_heads,
-                    block_len: layout.head_len(),
-                    ..conn.list.clone()
-                };
                 let owner = DlistOwner::Remote(conn.agent.clone());
-                *conn.head_dlist.insert(self.agent.prep_dlist(&owner, &list)?)
+                *conn.head_dlist.insert(self.agent.prep_dlist(&owner, &per_head(&conn.list, remote_heads))?)
             }
         };
         Ok(ReadLists { local, remote, heads: Some((local_heads, remote_heads)) })
@@ -445,7 +435,7 @@ impl ConnectorWorker {
         let (Some(registered), Some(Peer::Ready(conn))) = (&self.registered, self.peers.get(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        KvCacheLayout::check_block_ids(remote, conn.num_blocks, "remote")?;
+        KvCacheLayout::check_block_ids(remote, conn.list.num_blocks, "remote")?;
         let layout = &registered.layout;
         // In single-head lists block `b` is heads `b * heads ..`: the slice's heads of each block.
         let (local_blocks, remote_blocks, windows, unit_len, (local_heads, remote_heads)) = match lists.heads
@@ -475,7 +465,7 @@ impl ConnectorWorker {
             local_blocks: &local_blocks,
             local_num_blocks: layout.num_blocks * local_heads,
             remote_blocks: &remote_blocks,
-            remote_num_blocks: conn.num_blocks * remote_heads,
+            remote_num_blocks: conn.list.num_blocks * remote_heads,
             regions: match &windows {
                 Some(w) => RegionBlocks::Windows(w),
                 None => RegionBlocks::All(layout.num_regions()),
@@ -828,6 +818,16 @@ fn free_at_once(req: &RecvRequest, reader: u32, readers: u32) -> Option<Vec<u8>>
     let request_id = req.prefill_request_id().clone();
     let release = HoldRelease { request_id, nonce, reply_to: None, reader, readers };
     wire::encode(&release).map_err(|e| debug!(error = %e, "encoding a release failed")).ok()
+}
+
+/// `list` one head at a time: block `b`'s head `h` is block `b * heads + h` (a head of a block is
+/// contiguous in the layouts that allow slicing).
+fn per_head(list: &BlockList, heads: u32) -> BlockList {
+    BlockList {
+        num_blocks: list.num_blocks * heads,
+        block_len: list.block_len / u64::from(heads),
+        ..list.clone()
+    }
 }
 
 /// Heads `first .. first + count` of each of `blocks`, in a list of `per_block` heads a block.

@@ -26,7 +26,7 @@ use crate::layout::{AttentionKind, KvCacheLayout, LayerCache};
 use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases};
 use crate::params::RemoteCoordinates;
 use crate::tp::HeadSplit;
-use crate::transfer::{DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
+use crate::transfer::{BlockList, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
 use crate::wire::{self, HandshakePayload, MessageKind};
 
 mod aggregator;
@@ -227,8 +227,8 @@ struct Registered {
     /// The local blocks one head at a time, prepared at the first READ of part of a peer's heads
     /// (see `peers::Connected::head_dlist`).
     head_dlist: Option<DlistId>,
-    /// The local regions' bases.
-    bases: Vec<u64>,
+    /// The local blocks' list (what `local_dlist` was prepared from).
+    local_list: BlockList,
     payload: Vec<u8>,
     registrations: Vec<RegistrationId>,
 }
@@ -422,7 +422,8 @@ impl ConnectorWorker {
         for cache in caches {
             registrations.push(self.agent.register(Arc::clone(&cache.memory))?);
         }
-        let local_dlist = self.agent.prep_dlist(&DlistOwner::Local, &layout.block_list(bases.clone()))?;
+        let local_list = layout.block_list(bases);
+        let local_dlist = self.agent.prep_dlist(&DlistOwner::Local, &local_list)?;
         let payload = wire::encode(&HandshakePayload {
             engine_id: self.config.engine_id.clone(),
             rank: self.config.rank,
@@ -430,7 +431,7 @@ impl ConnectorWorker {
             kv_heads: split.heads(),
             agent_name: self.agent.name().clone(),
             agent_metadata: self.agent.local_metadata()?,
-            region_bases: bases.clone(),
+            region_bases: local_list.bases.clone(),
             num_blocks: layout.num_blocks,
             block_len: layout.block_len,
             compat_hash: layout.compat_hash(&self.config.compat_tag),
@@ -443,7 +444,7 @@ impl ConnectorWorker {
             region_windows,
             local_dlist,
             head_dlist: None,
-            bases,
+            local_list,
             payload: payload.clone(),
             registrations,
         });

@@ -33,9 +33,8 @@ pub(super) struct Connected {
     /// The peer's blocks one head at a time (descriptor `region * num_blocks * heads + block *
     /// heads + head`), prepared at the first READ of part of its heads.
     pub(super) head_dlist: Option<DlistId>,
-    /// The peer's regions (for preparing `head_dlist`).
+    /// The peer's blocks' list (what `dlist` was prepared from).
     pub(super) list: BlockList,
-    pub(super) num_blocks: u32,
     /// The peer engine's tensor-parallel size, and the heads of each of its ranks.
     pub(super) split: HeadSplit,
     pub(super) instance: u64,
@@ -421,14 +420,6 @@ impl ConnectorWorker {
                 return Err(e);
             }
         };
-        Ok(Some(Connected {
-            agent,
-            dlist,
-            head_dlist: None,
-            list,
-            num_blocks: p.num_blocks,
-            split,
-            instance: p.instance,
-        }))
+        Ok(Some(Connected { agent, dlist, head_dlist: None, list, split, instance: p.instance }))
     }
 }
