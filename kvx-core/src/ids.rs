@@ -57,3 +57,40 @@ string_id!(
 
 /// A block index in an engine's paged KV cache.
 pub type BlockId = u32;
+
+/// A request's blocks in one KV-cache group, in token order: `ids[i]` holds the tokens of block
+/// position `first + i` (position `p` holds tokens `p * block_size ..`). A full-attention group
+/// starts at position 0; a sliding-window group that dropped the blocks before its window, or a
+/// newly allocated part of a request, starts later. vLLM's hybrid models have one group per
+/// attention type (`remote_block_ids` has one list per group).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct GroupBlocks {
+    /// The block position of `ids[0]`.
+    pub first: u32,
+    /// The blocks.
+    pub ids: Vec<BlockId>,
+}
+
+impl GroupBlocks {
+    /// The blocks `ids` from position `first` on.
+    pub fn new(first: u32, ids: Vec<BlockId>) -> Self {
+        GroupBlocks { first, ids }
+    }
+
+    /// The blocks `ids` from position 0 on (a full-attention group, a model with one group).
+    pub fn whole(ids: Vec<BlockId>) -> Self {
+        GroupBlocks { first: 0, ids }
+    }
+
+    /// One past the last position.
+    pub fn end(&self) -> u64 {
+        u64::from(self.first) + self.ids.len() as u64
+    }
+
+    /// The blocks at positions `from..to`, if the group has every one of them.
+    pub fn at(&self, from: u64, to: u64) -> Option<&[BlockId]> {
+        let skip = usize::try_from(from.checked_sub(u64::from(self.first))?).ok()?;
+        let take = usize::try_from(to.checked_sub(from)?).ok()?;
+        self.ids.get(skip..skip.checked_add(take)?)
+    }
+}

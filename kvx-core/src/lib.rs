@@ -33,7 +33,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use exchange::{MetadataExchange, PeerLocator};
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};
 pub use host::HostScope;
-pub use ids::{AgentName, BlockId, EngineId, RequestId};
+pub use ids::{AgentName, BlockId, EngineId, GroupBlocks, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{ByteAccess, HostMemory, KvMemory, MemKind, MemRegion};
 pub use meta::{

@@ -1,10 +1,11 @@
 //! What the scheduler hands the workers each step, and what the workers hand back.
 
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 use crate::auth::{MacTag, Nonce};
-use crate::error::Error;
-use crate::ids::{BlockId, RequestId};
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, GroupBlocks, RequestId};
 use crate::params::{InstanceId, Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
 
@@ -17,16 +18,13 @@ pub struct RecvRequest {
     /// each engine's request its own id); the notification names it.
     #[serde(default)]
     pub remote_request_id: Option<RequestId>,
-    /// Local blocks to fill. Empty: nothing to read, only tell the prefill engine to free.
-    pub local_block_ids: Vec<BlockId>,
-    /// The prefill engine's held blocks, exactly as its params offered them (what their MAC
-    /// covers).
-    pub remote_block_ids: Vec<BlockId>,
-    /// The index in `remote_block_ids` of the block read into `local_block_ids[0]`: the READ
-    /// takes `local_block_ids.len()` blocks from there. Those before it hit the local prefix
-    /// cache; those after the READ lie beyond the prompt's full blocks.
-    #[serde(default)]
-    pub remote_read_from: u32,
+    /// Local blocks to fill, per KV-cache group, at their block positions: each is read from the
+    /// remote block at the same position of the same group. No block: nothing to read, only tell
+    /// the prefill engine to free.
+    pub local_block_ids: Vec<GroupBlocks>,
+    /// The prefill engine's held blocks per group, exactly as its params offered them (what
+    /// their MAC covers).
+    pub remote_block_ids: Vec<GroupBlocks>,
     /// Where the prefill engine is.
     pub remote: RemoteCoordinates,
     /// The prefill engine's nonce for its hold (from the params); the notification carries it.
@@ -47,7 +45,41 @@ pub struct RecvRequest {
 impl RecvRequest {
     /// Whether this entry only notifies the prefill engine (nothing to read).
     pub fn is_notify_only(&self) -> bool {
-        self.local_block_ids.is_empty()
+        self.local_block_ids.iter().all(|g| g.ids.is_empty())
+    }
+
+    /// The READ's block pairs: each group's local blocks and the offered blocks at the same
+    /// positions of the same group, the groups one after another (borrowed for one group);
+    /// refused when a group to load is not offered at those positions.
+    pub fn read_pairs(&self) -> Result<(Cow<'_, [BlockId]>, Cow<'_, [BlockId]>)> {
+        let (local, offered) = (&self.local_block_ids, &self.remote_block_ids);
+        if local.len() != offered.len() {
+            return Err(Error::invalid_peer_data(format!(
+                "{} KV-cache groups to load, but {} offered",
+                local.len(),
+                offered.len()
+            )));
+        }
+        fn remote<'a>(l: &GroupBlocks, r: &'a GroupBlocks) -> Result<&'a [BlockId]> {
+            r.at(u64::from(l.first), l.end()).ok_or_else(|| {
+                Error::invalid_peer_data(format!(
+                    "block positions {}..{} to load, but the remote offers {}..{}",
+                    l.first,
+                    l.end(),
+                    r.first,
+                    r.end()
+                ))
+            })
+        }
+        if let ([l], [r]) = (local.as_slice(), offered.as_slice()) {
+            return Ok((Cow::Borrowed(l.ids.as_slice()), Cow::Borrowed(remote(l, r)?)));
+        }
+        let (mut local_ids, mut remote_ids) = (Vec::new(), Vec::new());
+        for (l, r) in local.iter().zip(offered) {
+            local_ids.extend_from_slice(&l.ids);
+            remote_ids.extend_from_slice(remote(l, r)?);
+        }
+        Ok((Cow::Owned(local_ids), Cow::Owned(remote_ids)))
     }
 
     /// The id the prefill engine holds the blocks under.
@@ -60,7 +92,7 @@ impl RecvRequest {
         Some(Offer {
             remote: &self.remote,
             request_id: self.prefill_request_id(),
-            block_ids: &self.remote_block_ids,
+            groups: &self.remote_block_ids,
             nonce: self.nonce.as_ref()?,
             instance: self.remote_instance.as_ref(),
         })

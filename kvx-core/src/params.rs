@@ -8,13 +8,15 @@ use crate::auth::{AuthKey, HexBytes, MacTag, Nonce, Purpose};
 /// An engine instance's id in params: 8 bytes in hex.
 pub type InstanceId = HexBytes<8>;
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::{BlockId, EngineId, RequestId};
+use crate::ids::{BlockId, EngineId, GroupBlocks, RequestId};
 
 /// vLLM's `kv_transfer_params`. Keys vLLM adds that kvx does not know are kept in `extra`, so a
 /// round trip through kvx loses nothing.
 ///
-/// `remote_block_ids` is per KV-cache group in vLLM 0.32 (`[[b0, b1, ..]]`); kvx moves one group
-/// (full attention), reads both that shape and a flat list, and writes the nested shape.
+/// `remote_block_ids` is per KV-cache group in vLLM 0.32 (`[[b0, b1, ..]], one list per group`);
+/// kvx reads that shape and a flat list (one group), and writes the nested shape. A group whose
+/// list does not start at block position 0 (a sliding-window group that dropped the blocks before
+/// its window) has its first position in `kvx_group_first`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TransferParams {
     /// Decode side: load this request's prompt KV from a remote prefill engine. `null` reads as
@@ -25,9 +27,13 @@ pub struct TransferParams {
     /// reads as false.
     #[serde(default, deserialize_with = "null_is_false")]
     pub do_remote_decode: bool,
-    /// The prefill engine's blocks holding the prompt's full blocks.
-    #[serde(default, with = "one_group")]
-    pub remote_block_ids: Option<Vec<BlockId>>,
+    /// The prefill engine's blocks holding the prompt's full blocks, one list per KV-cache group.
+    #[serde(default, with = "groups")]
+    pub remote_block_ids: Option<Vec<Vec<BlockId>>>,
+    /// kvx: the block position of each group's first block in `remote_block_ids`; absent: every
+    /// group starts at position 0.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kvx_group_first: Vec<u32>,
     /// The prefill engine's id of the request (the decode engine's id differs): named in the
     /// notification that frees the prefill engine's blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +110,9 @@ impl RemoteCoordinates {
 /// The longest request or engine id kvx accepts from a peer or a client, in bytes.
 pub const MAX_ID_LEN: usize = 1024;
 
+/// The most KV-cache groups kvx accepts in params (vLLM's hybrid models have a few; Gemma 3 has six).
+pub const MAX_GROUPS: usize = 256;
+
 /// The longest side-channel host kvx accepts from a client (a DNS name is at most 253).
 pub const MAX_HOST_LEN: usize = 255;
 
@@ -128,7 +137,7 @@ impl RemoteCoordinates {
 
 impl TransferParams {
     /// The params a prefill engine returns for a finished request whose blocks it keeps.
-    pub fn for_decode(block_ids: Vec<BlockId>, remote: RemoteCoordinates) -> Self {
+    pub fn for_decode(groups: Vec<GroupBlocks>, remote: RemoteCoordinates) -> Self {
         let (remote_host, remote_port) = match remote.endpoint {
             Some(Endpoint { host, port }) => (Some(host), Some(port)),
             None => (None, None),
@@ -136,7 +145,12 @@ impl TransferParams {
         TransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_block_ids: Some(block_ids),
+            kvx_group_first: if groups.iter().all(|g| g.first == 0) {
+                Vec::new()
+            } else {
+                groups.iter().map(|g| g.first).collect()
+            },
+            remote_block_ids: Some(groups.into_iter().map(|g| g.ids).collect()),
             remote_request_id: None,
             remote_engine_id: Some(remote.engine_id),
             remote_host,
@@ -162,15 +176,26 @@ impl TransferParams {
         }
     }
 
-    /// The remote block ids, or none.
-    pub fn remote_blocks(&self) -> &[BlockId] {
-        self.remote_block_ids.as_deref().unwrap_or(&[])
+    /// Whether the params offer any remote block.
+    pub fn has_remote_blocks(&self) -> bool {
+        self.remote_block_ids.iter().flatten().any(|g| !g.is_empty())
+    }
+
+    /// The remote blocks of each KV-cache group with their first positions (none without
+    /// `remote_block_ids`); refused as [`from_json`](Self::from_json) refuses them.
+    pub fn remote_groups(&self) -> Result<Vec<GroupBlocks>> {
+        self.check_groups()?;
+        let first = |i: usize| self.kvx_group_first.get(i).copied().unwrap_or(0);
+        let groups = self.remote_block_ids.iter().flatten().enumerate();
+        Ok(groups.map(|(i, ids)| GroupBlocks::new(first(i), ids.clone())).collect())
     }
 
     /// Parses vLLM's JSON.
     pub fn from_json(json: &str) -> Result<Self> {
-        serde_json::from_str(json)
-            .map_err(|e| Error::new(ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e))
+        let params: Self = serde_json::from_str(json)
+            .map_err(|e| Error::new(ErrorKind::Wire, format!("kv_transfer_params: {e}")).with_source(e))?;
+        params.check_groups()?;
+        Ok(params)
     }
 
     /// Renders vLLM's JSON.
@@ -178,7 +203,33 @@ impl TransferParams {
         // Serialising plain data with string keys cannot fail.
         serde_json::to_string(self).unwrap_or_default()
     }
+
+    /// Refuses more than [`MAX_GROUPS`] groups, group positions that do not match the groups, or a
+    /// group that runs past the last block position.
+    fn check_groups(&self) -> Result<()> {
+        let groups = self.remote_block_ids.as_deref().unwrap_or(&[]);
+        let firsts = &self.kvx_group_first;
+        let wrong = |msg: String| Err(Error::new(ErrorKind::Wire, format!("kv_transfer_params: {msg}")));
+        if groups.len() > MAX_GROUPS {
+            return wrong(format!("{} KV-cache groups, over kvx's {MAX_GROUPS}", groups.len()));
+        }
+        if !firsts.is_empty() && firsts.len() != groups.len() {
+            return wrong(format!(
+                "kvx_group_first names {} positions for {} KV-cache groups",
+                firsts.len(),
+                groups.len()
+            ));
+        }
+        for (i, ids) in groups.iter().enumerate() {
+            let first = firsts.get(i).copied().unwrap_or(0);
+            if u64::from(first) + ids.len() as u64 > u64::from(u32::MAX) {
+                return wrong(format!("KV-cache group {i} runs from block position {first} past 2^32"));
+            }
+        }
+        Ok(())
+    }
 }
+
 
 /// What a prefill engine offers a decode engine for one held request: what the MAC in
 /// [`TransferParams::kvx_offer_mac`] covers. Every field is length-prefixed in the MAC, so no two
@@ -189,8 +240,8 @@ pub struct Offer<'a> {
     pub remote: &'a RemoteCoordinates,
     /// The prefill engine's id of the request.
     pub request_id: &'a RequestId,
-    /// The held blocks, in token order.
-    pub block_ids: &'a [BlockId],
+    /// The held blocks of each KV-cache group, in token order.
+    pub groups: &'a [GroupBlocks],
     /// The hold's nonce.
     pub nonce: &'a Nonce,
     /// The prefill engine's instance, when it names one.
@@ -199,7 +250,15 @@ pub struct Offer<'a> {
 
 impl Offer<'_> {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
-        let blocks: Vec<u8> = self.block_ids.iter().flat_map(|b| b.to_le_bytes()).collect();
+        // Each group: its first position, its length, its blocks (so no two group splits of
+        // the same blocks share bytes).
+        let blocks: Vec<u8> = self
+            .groups
+            .iter()
+            .flat_map(|g| {
+                [g.first, g.ids.len() as u32].into_iter().chain(g.ids.iter().copied()).flat_map(u32::to_le_bytes)
+            })
+            .collect();
         // Without an endpoint, an empty host and an empty port: no 2-byte port is empty.
         let (host, port) = match &self.remote.endpoint {
             Some(e) => (e.host.as_bytes(), e.port.to_le_bytes().to_vec()),
@@ -258,48 +317,39 @@ fn null_is_false<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<bool, D
     Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
-/// `remote_block_ids` as one KV-cache group: written `[[..]]`, read as `[[..]]` (exactly one
-/// group; an empty outer list is no blocks) or as a flat list.
-mod one_group {
+/// `remote_block_ids` per KV-cache group: written `[[..], ..]`, read as `[[..], ..]` (an empty
+/// outer list is no groups) or as a flat list (one group).
+mod groups {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
     use serde_json::Value;
 
     use crate::error::quote;
     use crate::ids::BlockId;
 
-    pub(super) fn serialize<S: Serializer>(ids: &Option<Vec<BlockId>>, s: S) -> Result<S::Ok, S::Error> {
-        ids.as_ref().map(std::slice::from_ref).serialize(s)
+    pub(super) fn serialize<S: Serializer>(ids: &Option<Vec<Vec<BlockId>>>, s: S) -> Result<S::Ok, S::Error> {
+        ids.serialize(s)
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<BlockId>>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Vec<BlockId>>>, D::Error> {
         match Option::<Value>::deserialize(d)? {
             None => Ok(None),
             Some(v) => groups(&v).map(Some).map_err(serde::de::Error::custom),
         }
     }
 
-    /// `[[..]]` (one group, or none) or a flat list; says what is wrong and where otherwise.
-    fn groups(v: &Value) -> Result<Vec<BlockId>, String> {
+    /// `[[..], ..]` or a flat list; says what is wrong and where otherwise.
+    fn groups(v: &Value) -> Result<Vec<Vec<BlockId>>, String> {
         let Value::Array(items) = v else {
             return Err(format!("remote_block_ids is {}, not a list of block ids", shown(v)));
         };
         match items.as_slice() {
             [] => Ok(Vec::new()),
-            [Value::Array(_), ..] => {
-                if let Some(i) = items.iter().position(|g| !g.is_array()) {
-                    return Err(format!(
-                        "remote_block_ids[{i}] is {}, not a list of block ids",
-                        shown(&items[i])
-                    ));
-                }
-                match items.as_slice() {
-                    [only] => ids(only, "remote_block_ids[0]"),
-                    many => {
-                        Err(format!("remote_block_ids has {} KV-cache groups; kvx moves one", many.len()))
-                    }
-                }
-            }
-            _ => ids(v, "remote_block_ids"),
+            [Value::Array(_), ..] => items
+                .iter()
+                .enumerate()
+                .map(|(i, g)| ids(g, &format!("remote_block_ids[{i}]")))
+                .collect(),
+            _ => ids(v, "remote_block_ids").map(|ids| vec![ids]),
         }
     }
 

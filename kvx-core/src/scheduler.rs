@@ -8,7 +8,7 @@ use tracing::{debug, warn};
 
 use crate::auth::{AuthKey, MacTag, Nonce, NonceSource};
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, EngineId, RequestId};
+use crate::ids::{EngineId, GroupBlocks, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
 use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, RecvRequest};
@@ -40,6 +40,11 @@ pub struct SchedulerConfig {
     /// Prefill side: this engine's tensor-parallel size, named in the params (vLLM's `tp_size`)
     /// so that a decode engine of another size knows which ranks hold which heads.
     pub tp_size: u32,
+    /// The model's KV-cache groups (vLLM's hybrid allocator): each group's sliding window in
+    /// tokens, `None` for full attention. Empty: one full-attention group. A decode engine loads
+    /// of a sliding-window group only the blocks the window of its first computed token reaches,
+    /// and computes locally a request whose prefill engine no longer holds them.
+    pub group_windows: Vec<Option<u32>>,
 }
 
 impl SchedulerConfig {
@@ -53,7 +58,24 @@ impl SchedulerConfig {
             lease_duration: Duration::from_secs(30),
             instance: None,
             tp_size: 1,
+            group_windows: Vec::new(),
         }
+    }
+
+    /// The window of each KV-cache group (one full-attention group when none is configured).
+    fn windows(&self) -> &[Option<u32>] {
+        if self.group_windows.is_empty() { &[None] } else { &self.group_windows }
+    }
+}
+
+/// The first block position a load ending before position `end` needs of a group with `window`
+/// (tokens), from `from` on: every one for full attention; for a sliding window, only those the
+/// window of the first token computed after the load reaches (vLLM keeps the blocks from token
+/// `n - window + 1` on once `n` tokens are computed).
+fn needed_from(window: Option<u32>, from: u64, end: u64, block_size: u64) -> u64 {
+    match window {
+        None => from,
+        Some(w) => from.max((end * block_size + 1).saturating_sub(u64::from(w)) / block_size),
     }
 }
 
@@ -93,12 +115,11 @@ struct PendingRecv {
     remote: RemoteCoordinates,
     /// The prefill engine's id of the request, when it differs from ours.
     remote_request_id: Option<RequestId>,
-    /// The remote blocks as offered.
-    remote_block_ids: Vec<BlockId>,
-    /// Where in them the READ starts.
-    remote_read_from: u32,
-    /// Empty until blocks are allocated; stays empty for notify-only requests.
-    local_block_ids: Vec<BlockId>,
+    /// The remote blocks as offered, per group.
+    remote_block_ids: Vec<GroupBlocks>,
+    /// The local blocks to fill, per group; empty until blocks are allocated, and for
+    /// notify-only requests.
+    local_block_ids: Vec<GroupBlocks>,
     nonce: Option<Nonce>,
     mac: Option<MacTag>,
     instance: Option<InstanceId>,
@@ -106,12 +127,11 @@ struct PendingRecv {
 }
 
 impl PendingRecv {
-    fn new(remote: RemoteCoordinates, params: &TransferParams) -> Self {
+    fn new(remote: RemoteCoordinates, params: &TransferParams, groups: Vec<GroupBlocks>) -> Self {
         PendingRecv {
             remote,
             remote_request_id: params.remote_request_id.clone(),
-            remote_block_ids: params.remote_blocks().to_vec(),
-            remote_read_from: 0,
+            remote_block_ids: groups,
             local_block_ids: Vec::new(),
             nonce: params.kvx_hold_nonce,
             mac: params.kvx_offer_mac,
@@ -201,16 +221,17 @@ impl ConnectorScheduler {
 
     /// The prefill engine and hold whose lease a request's params name, if they check.
     fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, Option<u32>, HeldRequest)> {
-        if params.remote_blocks().is_empty() {
+        if !params.has_remote_blocks() {
             return None;
         }
         let remote = params.coordinates()?;
+        let groups = params.remote_groups().ok()?;
         let nonce = params.kvx_hold_nonce?;
         let request_id = params.remote_request_id.clone()?;
         let offer = Offer {
             remote: &remote,
             request_id: &request_id,
-            block_ids: params.remote_blocks(),
+            groups: &groups,
             nonce: &nonce,
             instance: params.kvx_instance.as_ref(),
         };
@@ -223,7 +244,9 @@ impl ConnectorScheduler {
     ///
     /// Only requests with `do_remote_prefill` and complete remote coordinates load anything. The
     /// remote engine sends full blocks only: the count is the prompt rounded down to a block,
-    /// capped by the blocks it offers, minus the computed tokens. Free of side effects (vLLM may
+    /// capped by the blocks every group offers, minus the computed tokens. It is 0 when a
+    /// sliding-window group no longer holds a block the window needs (the prefill engine dropped
+    /// it), or when the offer's groups are not this engine's. Free of side effects (vLLM may
     /// ask again for a request it could not schedule): what to load, or only to notify, is recorded
     /// by [`update_state_after_alloc`](Self::update_state_after_alloc).
     pub fn get_num_new_matched_tokens(
@@ -242,19 +265,63 @@ impl ConnectorScheduler {
                 "request {request_id}: {num_computed_tokens} computed tokens is not a multiple of block size {bs}"
             )));
         }
-        if params.coordinates().is_none() {
-            warn!(%request_id, "do_remote_prefill without complete remote coordinates: computing locally");
+        let Some((_, groups)) = self.offered(request_id, params) else {
             return Ok(MatchedTokens::default());
-        }
-        let loadable_blocks = (prompt_len / bs).min(params.remote_blocks().len());
-        let count = (loadable_blocks * bs).saturating_sub(num_computed_tokens);
+        };
+        let first = (num_computed_tokens / bs) as u64;
+        let Some(end) = self.load_end(request_id, &groups, prompt_len, first) else {
+            return Ok(MatchedTokens::default());
+        };
+        let count = (end.saturating_sub(first) as usize).saturating_mul(bs);
         Ok(MatchedTokens { count, load_async: count > 0 })
     }
 
-    /// Records the blocks allocated for a request's remote tokens. `new_block_ids` are the blocks
-    /// newly allocated for it (not prefix-cached), in token order; the first
-    /// `num_external_tokens / block_size` of them receive the remote blocks from the one after the
-    /// `num_computed_tokens` the local prefix cache holds.
+    /// The coordinates and groups of an offer, or `None` (with a warning) when they are
+    /// incomplete or do not check.
+    fn offered(&self, request_id: &RequestId, params: &TransferParams) -> Option<(RemoteCoordinates, Vec<GroupBlocks>)> {
+        let Some(remote) = params.coordinates() else {
+            warn!(%request_id, "do_remote_prefill without complete remote coordinates: computing locally");
+            return None;
+        };
+        match params.remote_groups() {
+            Ok(groups) => Some((remote, groups)),
+            Err(e) => {
+                warn!(%request_id, error = %e, "kv_transfer_params ignored: computing locally");
+                None
+            }
+        }
+    }
+
+    /// The block position where a load from `first` ends: the prompt's full blocks, capped by
+    /// every group's offer. `None` when nothing past `first` can load: the offer's groups are not
+    /// this engine's, a full-attention group misses a block from `first` on, or a sliding-window
+    /// group misses one its window needs.
+    fn load_end(&self, request_id: &RequestId, groups: &[GroupBlocks], prompt_len: usize, first: u64) -> Option<u64> {
+        let windows = self.config.windows();
+        if groups.len() != windows.len() {
+            if groups.iter().any(|g| !g.ids.is_empty()) {
+                warn!(%request_id, offered = groups.len(), here = windows.len(), "the offer's KV-cache groups are not this engine's: computing locally");
+            }
+            return None;
+        }
+        let bs = self.block_size() as u64;
+        let end = groups.iter().map(GroupBlocks::end).fold((prompt_len as u64) / bs, u64::min);
+        let covered = groups.iter().zip(windows).all(|(g, &w)| u64::from(g.first) <= needed_from(w, first, end, bs));
+        if end <= first {
+            return None;
+        }
+        if !covered {
+            debug!(%request_id, "the prefill engine no longer holds every block a window needs: computing locally");
+            return None;
+        }
+        Some(end)
+    }
+
+    /// Records the blocks allocated for a request's remote tokens. `new_blocks` are, per KV-cache
+    /// group, the blocks newly allocated for it (not prefix-cached) at their block positions; the
+    /// positions from the one after the `num_computed_tokens` the local prefix cache holds up to
+    /// `num_computed_tokens + num_external_tokens` receive the remote blocks at the same
+    /// positions (of a sliding-window group, only those its window needs).
     ///
     /// A request triggers at most one load: `do_remote_prefill` is turned off here, so a second
     /// call for the same request (vLLM makes one when an async load completes) does nothing. With
@@ -265,7 +332,7 @@ impl ConnectorScheduler {
         request_id: &RequestId,
         prompt_len: usize,
         params: Option<&mut TransferParams>,
-        new_block_ids: &[BlockId],
+        new_blocks: &[GroupBlocks],
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> Result<()> {
@@ -273,58 +340,90 @@ impl ConnectorScheduler {
             return Ok(());
         };
         params.do_remote_prefill = false;
-        let Some(remote) = params.coordinates() else {
-            warn!(%request_id, "invalid kv_transfer_params (incomplete remote coordinates): no transfer");
+        let Some((remote, groups)) = self.offered(request_id, params) else {
             self.awaiting.remove(request_id);
             return Ok(());
         };
         if num_external_tokens == 0 {
             self.awaiting.remove(request_id);
-            if !params.remote_blocks().is_empty() {
+            if params.has_remote_blocks() {
                 debug!(%request_id, "nothing to load: notify the prefill engine only");
-                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
+                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
             }
             return Ok(());
         }
-        let bs = self.block_size();
-        let needed = num_external_tokens / bs;
-        let first = num_computed_tokens / bs;
-        let loadable = (prompt_len / bs).min(params.remote_blocks().len());
-        let misfit = if num_external_tokens % bs != 0 || num_computed_tokens % bs != 0 {
-            Some("computed and external tokens must be whole blocks".to_owned())
-        } else if needed > new_block_ids.len() {
-            Some(format!("{needed} blocks to load but {} allocated", new_block_ids.len()))
-        } else if first.checked_add(needed).is_none_or(|end| end > loadable) {
-            Some(format!(
-                "{num_computed_tokens} computed and {num_external_tokens} external tokens exceed the {loadable} blocks \
-                 the remote offers for a {prompt_len}-token prompt"
-            ))
-        } else {
-            None
+        let local = match self.local_blocks(&groups, new_blocks, prompt_len, num_computed_tokens, num_external_tokens) {
+            Ok(local) => local,
+            Err(misfit) => {
+                // The prefill engine is still told to free: the load never happens.
+                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
+                self.awaiting.remove(request_id);
+                return Err(Error::invalid_argument(format!("request {request_id}: {misfit}")));
+            }
         };
-        if let Some(misfit) = misfit {
-            // The prefill engine is still told to free: the load never happens.
-            self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
-            self.awaiting.remove(request_id);
-            return Err(Error::invalid_argument(format!("request {request_id}: {misfit}")));
-        }
-        let remote_read_from = u32::try_from(first).map_err(|_| {
-            Error::invalid_argument(format!(
-                "request {request_id}: {first} computed blocks overflow a block id"
-            ))
-        })?;
         if !self.awaiting.contains_key(request_id) {
             if let Some(entry) = self.lease_of(params) {
                 self.awaiting.insert(request_id.clone(), entry);
             }
         }
-        let pending = PendingRecv {
-            remote_read_from,
-            local_block_ids: new_block_ids[..needed].to_vec(),
-            ..PendingRecv::new(remote, params)
-        };
+        let pending = PendingRecv { local_block_ids: local, ..PendingRecv::new(remote, params, groups) };
         self.pending_recv.insert(request_id.clone(), pending);
         Ok(())
+    }
+
+    /// The local blocks a load fills, per group, or what does not fit: positions past the
+    /// computed tokens up to the external ones, of a sliding-window group only those its window
+    /// needs, each allocated locally and offered remotely.
+    fn local_blocks(
+        &self,
+        groups: &[GroupBlocks],
+        new_blocks: &[GroupBlocks],
+        prompt_len: usize,
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) -> std::result::Result<Vec<GroupBlocks>, String> {
+        let bs = self.block_size();
+        if num_external_tokens % bs != 0 || num_computed_tokens % bs != 0 {
+            return Err("computed and external tokens must be whole blocks".to_owned());
+        }
+        let windows = self.config.windows();
+        if groups.len() != windows.len() || new_blocks.len() != windows.len() {
+            return Err(format!(
+                "{} KV-cache groups offered and {} allocated, but this engine has {}",
+                groups.len(),
+                new_blocks.len(),
+                windows.len()
+            ));
+        }
+        let (first, needed) = ((num_computed_tokens / bs) as u64, (num_external_tokens / bs) as u64);
+        let end = first + needed;
+        if end > (prompt_len / bs) as u64 {
+            return Err(format!(
+                "{num_computed_tokens} computed and {num_external_tokens} external tokens exceed the \
+                 {prompt_len}-token prompt's full blocks"
+            ));
+        }
+        let mut local = Vec::with_capacity(groups.len());
+        for (g, ((offered, allocated), &window)) in groups.iter().zip(new_blocks).zip(windows).enumerate() {
+            let from = needed_from(window, first, end, bs as u64);
+            let Some(ids) = allocated.at(from, end) else {
+                return Err(format!(
+                    "group {g}: block positions {from}..{end} to load but {}..{} allocated",
+                    allocated.first,
+                    allocated.end()
+                ));
+            };
+            if offered.at(from, end).is_none() {
+                return Err(format!(
+                    "group {g}: block positions {from}..{end} to load but the remote offers {}..{}",
+                    offered.first,
+                    offered.end()
+                ));
+            }
+            // `from <= end <= prompt_len / bs`, so `from` fits a block position.
+            local.push(GroupBlocks::new(from as u32, ids.to_vec()));
+        }
+        Ok(local)
     }
 
     /// The metadata for this step's workers; clears what it hands over. `now` paces the
@@ -338,7 +437,6 @@ impl ConnectorScheduler {
                 remote_request_id: p.remote_request_id,
                 local_block_ids: p.local_block_ids,
                 remote_block_ids: p.remote_block_ids,
-                remote_read_from: p.remote_read_from,
                 remote: p.remote,
                 nonce: p.nonce,
                 mac: p.mac,
@@ -396,11 +494,12 @@ impl ConnectorScheduler {
         self.next_heartbeat.filter(|_| !self.awaiting.is_empty())
     }
 
-    /// A request finished or was aborted. `block_ids` are its blocks in token order.
+    /// A request finished or was aborted. `blocks` are its blocks of each KV-cache group at their
+    /// block positions (a sliding-window group may have dropped those before its window).
     ///
     /// - Prefill side (`do_remote_decode`, finished by the length cap or a stop, as vLLM keeps
-    ///   both): keep the full computed blocks for the decode engine (a trailing partial block is
-    ///   not sent) and return the params it needs.
+    ///   both): keep the full computed blocks of every group for the decode engine (a trailing
+    ///   partial block is not sent) and return the params it needs.
     /// - Decode side, finished before its blocks were allocated, or aborted before its load was
     ///   handed to the workers: the load is dropped (no READ into freed blocks) but the prefill
     ///   engine is still told to free.
@@ -412,7 +511,7 @@ impl ConnectorScheduler {
         params: Option<&TransferParams>,
         reason: FinishReason,
         num_computed_tokens: usize,
-        block_ids: &[BlockId],
+        blocks: &[GroupBlocks],
     ) -> FinishOutcome {
         self.awaiting.remove(request_id);
         if let Some(pending) = self.pending_recv.get_mut(request_id) {
@@ -425,9 +524,9 @@ impl ConnectorScheduler {
         if let Some(params) = params.filter(|p| p.do_remote_prefill) {
             // Finished before its blocks were allocated (aborted while queued): nothing will be
             // read, but the prefill engine is told to free now rather than at the lease's end.
-            if let Some(remote) = params.coordinates().filter(|_| !params.remote_blocks().is_empty()) {
+            if let Some((remote, groups)) = self.offered(request_id, params).filter(|_| params.has_remote_blocks()) {
                 debug!(%request_id, "finished before its load: notify the prefill engine only");
-                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params));
+                self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
             }
             return FinishOutcome::default();
         }
@@ -435,9 +534,15 @@ impl ConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !keeps {
             return FinishOutcome::default();
         }
-        let full_blocks = (num_computed_tokens / self.block_size()).min(block_ids.len());
-        let computed = block_ids[..full_blocks].to_vec();
-        let delay_free = !computed.is_empty();
+        let full_blocks = (num_computed_tokens / self.block_size()) as u64;
+        let computed: Vec<GroupBlocks> = blocks
+            .iter()
+            .map(|g| {
+                let held = full_blocks.saturating_sub(u64::from(g.first)).min(g.ids.len() as u64) as usize;
+                GroupBlocks::new(g.first, g.ids[..held].to_vec())
+            })
+            .collect();
+        let delay_free = computed.iter().any(|g| !g.ids.is_empty());
         let nonce = self.nonces.next_nonce();
         if delay_free {
             self.sending.insert(request_id.clone());
@@ -451,7 +556,7 @@ impl ConnectorScheduler {
         let offer = Offer {
             remote: &remote,
             request_id,
-            block_ids: &computed,
+            groups: &computed,
             nonce: &nonce,
             instance: instance.as_ref(),
         };

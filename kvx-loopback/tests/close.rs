@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvx_core::{
+    GroupBlocks,
     BlockList, ConnectorMetadata, ConnectorWorker, DlistOwner, ErrorKind, HeldRequest, HexBytes, HostMemory,
     KvMemory, LayerCache, MemKind, PeerLocator, RecvRequest, RemoteCoordinates, RequestId, TransferAgent,
     WorkerCommand, WorkerConfig,
@@ -55,9 +56,8 @@ fn load() -> ConnectorMetadata {
     let req = RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
-        local_block_ids: vec![2],
-        remote_block_ids: vec![5],
-        remote_read_from: 0,
+        local_block_ids: vec![GroupBlocks::whole(vec![2])],
+        remote_block_ids: vec![GroupBlocks::whole(vec![5])],
         remote: coordinates("prefill"),
         nonce: Some(HexBytes([3; 16])),
         mac: None,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
+    GroupBlocks,
     Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, Handshakes, HeldRequest,
     HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RecvRequest,
     RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
@@ -159,9 +160,8 @@ fn one_load(remote: RemoteCoordinates) -> ConnectorMetadata {
     let req = RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
-        local_block_ids: vec![2],
-        remote_block_ids: vec![5],
-        remote_read_from: 0,
+        local_block_ids: vec![GroupBlocks::whole(vec![2])],
+        remote_block_ids: vec![GroupBlocks::whole(vec![5])],
         remote,
         nonce: Some(HexBytes([1; 16])),
         mac: None,

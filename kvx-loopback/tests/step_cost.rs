@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvx_core::{
+    GroupBlocks,
     AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, HexBytes,
     HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
     RemoteCoordinates, Result, TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
@@ -123,9 +124,8 @@ fn load(i: usize) -> RecvRequest {
     RecvRequest {
         request_id: format!("r{i}").into(),
         remote_request_id: None,
-        local_block_ids: vec![(i as u64 % BLOCKS) as u32],
-        remote_block_ids: vec![((i as u64 + 1) % BLOCKS) as u32],
-        remote_read_from: 0,
+        local_block_ids: vec![GroupBlocks::whole(vec![(i as u64 % BLOCKS) as u32])],
+        remote_block_ids: vec![GroupBlocks::whole(vec![((i as u64 + 1) % BLOCKS) as u32])],
         remote: coordinates("prefill"),
         nonce: Some(HexBytes(nonce)),
         mac: None,

@@ -235,13 +235,17 @@ impl ConnectorWorker {
             return Err((Error::new(ErrorKind::State, e), true));
         }
         let local = |e| (e, true);
-        KvCacheLayout::check_block_ids(&req.local_block_ids, registered.layout.num_blocks, "local")
-            .map_err(local)?;
-        let mut seen = HashSet::with_capacity(req.local_block_ids.len());
-        if let Some(dup) = req.local_block_ids.iter().find(|b| !seen.insert(**b)) {
+        if registered.region_windows.is_some() && req.local_block_ids.len() > 1 {
+            let e = "layers with their own windows take one KV-cache group, not several";
+            return Err(local(Error::new(ErrorKind::Incompatible, e)));
+        }
+        let (local_ids, _) = req.read_pairs().map_err(local)?;
+        KvCacheLayout::check_block_ids(&local_ids, registered.layout.num_blocks, "local").map_err(local)?;
+        let mut seen = HashSet::with_capacity(local_ids.len());
+        if let Some(dup) = local_ids.iter().find(|b| !seen.insert(**b)) {
             return Err(local(Error::invalid_argument(format!("local block {dup} appears twice"))));
         }
-        remote_read(req).map(|_| ()).map_err(local)
+        Ok(())
     }
 
     /// Tells every prefill rank this rank releases for `req` to free (no answer wanted): the
@@ -429,20 +433,20 @@ impl ConnectorWorker {
             reader: rank,
             readers: load.readers,
         })?;
-        let remote = remote_read(req)?;
+        let (local, remote) = req.read_pairs()?;
         let prefill_tp = req.remote_tp_size.unwrap_or(self.config.world_size);
         let lists = self.read_lists(peer, prefill_tp, &load.slice)?;
         let (Some(registered), Some(Peer::Ready(conn))) = (&self.registered, self.peers.get(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        KvCacheLayout::check_block_ids(remote, conn.list.num_blocks, "remote")?;
+        KvCacheLayout::check_block_ids(&remote, conn.list.num_blocks, "remote")?;
         let layout = &registered.layout;
         // In single-head lists block `b` is heads `b * heads ..`: the slice's heads of each block.
         let (local_blocks, remote_blocks, windows, unit_len, (local_heads, remote_heads)) = match lists.heads
         {
             None => (
-                Cow::Borrowed(req.local_block_ids.as_slice()),
-                Cow::Borrowed(remote),
+                local,
+                remote,
                 registered.region_windows.as_deref().map(Cow::Borrowed),
                 layout.block_len,
                 (1, 1),
@@ -453,8 +457,8 @@ impl ConnectorWorker {
                     windows.iter().map(|w| w.map(|w| w.saturating_mul(s.heads))).collect::<Vec<_>>()
                 });
                 (
-                    Cow::Owned(head_units(&req.local_block_ids, local_heads, s.local_head, s.heads)),
-                    Cow::Owned(head_units(remote, remote_heads, s.remote_head, s.heads)),
+                    Cow::Owned(head_units(&local, local_heads, s.local_head, s.heads)),
+                    Cow::Owned(head_units(&remote, remote_heads, s.remote_head, s.heads)),
                     windows.map(Cow::Owned),
                     layout.head_len(),
                     (local_heads, remote_heads),
@@ -835,16 +839,3 @@ fn head_units(blocks: &[BlockId], per_block: u32, first: u32, count: u32) -> Vec
     blocks.iter().flat_map(|&b| (0..count).map(move |h| b * per_block + first + h)).collect()
 }
 
-/// The offered blocks the READ takes: `local_block_ids.len()` from `remote_read_from`.
-fn remote_read(req: &RecvRequest) -> Result<&[u32]> {
-    let from = req.remote_read_from as usize;
-    from.checked_add(req.local_block_ids.len())
-        .and_then(|end| req.remote_block_ids.get(from..end))
-        .ok_or_else(|| {
-            Error::invalid_peer_data(format!(
-                "{} local blocks from remote block {from}, but only {} remote blocks",
-                req.local_block_ids.len(),
-                req.remote_block_ids.len()
-            ))
-        })
-}

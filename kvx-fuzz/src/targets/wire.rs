@@ -6,6 +6,7 @@ use kvx_core::net::MetadataRequest;
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
+    GroupBlocks,
     ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, HoldStatus,
     RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
 };
@@ -155,9 +156,8 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                 reqs_to_recv: vec![RecvRequest {
                     request_id: "".into(),
                     remote_request_id: Some("\u{1F600}".into()),
-                    local_block_ids: vec![u32::MAX, 0],
-                    remote_block_ids: vec![],
-                    remote_read_from: u32::MAX,
+                    local_block_ids: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX, 0])],
+                    remote_block_ids: vec![GroupBlocks::whole(vec![])],
                     remote: RemoteCoordinates::at("prefill", "10.0.0.1", u16::MAX),
                     nonce: None,
                     mac: Some(kvx_core::HexBytes([0; 32])),

@@ -434,13 +434,14 @@ impl SimEngine {
         self.run_model();
         let meta = self.scheduler.build_connector_meta(self.config.clock.now());
         for recv in &meta.reqs_to_recv {
-            if recv.local_block_ids.is_empty() {
+            if recv.is_notify_only() {
                 continue;
             }
-            match self.pool.begin_transfer(&recv.local_block_ids) {
+            let local: Vec<BlockId> = recv.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
+            match self.pool.begin_transfer(&local) {
                 Ok(()) => {
                     if let Some(r) = self.requests.get_mut(&recv.request_id) {
-                        r.in_flight = recv.local_block_ids.clone();
+                        r.in_flight = local;
                     }
                 }
                 Err(e) => {

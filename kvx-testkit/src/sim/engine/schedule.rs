@@ -1,6 +1,6 @@
 //! The step's internals: scheduling, the model run, finishing, failing and completing loads.
 
-use kvx_core::{BlockId, Error, ErrorKind, FinishReason, Finished, RequestId, Result};
+use kvx_core::{BlockId, Error, ErrorKind, FinishReason, Finished, GroupBlocks, RequestId, Result};
 
 use crate::sim::config::{LoadFailurePolicy, RequestState};
 use crate::sim::model;
@@ -62,13 +62,14 @@ impl SimEngine {
         r.blocks = hit;
         let new_blocks = self.pool.allocate(new).map_err(pool_err)?;
         r.blocks.extend_from_slice(&new_blocks);
+        let hit_len = r.block_hashes.len();
         r.num_computed = computed;
         self.stats.tokens_cached += computed as u64;
         self.scheduler.update_state_after_alloc(
             id,
             r.prompt_len,
             r.params.as_mut(),
-            &new_blocks,
+            &[GroupBlocks::new(hit_len as u32, new_blocks)],
             computed,
             matched.count,
         )?;
@@ -128,13 +129,19 @@ impl SimEngine {
         }
         self.ended.push(id.clone());
         let outcome =
-            self.scheduler.request_finished(id, r.params.as_ref(), reason, r.num_computed, &r.blocks);
+            self.scheduler.request_finished(
+            id,
+            r.params.as_ref(),
+            reason,
+            r.num_computed,
+            &[GroupBlocks::whole(r.blocks.clone())],
+        );
         let blocks = std::mem::take(&mut r.blocks);
         let mut in_flight = std::mem::take(&mut r.in_flight);
         if let Some(params) = outcome.params {
             if outcome.delay_free {
                 // Held for the reader: exactly the blocks the params offer.
-                in_flight = params.remote_blocks().to_vec();
+                in_flight = params.remote_block_ids.iter().flatten().flatten().copied().collect();
                 let held = self.pool.begin_transfer(&in_flight);
                 self.pool_result("holding the blocks", id, held);
             }
