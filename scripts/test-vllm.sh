@@ -10,8 +10,13 @@
 # Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
 # kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY), kvx-hybrid (kvx over UCX
 # serving a tiny Gemma-3 hybrid model, sliding-window and full-attention layers, made locally by
-# make_tiny_hybrid.py; its outputs are checked against a single instance of the same model; no
-# restart or failure check; KVX_VLLM_HYBRID_PREFILL_TP=2 runs its prefill engine on two ranks,
+# make_tiny_hybrid.py, with vLLM's hybrid allocator on (kvx's connector is SupportsHMA): two
+# KV-cache groups, the sliding-window one loaded only where its 256-token window reaches; both
+# servers' logs must show the two groups and no "Turning off hybrid kv cache manager"; the
+# prompts of KVX_VLLM_HYBRID_LENS cross the window and the 128-token block boundaries, one an
+# exact multiple of 128 and one 127 past a multiple; its outputs are checked against a single
+# instance of the same model, same allocator; no restart or failure check;
+# KVX_VLLM_HYBRID_PREFILL_TP=2 runs its prefill engine on two ranks,
 # so that each decode READ gathers heads from both: see docs/VLLM.md for why that is not in the
 # default run),
 # nixl-noprog (NixlConnector with NIXL's progress thread off, as in shared/probes/vllm-cpu-pd) and
@@ -64,8 +69,9 @@ MODEL="$CACHE/tiny-llama"
 OUT="${KVX_VLLM_OUT:-$ROOT/target/vllm-test}"
 CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-hybrid nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
-# kvx-hybrid: prompts past the model's 256-token window, fewer of them.
-HYBRID_LENS="${KVX_VLLM_HYBRID_LENS:-130,300,600}"
+# kvx-hybrid: prompts across the model's 256-token window and the 128-token blocks (256 and 640
+# exact multiples of a block, 383 one token short of one), fewer of them.
+HYBRID_LENS="${KVX_VLLM_HYBRID_LENS:-130,256,383,600,640}"
 HYBRID_TRIALS="${KVX_VLLM_HYBRID_TRIALS:-2}"
 HYBRID_PREFILL_TP="${KVX_VLLM_HYBRID_PREFILL_TP:-1}"
 TRIALS="${KVX_VLLM_TRIALS:-5}"
@@ -75,8 +81,17 @@ FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
 LEASE_S="${KVX_VLLM_LEASE_S:-120}"
 ROUTER="${KVX_VLLM_ROUTER:-1}"
 ETCD_CONFIGS="${KVX_VLLM_ETCD_CONFIGS-kvx-nixl}"
-ETCD_URL=etcd://127.0.0.1:23790
-ROUTER_URL=http://127.0.0.1:8300
+# Every port of the run (HTTP 8100 prefill, 8200 decode, 8300 router; side channels 5600 and
+# 5610, kvx's metrics 3700 above them; etcd 23790 and 23800) moved by KVX_VLLM_PORT_OFFSET
+# (default 0), so that a second run on one machine does not take the first one's ports.
+PORT_OFFSET="${KVX_VLLM_PORT_OFFSET:-0}"
+P_PORT=$((8100 + PORT_OFFSET)) D_PORT=$((8200 + PORT_OFFSET)) R_PORT=$((8300 + PORT_OFFSET))
+P_SIDE=$((5600 + PORT_OFFSET)) D_SIDE=$((5610 + PORT_OFFSET))
+P_METRICS=$((P_SIDE + 3700)) D_METRICS=$((D_SIDE + 3700))
+ETCD_PORT=$((23790 + PORT_OFFSET)) ETCD_PEER_PORT=$((23800 + PORT_OFFSET))
+ETCD_URL=etcd://127.0.0.1:$ETCD_PORT
+ROUTER_URL=http://127.0.0.1:$R_PORT
+SERVERS=(--prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT")
 PY="$VENV/bin/python"
 
 "$ROOT/scripts/install-vllm.sh"
@@ -222,19 +237,19 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
     # must reach PGIDS, which the EXIT trap stops.
     local cfg=$1
     local ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
-    local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg")
+    local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg" "${SERVERS[@]}")
     [ "$ROUTER" = 1 ] && probe+=(--router "$ROUTER_URL")
     waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
     hs0=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
     t0=$(now_s)
     kill_server prefill
     down=$(since "$t0")
-    for _ in $(seq 1 40); do port_free 8100 && port_free 5600 && break; sleep 0.25; done
-    if ! port_free 8100 || ! port_free 5600; then
+    for _ in $(seq 1 40); do port_free "$P_PORT" && port_free "$P_SIDE" && break; sleep 0.25; done
+    if ! port_free "$P_PORT" || ! port_free "$P_SIDE"; then
         echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
     fi
-    start "$cfg" prefill-restarted 8100 5600 kv_producer fail
-    if ready=$(wait_ready "$cfg" prefill-restarted 8100 "$t0") && { [ "$ROUTER" != 1 ] || router_healthy "$cfg"; }; then
+    start "$cfg" prefill-restarted "$P_PORT" "$P_SIDE" kv_producer fail
+    if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { [ "$ROUTER" != 1 ] || router_healthy "$cfg"; }; then
         waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
     else
         ready="null"; ok=false
@@ -283,9 +298,9 @@ start_etcd() { # config: an etcd server for this config's engines, stopped with 
     local dir
     dir=$(mktemp -d "$OUT/etcd.XXXXXX")
     setsid etcd --name kvx-test --data-dir "$dir" \
-        --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
-        --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
-        --initial-cluster kvx-test=http://127.0.0.1:23800 >"$OUT/$1-etcd.log" 2>&1 </dev/null &
+        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-cluster "kvx-test=http://127.0.0.1:$ETCD_PEER_PORT" >"$OUT/$1-etcd.log" 2>&1 </dev/null &
     PGIDS+=($!)
     for _ in $(seq 1 120); do
         grep -q "ready to serve client requests" "$OUT/$1-etcd.log" && return 0
@@ -297,8 +312,8 @@ start_etcd() { # config: an etcd server for this config's engines, stopped with 
 }
 
 start_router() { # config: kvx router in front of the prefill and decode servers
-    setsid "$KVX" router --host 127.0.0.1 --port 8300 --prefill http://127.0.0.1:8100 \
-        --decode http://127.0.0.1:8200 >"$OUT/$1-router.log" 2>&1 </dev/null &
+    setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" --prefill "http://127.0.0.1:$P_PORT" \
+        --decode "http://127.0.0.1:$D_PORT" >"$OUT/$1-router.log" 2>&1 </dev/null &
     PGIDS+=($!)
     PG_OF[router]=$!
 }
@@ -315,6 +330,20 @@ router_healthy() { # config: waits (bounded) until the router has a healthy pref
 
 is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
 
+hybrid_allocator_on() { # config: both servers kept vLLM's hybrid allocator on, with two groups
+    local name ok=0 line
+    for name in prefill decode; do
+        line=$(grep -ho "kv cache group sizes ([0-9, ]*)" "$OUT/$1-$name.log" | head -1 || true)
+        echo "test-vllm: $1 $name: ${line:-no \"kv cache group sizes\" line}; $(grep -ho "KV-cache groups [^ ]* (hybrid allocator [a-z]*)" "$OUT/$1-$name.log" | head -1 || true)"
+        if grep -q "Turning off hybrid kv cache manager" "$OUT/$1-$name.log" || [ "$line" != "kv cache group sizes (128, 128)" ] \
+            || [ "$(grep -c "KV-cache groups sliding256,full (hybrid allocator on)" "$OUT/$1-$name.log" || true)" -lt 2 ]; then
+            echo "test-vllm: $1 $name: vLLM's hybrid allocator is not on with a sliding-window and a full-attention group" >&2
+            ok=1
+        fi
+    done
+    return $ok
+}
+
 status=0
 for cfg in $CONFIGS; do
     echo "=== $cfg"
@@ -325,16 +354,20 @@ for cfg in $CONFIGS; do
         continue
     fi
     t0=$(date +%s.%N)
-    start "$cfg" prefill 8100 5600 kv_producer fail
-    start "$cfg" decode 8200 5610 kv_consumer "$policy"
-    if ! p_ready=$(wait_ready "$cfg" prefill 8100 "$t0") || ! d_ready=$(wait_ready "$cfg" decode 8200 "$t0"); then
+    start "$cfg" prefill "$P_PORT" "$P_SIDE" kv_producer fail
+    start "$cfg" decode "$D_PORT" "$D_SIDE" kv_consumer "$policy"
+    if ! p_ready=$(wait_ready "$cfg" prefill "$P_PORT" "$t0") || ! d_ready=$(wait_ready "$cfg" decode "$D_PORT" "$t0"); then
         echo "{\"label\":\"$cfg\",\"ready\":false}" >>"$OUT/summary.jsonl"; stop_all
         is_kvx "$cfg" && status=1
         continue
     fi
     echo "test-vllm: $cfg servers ready (prefill ${p_ready}s, decode ${d_ready}s; started together)"
-    args=(--model "$(model_of "$cfg")" --lens "$LENS" --trials "$TRIALS" --label "$cfg")
-    [ "$cfg" = kvx-hybrid ] && args=(--model "$HYBRID" --lens "$HYBRID_LENS" --trials "$HYBRID_TRIALS" --label "$cfg")
+    if [ "$cfg" = kvx-hybrid ] && ! hybrid_allocator_on "$cfg"; then
+        echo "{\"label\":\"$cfg\",\"hybrid_allocator\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1
+        continue
+    fi
+    args=(--model "$(model_of "$cfg")" --lens "$LENS" --trials "$TRIALS" --label "$cfg" "${SERVERS[@]}")
+    [ "$cfg" = kvx-hybrid ] && args=(--model "$HYBRID" --lens "$HYBRID_LENS" --trials "$HYBRID_TRIALS" --label "$cfg" "${SERVERS[@]}")
     if [ "$ROUTER" = 1 ]; then
         start_router "$cfg"
         if ! router_healthy "$cfg"; then
@@ -397,8 +430,8 @@ PY
     if is_kvx "$cfg"; then
         # kvx's own /metrics of each server's worker (metrics_port: 9300 prefill, 9310 decode) and
         # the same counts through vLLM's KVConnectorStats in the decode server's /metrics.
-        for p in 9300 9310 8200; do curl -sf --max-time 10 "http://127.0.0.1:$p/metrics" >"$OUT/$cfg-metrics-$p.txt" || true; done
-        if ! python3 - "$OUT/$cfg-metrics-9300.txt" "$OUT/$cfg-metrics-9310.txt" "$OUT/$cfg-metrics-8200.txt" <<'PY'
+        for p in "$P_METRICS" "$D_METRICS" "$D_PORT"; do curl -sf --max-time 10 "http://127.0.0.1:$p/metrics" >"$OUT/$cfg-metrics-$p.txt" || true; done
+        if ! python3 - "$OUT/$cfg-metrics-$P_METRICS.txt" "$OUT/$cfg-metrics-$D_METRICS.txt" "$OUT/$cfg-metrics-$D_PORT.txt" <<'PY'
 import re, sys
 def total(path, name):
     vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", open(path).read(), re.M)]

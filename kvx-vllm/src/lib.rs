@@ -11,10 +11,10 @@ use pyo3::prelude::*;
 
 pub use affinity::unpinned;
 pub use memory::TensorMemory;
-pub use scheduler::{Scheduler, side_channel_host_warning};
+pub use scheduler::{Scheduler, side_channel_host_warning, vllm_block_groups};
 pub use worker::{Worker, WorkerOptions};
 
-/// Adds kvx-vllm's classes and `side_channel_host_warning` to an extension module (each
+/// Adds kvx-vllm's classes, `side_channel_host_warning` and `vllm_block_groups` to an extension module (each
 /// backend's module calls it), and sends kvx's `tracing` events to stderr when `KVX_LOG` is set (a
 /// filter such as `debug` or `kvx_core=debug`).
 pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -23,6 +23,7 @@ pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<Worker>()?;
     module.add_class::<WorkerOptions>()?;
     module.add_function(wrap_pyfunction!(side_channel_host_warning, module)?)?;
+    module.add_function(wrap_pyfunction!(vllm_block_groups, module)?)?;
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 
 use kvx_core::{
     AuthKey, BlockId, ConnectorScheduler, Endpoint, Error, ErrorKind, FailedRecv, FinishReason, Finished,
-    HostScope, RequestId, SchedulerConfig, TransferParams, wire,
+    GroupBlocks, HostScope, RequestId, SchedulerConfig, TransferParams, wire,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -30,6 +30,49 @@ fn params(request_id: &str, json: Option<&str>) -> Result<Option<TransferParams>
     })
 }
 
+/// A request's blocks of each KV-cache group as `(first block position, ids)` pairs, as the
+/// Python connector passes them (built by [`vllm_block_groups`]).
+type GroupPairs = Vec<(u32, Vec<BlockId>)>;
+
+fn group_blocks(pairs: GroupPairs) -> Vec<GroupBlocks> {
+    pairs.into_iter().map(|(first, ids)| GroupBlocks::new(first, ids)).collect()
+}
+
+/// vLLM's null block: the id its hybrid allocator puts where a sliding-window group holds no
+/// block (positions before its window).
+const NULL_BLOCK: BlockId = 0;
+
+/// vLLM's block ids of a request, one list per KV-cache group with entry `p` holding the tokens
+/// of block position `p`, as `(first position, ids)` per group: from position `from` on, past
+/// the leading null blocks (a sliding-window group's out-of-window positions), up to the next
+/// null block if any (vLLM leaves none inside the window; blocks after one would not be the
+/// window's contiguous run).
+///
+/// Prefill side (`request_finished_all_groups`): `from` 0. Decode side
+/// (`update_state_after_alloc`): `from` is the block position of the first token not computed
+/// locally, so the local prefix hit's blocks are left out.
+#[pyfunction]
+pub fn vllm_block_groups(block_ids: Vec<Vec<BlockId>>, from: u32) -> GroupPairs {
+    block_ids
+        .into_iter()
+        .map(|ids| {
+            let from_here = ids.get(from as usize..).unwrap_or_default();
+            let nulls = from_here.iter().take_while(|&&b| b == NULL_BLOCK).count();
+            let run = from_here[nulls..].iter().copied().take_while(|&b| b != NULL_BLOCK).collect();
+            (from.saturating_add(u32::try_from(nulls).unwrap_or(u32::MAX)), run)
+        })
+        .collect()
+}
+
+/// The KV-cache groups' windows (tokens, `None` for full attention): a window of 0 tokens is
+/// refused.
+fn group_windows(windows: Vec<Option<u32>>) -> PyResult<Vec<Option<u32>>> {
+    if let Some(g) = windows.iter().position(|w| *w == Some(0)) {
+        return Err(PyValueError::new_err(format!("KV-cache group {g}: a sliding window of 0 tokens")));
+    }
+    Ok(windows)
+}
+
 /// A lease (`kv_lease_duration`) in seconds: positive and finite.
 pub(crate) fn lease_duration(secs: f64) -> PyResult<std::time::Duration> {
     if secs.is_nan() || secs <= 0.0 {
@@ -52,10 +95,13 @@ impl Scheduler {
     /// With `auth_key`, the params it hands out carry a MAC that the decode engines check.
     /// `lease_duration_s` is the deployment's `kv_lease_duration`: as a decode engine, it renews
     /// the leases of requests waiting for their KV every sixth of it. `tp_size` is the engine's
-    /// tensor-parallel size, named in the params it hands out.
+    /// tensor-parallel size, named in the params it hands out. `group_windows` has one entry per
+    /// KV-cache group of vLLM's `kv_cache_config` (hybrid allocator on): the group's sliding
+    /// window in tokens, `None` for full attention; empty (the default) is one full-attention
+    /// group.
     #[new]
     #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, auth_key = None,
-        lease_duration_s = 30.0, discovery = None, tp_size = 1))]
+        lease_duration_s = 30.0, discovery = None, tp_size = 1, group_windows = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine_id: String,
@@ -66,6 +112,7 @@ impl Scheduler {
         lease_duration_s: f64,
         discovery: Option<&str>,
         tp_size: u32,
+        group_windows: Vec<Option<u32>>,
     ) -> PyResult<Self> {
         let side_channel = match crate::discovery::etcd_url(discovery)? {
             Some(_) => None,
@@ -79,6 +126,7 @@ impl Scheduler {
             lease_duration: lease_duration(lease_duration_s)?,
             instance: None,
             tp_size,
+            group_windows: self::group_windows(group_windows)?,
         };
         let inner = ConnectorScheduler::new(config).map_err(py_err)?;
         Ok(Scheduler { inner })
@@ -128,15 +176,17 @@ impl Scheduler {
         Ok((m.count, m.load_async))
     }
 
-    /// Records the blocks allocated for the request (its unhashed new blocks, first KV-cache
-    /// group). Returns whether the caller must turn the request's `do_remote_prefill` off.
-    #[pyo3(signature = (request_id, prompt_len, params_json, block_ids, num_computed_tokens, num_external_tokens))]
+    /// Records the blocks allocated for the request: per KV-cache group, `(first position, ids)`
+    /// of its blocks from the first position not computed locally on (see
+    /// [`vllm_block_groups`]). Returns whether the caller must turn the request's
+    /// `do_remote_prefill` off.
+    #[pyo3(signature = (request_id, prompt_len, params_json, block_groups, num_computed_tokens, num_external_tokens))]
     fn update_state_after_alloc(
         &mut self,
         request_id: &str,
         prompt_len: usize,
         params_json: Option<&str>,
-        block_ids: Vec<BlockId>,
+        block_groups: GroupPairs,
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
@@ -148,7 +198,7 @@ impl Scheduler {
                 &RequestId::new(request_id),
                 prompt_len,
                 p.as_mut(),
-                &block_ids,
+                &group_blocks(block_groups),
                 num_computed_tokens,
                 num_external_tokens,
             )
@@ -157,15 +207,16 @@ impl Scheduler {
     }
 
     /// `(delay_free, kv_transfer_params as JSON or None)`. `reason` is one of "length",
-    /// "stop", "abort", "error".
-    #[pyo3(signature = (request_id, params_json, reason, num_computed_tokens, block_ids))]
+    /// "stop", "abort", "error". `block_groups`: the request's blocks per KV-cache group as
+    /// `(first position, ids)` (see [`vllm_block_groups`]).
+    #[pyo3(signature = (request_id, params_json, reason, num_computed_tokens, block_groups))]
     fn request_finished(
         &mut self,
         request_id: &str,
         params_json: Option<&str>,
         reason: &str,
         num_computed_tokens: usize,
-        block_ids: Vec<BlockId>,
+        block_groups: GroupPairs,
     ) -> PyResult<(bool, Option<String>)> {
         let reason = match reason {
             "length" => FinishReason::LengthCapped,
@@ -180,7 +231,7 @@ impl Scheduler {
             p.as_ref(),
             reason,
             num_computed_tokens,
-            &block_ids,
+            &group_blocks(block_groups),
         );
         Ok((out.delay_free, out.params.map(|p| p.to_json())))
     }
@@ -276,9 +327,11 @@ mod tests {
     /// The params a prefill scheduler hands out for a held request, with `discovery`.
     fn handed_out(discovery: Option<&str>) -> TransferParams {
         let mut s =
-            Scheduler::new("prefill".into(), 4, "10.0.0.1".into(), 5600, None, 30.0, discovery, 1).unwrap();
+            Scheduler::new("prefill".into(), 4, "10.0.0.1".into(), 5600, None, 30.0, discovery, 1, vec![])
+                .unwrap();
         let asked = r#"{"do_remote_decode": true}"#;
-        let (delay_free, params) = s.request_finished("r", Some(asked), "length", 8, vec![3, 4]).unwrap();
+        let (delay_free, params) =
+            s.request_finished("r", Some(asked), "length", 8, vec![(0, vec![3, 4])]).unwrap();
         assert!(delay_free);
         TransferParams::from_json(&params.unwrap()).unwrap()
     }
@@ -291,7 +344,69 @@ mod tests {
         assert_eq!((&by_id.remote_host, by_id.remote_port), (&None, None));
         assert_eq!(by_id.coordinates(), Some(kvx_core::RemoteCoordinates::by_id("prefill")));
         for bad in ["zmq://h:1", "etcd://h"] {
-            assert!(Scheduler::new("p".into(), 4, "h".into(), 1, None, 30.0, Some(bad), 1).is_err(), "{bad}");
+            let made = Scheduler::new("p".into(), 4, "h".into(), 1, None, 30.0, Some(bad), 1, vec![]);
+            assert!(made.is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn vllm_block_lists_become_groups_past_their_leading_nulls() {
+        // A 600-token prefill request of the tiny Gemma-3 (window 256, blocks of 128): the
+        // sliding-window group dropped positions 0 and 1, the full-attention group has them all.
+        let groups = vllm_block_groups(vec![vec![0, 0, 2, 1, 11], vec![12, 13, 14, 15, 16]], 0);
+        assert_eq!(groups, vec![(2, vec![2, 1, 11]), (0, vec![12, 13, 14, 15, 16])]);
+        // Decode side, 4 blocks hit locally: only the positions from 4 on; a sliding-window group
+        // whose new blocks start past more nulls starts there.
+        let groups =
+            vllm_block_groups(vec![vec![0, 0, 0, 0, 0, 5, 20, 21], vec![6, 7, 8, 9, 22, 23, 24, 25]], 4);
+        assert_eq!(groups, vec![(5, vec![5, 20, 21]), (4, vec![22, 23, 24, 25])]);
+        // A null inside a run ends it; a start past the list is an empty group there.
+        assert_eq!(vllm_block_groups(vec![vec![0, 3, 0, 4], vec![1]], 0), vec![(1, vec![3]), (0, vec![1])]);
+        assert_eq!(vllm_block_groups(vec![vec![7], vec![]], 3), vec![(3, vec![]), (3, vec![])]);
+        assert_eq!(vllm_block_groups(vec![vec![0, 0]], 0), vec![(2, vec![])]);
+    }
+
+    const BS: u32 = 128;
+
+    fn hybrid(engine: &str, windows: Vec<Option<u32>>) -> Scheduler {
+        Scheduler::new(engine.into(), BS, "127.0.0.1".into(), 5600, None, 30.0, None, 1, windows).unwrap()
+    }
+
+    #[test]
+    fn a_hybrid_model_offers_and_loads_per_group_blocks() {
+        let windows = vec![Some(256), None];
+        // Prefill: 600 tokens computed, vLLM's lists after it dropped the out-of-window blocks.
+        let mut prefill = hybrid("prefill", windows.clone());
+        let blocks = vllm_block_groups(vec![vec![0, 0, 2, 1, 11], vec![12, 13, 14, 15, 16]], 0);
+        let asked = r#"{"do_remote_decode": true}"#;
+        let (delay_free, params) = prefill.request_finished("p", Some(asked), "length", 600, blocks).unwrap();
+        assert!(delay_free);
+        let params = params.unwrap();
+        let offer = TransferParams::from_json(&params).unwrap();
+        assert_eq!(offer.remote_block_ids, Some(vec![vec![2, 1], vec![12, 13, 14, 15]]), "full blocks only");
+        assert_eq!(offer.kvx_group_first, vec![2, 0]);
+        // Decode: the whole prompt's full blocks load, the sliding group's from position 2 on.
+        let mut decode = hybrid("decode", windows);
+        let p = TransferParams { do_remote_prefill: true, do_remote_decode: false, ..offer }.to_json();
+        assert_eq!(decode.get_num_new_matched_tokens("d", 600, Some(&p), 0).unwrap(), (512, true));
+        let alloc = vllm_block_groups(vec![vec![0, 0, 16, 11, 5], vec![10, 17, 18, 19, 20]], 0);
+        assert!(decode.update_state_after_alloc("d", 600, Some(&p), alloc, 0, 512).unwrap());
+        let meta = decode.inner.build_connector_meta(std::time::Instant::now());
+        let r = &meta.reqs_to_recv[0];
+        assert_eq!(
+            r.local_block_ids,
+            vec![GroupBlocks::new(2, vec![16, 11]), GroupBlocks::new(0, vec![10, 17, 18, 19])]
+        );
+        let (local, remote) = r.read_pairs().unwrap();
+        assert_eq!((&local[..], &remote[..]), (&[16, 11, 10, 17, 18, 19][..], &[2, 1, 12, 13, 14, 15][..]));
+        // An engine with one group loads nothing from a two-group offer, and does not raise.
+        let single = hybrid("single", vec![]);
+        assert_eq!(single.get_num_new_matched_tokens("s", 600, Some(&p), 0).unwrap(), (0, false));
+    }
+
+    #[test]
+    fn a_window_of_no_tokens_is_refused() {
+        let made = Scheduler::new("e".into(), BS, "h".into(), 1, None, 30.0, None, 1, vec![None, Some(0)]);
+        assert!(made.is_err());
     }
 }

@@ -118,8 +118,9 @@ impl WorkerOptions {
 #[derive(Debug)]
 struct State {
     driver: WorkerDriver,
-    /// Local blocks of each load handed to the workers, until it is reported (for vLLM's
-    /// `get_block_ids_with_load_errors`).
+    /// Local blocks of each load handed to the workers, every KV-cache group's, until it is
+    /// reported (for vLLM's `get_block_ids_with_load_errors`, which the connector answers only
+    /// with one group: vLLM's block ids name a block of a group, not of the request).
     loading: HashMap<RequestId, Vec<BlockId>>,
     /// What finished while the pump stepped the worker, for the engine's next `get_finished`.
     pending: FinishedLists,
@@ -434,7 +435,8 @@ impl Worker {
             s.last_call = Instant::now();
             let mut started = Vec::new();
             for r in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
-                s.loading.insert(r.request_id.clone(), r.local_block_ids.clone());
+                let blocks = r.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
+                s.loading.insert(r.request_id.clone(), blocks);
                 started.push(r.request_id.as_str().to_owned());
             }
             s.driver.start_load_kv(&meta);

@@ -80,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
@@ -244,6 +245,46 @@ def _move_to_kv_cores() -> None:
         os.sched_setaffinity(0, cores)
 
 
+def _kv_groups(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> list[tuple[str, Optional[int]]]:
+    """Each KV-cache group's kind and sliding window in tokens (``None``: full attention), in
+    vLLM's group order (the order of ``remote_block_ids``). kvx moves full-attention groups (MLA
+    included) whole and sliding-window groups' window; any other kind (Mamba state, chunked local
+    attention, attention sinks, a group of mixed specs, a group vLLM does not transfer, a group
+    with its own block size) is refused here, so the engine fails at start with this error
+    rather than serving wrong KV. With the hybrid allocator off, vLLM makes one full-attention
+    group of every layer (a sliding-window layer's window is then only in its attention)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        return [("full", None)]
+    groups: list[tuple[str, Optional[int]]] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        refused = None
+        if not getattr(group, "enable_kv_transfer", True):
+            refused = "vLLM does not transfer it"
+        elif getattr(spec, "block_size", block_size) != block_size:
+            refused = f"its block size {spec.block_size} is not the engine's {block_size}"
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            groups.append(("full", None))
+        elif type(spec) is SlidingWindowSpec:
+            groups.append(("sliding", int(spec.sliding_window)))
+        else:
+            refused = "kvx moves full-attention and sliding-window groups only"
+        if refused:
+            layers = ", ".join(group.layer_names[:3]) + (", ..." if len(group.layer_names) > 3 else "")
+            raise ValueError(f"kvx: KV-cache group {i} ({kind}: {layers}) cannot be moved: {refused}")
+    return groups
+
+
+def _groups_tag(groups: list[tuple[str, Optional[int]]]) -> str:
+    """The KV-cache groups for the compatibility tag, e.g. ``sliding256,full``: engines whose
+    groups differ (a hybrid model with the hybrid allocator on and off: two groups of half the
+    slots each, or one group of all layers) lay their blocks out differently and must not pair."""
+    return ",".join(kind if window is None else f"{kind}{window}" for kind, window in groups)
+
+
 def _layer_index(name: str) -> tuple[int, str]:
     m = re.search(r"\.(\d+)\.", name)
     return (int(m.group(1)) if m else -1, name)
@@ -259,12 +300,18 @@ def _finish_reason(request: "Request") -> str:
     }.get(request.status, "error")
 
 
-class KvxConnector(KVConnectorBase_V1):
+class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     """kvx's disaggregated prefill/decode connector (pull: the decode engine READs).
 
-    Not ``SupportsHMA``: kvx moves one KV-cache group (full attention), so vLLM turns its hybrid
-    allocator off for this connector and ``request_finished`` gets that group's blocks. Models
-    with sliding-window or Mamba groups are out of scope.
+    ``SupportsHMA``: vLLM keeps its hybrid allocator on, so a model with sliding-window and
+    full-attention layers has one KV-cache group per attention type, all taking blocks from one
+    pool (``request_finished_all_groups`` and ``update_state_after_alloc`` get each group's
+    blocks, a sliding-window group's out-of-window positions as vLLM's null block 0). The prefill
+    engine offers each group's full computed blocks (``remote_block_ids`` per group, with
+    ``kvx_group_first`` naming where a sliding-window group's start); the decode engine loads a
+    full-attention group whole and a sliding-window group only from the block the window of its
+    first computed token reaches. Groups of other kinds (Mamba, chunked local attention) are
+    refused at start (``_kv_groups``).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
@@ -274,12 +321,15 @@ class KvxConnector(KVConnectorBase_V1):
         self._backend = str(extra.get("backend", "ucx")).lower()
         self._engine_id = str(cfg.engine_id)
         self._block_size = int(vllm_config.cache_config.block_size)
+        self._groups = _kv_groups(kv_cache_config, self._block_size)
+        self._hma = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         self._host = str(extra.get("side_channel_host") or os.environ.get("KVX_SIDE_CHANNEL_HOST", "127.0.0.1"))
         self._port = int(extra.get("side_channel_port") or os.environ.get("KVX_SIDE_CHANNEL_PORT", "5700"))
         self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
         self._discovery = str(extra.get("discovery") or os.environ.get("KVX_DISCOVERY", "tcp"))
         self._lease_s = float(extra.get("kv_lease_duration", _DEFAULT_LEASE_S))
         self._sched = None
+        self._native = None
         self._worker = None
         self._tensors: list[Any] = []
         self._load_errors: set[int] = set()
@@ -293,7 +343,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._trace = Trace(f"kvx-{role.name.lower()}")
         self._scheduled: list[str] = []  # traced loads scheduled since the last metadata
         if role == KVConnectorRole.SCHEDULER:
-            native = _native(self._backend)
+            native = self._native = _native(self._backend)
             self._sched = native.Scheduler(
                 self._engine_id,
                 self._block_size,
@@ -303,6 +353,7 @@ class KvxConnector(KVConnectorBase_V1):
                 lease_duration_s=self._lease_s,
                 discovery=self._discovery,
                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                group_windows=[window for _, window in self._groups],
             )
             if cfg.is_kv_producer and self._discovery == "tcp":
                 # Decode engines connect to the host in the params this engine hands out.
@@ -313,9 +364,10 @@ class KvxConnector(KVConnectorBase_V1):
             self._create_worker(extra, cfg, vllm_config)
         handshakes = self._discovery if self._discovery != "tcp" else f"side channel {self._host}:{self._port}"
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, %s, lease %gs, %s",
+            "kvx connector (%s, %s backend) for engine %s, %s, lease %gs, %s, KV-cache groups %s (hybrid allocator %s)",
             role.name, self._backend, self._engine_id, handshakes, self._lease_s,
             "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
+            _groups_tag(self._groups), "on" if self._hma else "off",
         )
 
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
@@ -341,7 +393,7 @@ class KvxConnector(KVConnectorBase_V1):
             # MLA's latent is one head on every rank.
             kv_heads=1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads()),
             instance=instance,
-            compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
+            compat_tag=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}|{_groups_tag(self._groups)}",
             handshake_timeout_s=float(extra.get("handshake_timeout", 30.0)),
             lease_duration_s=self._lease_s,
             auth_key=self._auth_key,
@@ -393,7 +445,14 @@ class KvxConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        computed = self._local_computed_tokens(blocks)
+        # Each group's blocks past the local hit (the new ones, which the load fills), past a
+        # sliding-window group's leading null blocks (out of the window).
+        groups = (
+            self._native.vllm_block_groups(list(blocks.get_block_ids()), computed // self._block_size)
+            if num_external_tokens > 0
+            else []
+        )
         self._trace.event("d_scheduled", request.request_id, external_tokens=num_external_tokens)
         if self._trace and num_external_tokens > 0:
             self._scheduled.append(request.request_id)
@@ -401,18 +460,24 @@ class KvxConnector(KVConnectorBase_V1):
             request.request_id,
             request.num_prompt_tokens,
             json.dumps(params),
-            block_ids,
-            self._local_computed_tokens(blocks),
+            groups,
+            computed,
             num_external_tokens,
         ):
             params["do_remote_prefill"] = False
 
     def _local_computed_tokens(self, blocks: "KVCacheBlocks") -> int:
-        """Tokens of the request's local prefix-cache hit: its hashed blocks (as vLLM's
-        NixlConnector counts them). ``request.num_computed_tokens`` is still 0 here: vLLM sets it
-        only after this hook, for an asynchronous load."""
-        group = blocks.blocks[0] if blocks.blocks else ()
-        return sum(b.block_hash is not None and not b.is_null for b in group) * self._block_size
+        """Tokens of the request's local prefix-cache hit: up to its last hashed block of any
+        group (as vLLM's NixlConnector counts them, but per position: a sliding-window group
+        keeps only the hit's last blocks, the rest are null; a full-attention group keeps them
+        all). ``request.num_computed_tokens`` is still 0 here: vLLM sets it only after this hook,
+        for an asynchronous load, whose new blocks it hashes only once loaded."""
+        hit = 0
+        for group in blocks.blocks:
+            for position, block in enumerate(group):
+                if block.block_hash is not None and not block.is_null:
+                    hit = max(hit, position + 1)
+        return hit * self._block_size
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvxConnectorMetadata(self._sched.build_connector_meta())
@@ -421,18 +486,29 @@ class KvxConnector(KVConnectorBase_V1):
         self._scheduled.clear()
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """vLLM's call for a ``SupportsHMA`` connector: the request's blocks of each group
+        covering its computed tokens, out-of-window blocks of a sliding-window group already
+        freed (null block 0). A prefill engine offers each group's blocks from its first non-null
+        one on."""
         params = request.kv_transfer_params
         delay_free, out = self._sched.request_finished(
             request.request_id,
             json.dumps(params) if params else None,
             _finish_reason(request),
             request.num_computed_tokens,
-            list(block_ids),
+            self._native.vllm_block_groups([list(ids) for ids in block_ids], 0),
         )
         if params and params.get("do_remote_decode"):
             self._trace.event("p_done", request.request_id, prompt_tokens=request.num_prompt_tokens, held=delay_free)
         return delay_free, (json.loads(out) if out is not None else None)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """One group's blocks (vLLM calls ``request_finished_all_groups`` for a ``SupportsHMA``
+        connector; this is for callers of the single-group hook)."""
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         """The workers' ``KvxHandshakeMetadata`` by tensor-parallel rank: the scheduler names rank
@@ -465,11 +541,18 @@ class KvxConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        """Registers each distinct KV allocation once, in layer order: kvx's "layers" are these
+        regions. Layers can share one: a layer reusing another's cache (cross-layer KV sharing),
+        and, with the hybrid allocator on, the j-th layers of the KV-cache groups, which vLLM
+        overlays on one allocation (a block id belongs to one group at a time, so block ``b`` of
+        whichever group owns it is at ``region_j + b * page`` for every j). A READ of a block of
+        any group then takes its page from every region; for a region that holds no layer of
+        that group (vLLM pads groups to one size) it moves bytes nobody reads."""
         seen: set[int] = set()
         layers = []
         for name in sorted(kv_caches, key=_layer_index):
             t = kv_caches[name]
-            if t.data_ptr() in seen:  # a layer sharing another layer's cache
+            if t.data_ptr() in seen:  # a layer overlaid on (or sharing) another layer's cache
                 continue
             seen.add(t.data_ptr())
             if not t.is_contiguous():
@@ -478,8 +561,8 @@ class KvxConnector(KVConnectorBase_V1):
             layers.append((t.data_ptr(), t.numel() * t.element_size(), list(t.shape), t.element_size()))
         kind = self._worker.register_kv_caches(layers)
         logger.info(
-            "kvx: registered %d layers as %s (shape %s, %s) with %s",
-            len(layers), kind, layers[0][2] if layers else None,
+            "kvx: registered %d regions for %d layers as %s (shape %s, %s) with %s",
+            len(layers), len(kv_caches), kind, layers[0][2] if layers else None,
             next(iter(kv_caches.values())).dtype if kv_caches else None, self._worker.backend,
         )
 
@@ -540,8 +623,11 @@ class KvxConnector(KVConnectorBase_V1):
         return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of failed loads, with one KV-cache group. With several, none: a block id
+        names a block of one group, so vLLM refuses block-level failures then (it raises), and a
+        failed load reaches it through ``failed_recving`` alone."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return errors if len(self._groups) == 1 else set()
 
     def _maybe_log_stats(self, changed: bool) -> None:
         now = time.monotonic()
