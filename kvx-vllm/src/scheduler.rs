@@ -405,6 +405,29 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_one_token_short_of_a_block_is_computed_by_the_decode_engine() {
+        // 383 tokens: the prefill engine's window (from token 128) no longer holds block 0,
+        // which the window of the decode engine's first computed token (256) reaches.
+        let windows = vec![Some(256), None];
+        let mut prefill = hybrid("prefill", windows.clone());
+        let blocks = vllm_block_groups(vec![vec![0, 2, 3], vec![4, 5, 6]], 0);
+        let asked = r#"{"do_remote_decode": true}"#;
+        let (delay_free, params) = prefill.request_finished("p", Some(asked), "length", 383, blocks).unwrap();
+        assert!(delay_free, "held all the same: the decode engine tells it to free");
+        let offer = TransferParams::from_json(&params.unwrap()).unwrap();
+        assert_eq!(
+            (offer.remote_block_ids.clone(), offer.kvx_group_first.clone()),
+            (Some(vec![vec![2], vec![4, 5]]), vec![1, 0])
+        );
+        let mut decode = hybrid("decode", windows);
+        let p = TransferParams { do_remote_prefill: true, do_remote_decode: false, ..offer }.to_json();
+        assert_eq!(decode.get_num_new_matched_tokens("d", 383, Some(&p), 0).unwrap(), (0, false));
+        assert!(decode.update_state_after_alloc("d", 383, Some(&p), vec![], 0, 0).unwrap());
+        let meta = decode.inner.build_connector_meta(std::time::Instant::now());
+        assert!(meta.reqs_to_recv[0].is_notify_only());
+    }
+
+    #[test]
     fn a_window_of_no_tokens_is_refused() {
         let made = Scheduler::new("e".into(), BS, "h".into(), 1, None, 30.0, None, 1, vec![None, Some(0)]);
         assert!(made.is_err());
