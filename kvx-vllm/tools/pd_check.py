@@ -163,16 +163,16 @@ def prefill_freed(base, timeout_s=30):
         time.sleep(0.5)
 
 
-def expected_loaded(n, a):
+def expected_loaded(n, a, full_blocks_only):
     """Tokens the decode engine should load for an n-token prompt: all of them, or with
-    --full-blocks-only its full blocks; with --window W (a model with a sliding-window group of W
+    full_blocks_only its full blocks; with --window W (a model with a sliding-window group of W
     tokens, vLLM's hybrid allocator on) none when the prefill engine no longer holds a block that
     window needs. Having computed n tokens, the prefill engine keeps the blocks from token
     n + 1 - W on (vLLM's rule); the decode engine, having loaded k full-block tokens, needs those
     from token k + 1 - W on. They differ by a block exactly when n is one token short of a block
     boundary (n = 383, 511, ... for W 256 and blocks of 128): the decode engine then computes the
     prompt itself."""
-    if not a.full_blocks_only:
+    if not full_blocks_only:
         return n
     k = (n // a.block_size) * a.block_size
     if a.window and max(0, n + 1 - a.window) // a.block_size > max(0, k + 1 - a.window) // a.block_size:
@@ -196,7 +196,7 @@ def probe(c, a, rng):
         out["match"], out["near_tie_at"] = compare(s_ids, s_gaps, p_ids, a.max_tokens)
         out["remote_engine_id"] = (ktp or {}).get("remote_engine_id")
         out["external_hits"] = external_hits(a.decode) - h0
-        out["expected_external"] = expected_loaded(n, a)
+        out["expected_external"] = expected_loaded(n, a, True)
         out["loaded_remotely"] = out["external_hits"] == out["expected_external"] > 0
         out["prefill_kv_usage_after"] = prefill_freed(a.prefill)
         ok = out["match"] and out["loaded_remotely"] and out["prefill_kv_usage_after"] == 0
@@ -267,7 +267,7 @@ def main():
             near_ties += tie is not None
             ttft_pd.append(p_ttft)
             ttft_single.append(s_ttft)
-            expected_external += expected_loaded(n, a)
+            expected_external += expected_loaded(n, a, a.full_blocks_only)
             records.append({"prompt_ids": ids, "output_ids": p_ids})
             if s_ids != p_ids:
                 gap = s_gaps[tie] if tie is not None and tie < len(s_gaps) else None
