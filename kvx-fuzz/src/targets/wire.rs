@@ -6,9 +6,8 @@ use kvx_core::net::MetadataRequest;
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
-    GroupBlocks,
-    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, HoldStatus,
-    RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
+    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, GroupBlocks, HeldRequest, HoldRelease,
+    HoldStatus, RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
 };
 
 use super::fixture::{NONCE, auth_key, must, prefill};

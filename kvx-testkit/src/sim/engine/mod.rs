@@ -437,7 +437,8 @@ impl SimEngine {
             if recv.is_notify_only() {
                 continue;
             }
-            let local: Vec<BlockId> = recv.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
+            let local: Vec<BlockId> =
+                recv.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
             match self.pool.begin_transfer(&local) {
                 Ok(()) => {
                     if let Some(r) = self.requests.get_mut(&recv.request_id) {

@@ -128,8 +128,7 @@ impl SimEngine {
             self.stats.finished += 1;
         }
         self.ended.push(id.clone());
-        let outcome =
-            self.scheduler.request_finished(
+        let outcome = self.scheduler.request_finished(
             id,
             r.params.as_ref(),
             reason,
