@@ -75,7 +75,8 @@ impl SchedulerConfig {
 fn needed_from(window: Option<u32>, from: u64, end: u64, block_size: u64) -> u64 {
     match window {
         None => from,
-        Some(w) => from.max((end * block_size + 1).saturating_sub(u64::from(w)) / block_size),
+        Some(w) => from
+            .max(end.saturating_mul(block_size).saturating_add(1).saturating_sub(u64::from(w)) / block_size),
     }
 }
 
@@ -413,7 +414,7 @@ impl ConnectorScheduler {
             ));
         }
         let (first, needed) = ((num_computed_tokens / bs) as u64, (num_external_tokens / bs) as u64);
-        let end = first + needed;
+        let end = first.saturating_add(needed);
         if end > (prompt_len / bs) as u64 {
             return Err(format!(
                 "{num_computed_tokens} computed and {num_external_tokens} external tokens exceed the \
@@ -553,7 +554,8 @@ impl ConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !keeps {
             return FinishOutcome::default();
         }
-        let full_blocks = (num_computed_tokens / self.block_size()) as u64;
+        // No block position past 2^32 - 1 (a block id's range).
+        let full_blocks = ((num_computed_tokens / self.block_size()) as u64).min(u64::from(u32::MAX));
         let computed: Vec<GroupBlocks> = blocks
             .iter()
             .map(|g| {
