@@ -15,10 +15,10 @@
 mod common;
 
 use common::*;
-use kvx_core::{ErrorKind, FinishReason, RequestId};
+use kvx_core::{ErrorKind, FinishReason};
 use kvx_loopback::Faults;
 use kvx_testkit::matrix::{assert_failed, step_until};
-use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, ModelSpec, RequestState, SimEngine};
+use kvx_testkit::sim::{EngineConfig, HeadLayout, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -45,38 +45,11 @@ fn hybrid() -> ModelSpec {
     ])
 }
 
-/// An engine `name` of TP `tp` for `model`, in `lb`'s simulated time.
-fn engine(lb: &Loopback, name: &str, model: &ModelSpec, tp: u32) -> SimEngine {
-    lb.engine(EngineConfig { tp, ..lb.config(name, model) })
-}
-
-/// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
-fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
-    lb.cluster_of(vec![engine(lb, "prefill", model, p)], engine(lb, "decode", model, d))
-}
-
-/// Every hold of every rank of `prefill` was released by its readers; none expired.
-#[track_caller]
-fn assert_no_hold_expired(prefill: &SimEngine, what: &str) {
-    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
-    assert_eq!(expired, vec![0; expired.len()], "{what}: holds expired per rank of {}", prefill.engine_id());
-}
-
 /// Blocks a decode engine of TP `d` checks when it loaded `tokens` tokens of `model` (no windows):
 /// every block on every rank, layer and region.
 fn verified(model: &ModelSpec, d: u32, tokens: u64) -> u64 {
     let regions = u64::from(model.kind().regions_per_layer());
     tokens / BS as u64 * model.num_layers() as u64 * regions * u64::from(d)
-}
-
-/// Submits `id` with `prompt`, 2 tokens to generate.
-fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
-    c.submit(id.clone(), prompt, 2).unwrap_or_else(|e| panic!("submitting {id}: {e}"));
-}
-
-#[track_caller]
-fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
-    assert_eq!(e.state(id), Some(&state), "{what}: {id}");
 }
 
 /// The workload on a prefill engine of TP `p` and a decode engine of TP `d`: two waves of random

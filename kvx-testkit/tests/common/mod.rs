@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvx_core::{EngineId, ManualClock, RequestId, TransferAgent};
 use kvx_loopback::{Fabric, LoopbackAgent};
 use kvx_testkit::sim::{
-    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, SimBackend, SimEngine, SimTime,
+    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SimBackend, SimEngine, SimTime,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -105,4 +105,32 @@ pub fn assert_clean(c: &Cluster) {
         assert!(e.is_idle(), "{} is not idle", e.engine_id());
         assert!(e.pool().is_whole(), "{} leaked {} blocks", e.engine_id(), c.blocks_in_use());
     }
+}
+
+/// An engine `name` of TP `tp` for `model`, in `lb`'s simulated time.
+pub fn engine(lb: &Loopback, name: &str, model: &ModelSpec, tp: u32) -> SimEngine {
+    lb.engine(EngineConfig { tp, ..lb.config(name, model) })
+}
+
+/// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
+pub fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
+    lb.cluster_of(vec![engine(lb, "prefill", model, p)], engine(lb, "decode", model, d))
+}
+
+/// Every hold of every rank of `prefill` was released by its readers; none expired.
+#[track_caller]
+pub fn assert_no_hold_expired(prefill: &SimEngine, what: &str) {
+    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
+    assert_eq!(expired, vec![0; expired.len()], "{what}: holds expired per rank of {}", prefill.engine_id());
+}
+
+/// Submits `id` with `prompt`, 2 tokens to generate.
+pub fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
+    c.submit(id.clone(), prompt, 2).unwrap_or_else(|e| panic!("submitting {id}: {e}"));
+}
+
+/// `id` is in `state` at `e`.
+#[track_caller]
+pub fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
+    assert_eq!(e.state(id), Some(&state), "{what}: {id}");
 }

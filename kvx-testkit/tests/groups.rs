@@ -1,0 +1,244 @@
+//! Hybrid models with several KV-cache groups (vLLM's hybrid allocator): sliding-window groups
+//! and a full-attention group overlaid in the same layer caches and sharing one block pool, on the
+//! loopback backend in simulated time, for every (prefill, decode) TP pair of (1,1), (1,2), (2,1),
+//! (2,4), (4,2), (1,4) and (4,1), head-major. Each runs random prompts whose lengths sit on and
+//! around the block and window boundaries, prefix hits on the decode side (longer prompts of
+//! earlier ones, so that the sliding groups hit too, and prompts sharing only a prefix, which the
+//! hybrid rule shrinks) and aborts at both engines; every loaded byte of every group is checked,
+//! the sliding groups load only their windows, and nothing leaks in either pool. A request whose
+//! prefill engine already dropped a block its window needs, and one whose offer has other groups
+//! than the decode engine, are computed locally.
+
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use kvx_core::{FinishReason, GroupBlocks, RequestId};
+use kvx_testkit::matrix::step_until;
+use kvx_testkit::sim::{Cluster, EngineStats, HeadLayout, ModelSpec, RequestState};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Tokens the second wave's requests generate: more than a window.
+const GENERATED: usize = 4 * BS;
+
+/// The (prefill, decode) TP pairs.
+const PAIRS: [(u32, u32); 7] = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)];
+
+/// One sliding-window group of 3 blocks and one full-attention group, two layers each (vLLM's
+/// grouping of `[sliding, full] x 2`), 4 KV heads of 8, head-major.
+fn one_sliding_one_full() -> ModelSpec {
+    ModelSpec::standard(2, 4, 8, BS as u32)
+        .with_layout(HeadLayout::Hnd)
+        .with_groups(vec![Some(3 * BS as u32), None])
+}
+
+/// Gemma 3's ratio: five sliding-window groups and one full-attention group, one layer each, all
+/// overlaid in one layer cache; a window of 2.5 blocks (not a whole number of blocks).
+fn five_sliding_one_full() -> ModelSpec {
+    let window = Some(5 * BS as u32 / 2);
+    ModelSpec::standard(1, 4, 8, BS as u32)
+        .with_layout(HeadLayout::Hnd)
+        .with_groups(vec![window, window, window, window, window, None])
+}
+
+/// Indices of `model`'s sliding-window groups and of its full-attention groups.
+fn group_kinds(model: &ModelSpec) -> (Vec<usize>, Vec<usize>) {
+    (0..model.groups.len()).partition(|&g| model.groups[g].is_some())
+}
+
+/// A prompt length on or around a block or window boundary, or any length up to 8 blocks.
+fn edge_len(rng: &mut StdRng, window: usize) -> usize {
+    let k = rng.gen_range(1..=6);
+    let bases = [k * BS, window, window + k * BS];
+    match rng.gen_range(0..4) {
+        3 => rng.gen_range(1..=8 * BS),
+        i => (bases[i] + rng.gen_range(0..=2)).saturating_sub(1).max(1),
+    }
+}
+
+/// The workload on a prefill engine of TP `p` and a decode engine of TP `d`: a wave of prompts
+/// of [`edge_len`] lengths (half behind a shared 6-block prefix), then a wave of longer prompts
+/// of the first wave's (and of some that share only the prefix) that generate more than a
+/// window, a request aborted at the
+/// prefill engine before it ran and one aborted at the decode engine while its KV loads. Returns
+/// the decode engine's counters, after checking that everything ended, every loaded block of
+/// every group was verified, and nothing leaked.
+fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) -> (EngineStats, EngineStats) {
+    let what = format!("P={p} D={d} groups {:?}", model.groups);
+    let (sliding, full) = group_kinds(model);
+    let window = sliding.iter().filter_map(|&g| model.groups[g]).min().unwrap() as usize;
+    let lb = Loopback::simulated();
+    let mut c = cluster(&lb, model, (p, d));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let shared = prompt(seed, 6 * BS);
+    let mut served = Vec::new();
+    let mut first_wave = Vec::new();
+    for i in 0..6 {
+        let mut text = if i % 2 == 0 { shared.clone() } else { Vec::new() };
+        // The last one long enough for the windows to leave blocks out of its load.
+        let len = if i == 5 { 8 * BS + 1 } else { edge_len(&mut rng, window) };
+        text.extend(prompt(rng.r#gen(), len));
+        let rid = id(format!("w0-{i}"));
+        submit(&mut c, &rid, text.clone());
+        served.push(rid);
+        first_wave.push(text);
+    }
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (i, earlier) in first_wave.iter().enumerate() {
+        let mut text = if i % 3 == 2 { shared.clone() } else { earlier.clone() };
+        text.extend(prompt(rng.r#gen(), rng.gen_range(1..=3 * BS)));
+        // Generating past the windows, so the decode engine drops blocks as it goes.
+        let rid = id(format!("w1-{i}"));
+        c.submit(rid.clone(), text, GENERATED).unwrap_or_else(|e| panic!("{what}: {rid}: {e}"));
+        served.push(rid);
+    }
+    let early = id("abort-at-prefill");
+    submit(&mut c, &early, prompt(seed + 1, 2 * BS + 3));
+    c.abort(&early);
+    let loading = id("abort-while-loading");
+    submit(&mut c, &loading, prompt(seed + 2, 3 * BS + 1));
+    step_until(&mut c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
+        matches!(
+            c.decodes[0].state(&loading),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
+        )
+    });
+    c.abort(&loading);
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+
+    assert_clean(&c);
+    let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
+    for rid in &served {
+        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), &what);
+    }
+    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), &what);
+    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), &what);
+    let s = decode.stats().clone();
+    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
+    assert!(s.tokens_cached > 0, "{what}: the second wave hit the decode engine's prefix cache: {s:?}");
+    // Full groups load every position, sliding ones only those their windows need.
+    let loaded = &s.group_blocks_loaded;
+    let full_loaded = loaded[full[0]];
+    assert_eq!(full_loaded, s.tokens_loaded / BS as u64, "{what}: {s:?}");
+    assert!(full.iter().all(|&g| loaded[g] == full_loaded), "{what}: {s:?}");
+    assert!(sliding.iter().all(|&g| loaded[g] > 0 && loaded[g] < full_loaded), "{what}: {s:?}");
+    // Every loaded block of every group, on every decode rank, layer and region.
+    let per_block = model.num_layers() as u64 * u64::from(model.kind().regions_per_layer()) * u64::from(d);
+    assert_eq!(s.blocks_verified, loaded.iter().sum::<u64>() * per_block, "{what}: {s:?}");
+    // The windows moved on both engines: blocks before them went back to the pools.
+    assert!(s.blocks_dropped > 0 && prefill.stats().blocks_dropped > 0, "{what}: {s:?}");
+    assert_no_hold_expired(prefill, &what);
+    (prefill.stats().clone(), s)
+}
+
+/// [`run_groups`] on every pair of [`PAIRS`], seeds from `seed` on.
+fn on_every_pair(model: &ModelSpec, seed: u64) {
+    for (i, pair) in PAIRS.into_iter().enumerate() {
+        run_groups(model, pair, seed + i as u64);
+    }
+}
+
+#[test]
+fn one_sliding_and_one_full_group_on_every_pair() {
+    on_every_pair(&one_sliding_one_full(), 1000);
+}
+
+#[test]
+fn five_sliding_groups_and_one_full_on_every_pair() {
+    on_every_pair(&five_sliding_one_full(), 2000);
+}
+
+/// A cluster whose client keeps a copy of every offer the prefill engine makes, and hands the
+/// decode engine what `edit` makes of it.
+fn with_offers(
+    c: Cluster,
+    mut edit: impl FnMut(&mut kvx_core::TransferParams) + Send + 'static,
+) -> (Cluster, Arc<Mutex<Vec<Vec<GroupBlocks>>>>) {
+    let offers = Arc::new(Mutex::new(Vec::new()));
+    let seen = offers.clone();
+    let c = c.with_client(move |(rid, text, n, mut params)| {
+        seen.lock().unwrap().push(params.remote_groups().unwrap());
+        edit(&mut params);
+        vec![(rid, text, n, params)]
+    });
+    (c, offers)
+}
+
+/// Runs `prompts` through `c` and checks that each was computed on the decode engine, none
+/// loaded, and the prefill engine was still told to free (no hold waits for its lease).
+fn computed_locally(mut c: Cluster, prompts: &[(RequestId, Vec<u32>)], what: &str) {
+    for (rid, text) in prompts {
+        submit(&mut c, rid, text.clone());
+    }
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_clean(&c);
+    let decode = &c.decodes[0];
+    for (rid, _) in prompts {
+        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), what);
+    }
+    let s = decode.stats();
+    assert_eq!((s.tokens_loaded, s.blocks_verified), (0, 0), "{what}: {s:?}");
+    assert!(decode.worker_stats().iter().all(|w| w.reads_posted == 0), "{what}");
+    assert_no_hold_expired(&c.prefills[0], what);
+}
+
+/// A prompt of 5 blocks less one token: the prefill engine, with 79 tokens computed, keeps its
+/// 3-block window from block 2 on (token 32), but a decode engine that loads the 4 full blocks
+/// computes token 64 next, whose window starts in block 1 (token 17). The offer lacks a block the
+/// window needs, so the decode engine computes the prompt itself rather than load a window with a
+/// hole. The same prompt one token shorter loads.
+#[test]
+fn a_window_block_the_prefill_engine_dropped_is_computed_locally() {
+    let model = one_sliding_one_full();
+    for (p, d) in [(1, 1), (2, 1), (1, 2)] {
+        let what = format!("P={p} D={d}");
+        let lb = Loopback::simulated();
+        let (c, offers) = with_offers(cluster(&lb, &model, (p, d)), |_| {});
+        let text = prompt(7, 5 * BS - 1);
+        computed_locally(c, &[(id("dropped"), text.clone())], &what);
+        let offer = offers.lock().unwrap().pop().unwrap();
+        assert_eq!(
+            offer,
+            [GroupBlocks::new(2, offer[0].ids.clone()), GroupBlocks::new(0, offer[1].ids.clone())]
+        );
+        assert_eq!((offer[0].end(), offer[1].end()), (4, 4), "{what}: {offer:?}");
+
+        let lb = Loopback::simulated();
+        let mut c = cluster(&lb, &model, (p, d));
+        submit(&mut c, &id("kept"), text[..5 * BS - 2].to_vec());
+        c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_clean(&c);
+        let s = c.decodes[0].stats();
+        assert_eq!(
+            s.group_blocks_loaded,
+            [3, 4],
+            "{what}: blocks 1 to 3 of the window, 0 to 3 in full: {s:?}"
+        );
+    }
+}
+
+/// An offer whose KV-cache groups are not the decode engine's (a group missing, or an extra one)
+/// is not loaded: the decode engine computes the prompt, and the prefill engine is freed.
+#[test]
+fn an_offer_with_other_groups_is_computed_locally() {
+    let model = one_sliding_one_full();
+    let prompts: Vec<_> =
+        (0..3).map(|i| (id(format!("r{i}")), prompt(40 + i as u64, 2 * BS + 5 * i))).collect();
+    for (drop_last, what) in [(true, "a group missing"), (false, "an extra group")] {
+        let lb = Loopback::simulated();
+        let (c, _) = with_offers(cluster(&lb, &model, (2, 2)), move |params| {
+            let groups = params.remote_block_ids.as_mut().unwrap();
+            if drop_last {
+                groups.pop();
+            } else {
+                groups.push(groups[1].clone());
+            }
+            params.kvx_group_first.clear();
+        });
+        computed_locally(c, &prompts, what);
+    }
+}
