@@ -17,8 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use kvx_core::{FinishReason, GroupBlocks, RequestId};
-use kvx_testkit::matrix::step_until;
-use kvx_testkit::sim::{Cluster, EngineStats, HeadLayout, ModelSpec, RequestState};
+use kvx_testkit::sim::{Cluster, HeadLayout, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -63,11 +62,11 @@ fn edge_len(rng: &mut StdRng, window: usize) -> usize {
 /// The workload on a prefill engine of TP `p` and a decode engine of TP `d`: a wave of prompts
 /// of [`edge_len`] lengths (half behind a shared 6-block prefix), then a wave of longer prompts
 /// of the first wave's (and of some that share only the prefix) that generate more than a
-/// window, a request aborted at the
-/// prefill engine before it ran and one aborted at the decode engine while its KV loads. Returns
-/// the decode engine's counters, after checking that everything ended, every loaded block of
-/// every group was verified, and nothing leaked.
-fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) -> (EngineStats, EngineStats) {
+/// window, a request aborted at the prefill engine before it ran and one aborted at the decode
+/// engine while its KV loads. Checks that everything ended, nothing leaked, the decode engine hit
+/// its prefix cache, every loaded block of every group was verified, the sliding groups loaded
+/// fewer blocks than the full ones, and both engines dropped blocks behind the windows.
+fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
     let what = format!("P={p} D={d} groups {:?}", model.groups);
     let (sliding, full) = group_kinds(model);
     let window = sliding.iter().filter_map(|&g| model.groups[g]).min().unwrap() as usize;
@@ -96,29 +95,9 @@ fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) -> (EngineStats,
         c.submit(rid.clone(), text, GENERATED).unwrap_or_else(|e| panic!("{what}: {rid}: {e}"));
         served.push(rid);
     }
-    let early = id("abort-at-prefill");
-    submit(&mut c, &early, prompt(seed + 1, 2 * BS + 3));
-    c.abort(&early);
-    let loading = id("abort-while-loading");
-    submit(&mut c, &loading, prompt(seed + 2, 3 * BS + 1));
-    step_until(&mut c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
-        matches!(
-            c.decodes[0].state(&loading),
-            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
-        )
-    });
-    c.abort(&loading);
-    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
-
-    assert_clean(&c);
+    abort_at_both_and_finish(&mut c, &served, seed, &what);
     let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
-    for rid in &served {
-        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), &what);
-    }
-    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), &what);
-    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), &what);
-    let s = decode.stats().clone();
-    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
+    let s = decode.stats();
     assert!(s.tokens_cached > 0, "{what}: the second wave hit the decode engine's prefix cache: {s:?}");
     // Full groups load every position, sliding ones only those their windows need.
     let loaded = &s.group_blocks_loaded;
@@ -132,7 +111,6 @@ fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) -> (EngineStats,
     // The windows moved on both engines: blocks before them went back to the pools.
     assert!(s.blocks_dropped > 0 && prefill.stats().blocks_dropped > 0, "{what}: {s:?}");
     assert_no_hold_expired(prefill, &what);
-    (prefill.stats().clone(), s)
 }
 
 /// [`run_groups`] on every pair of [`PAIRS`], seeds from `seed` on.
@@ -169,13 +147,13 @@ fn with_offers(
 }
 
 /// Runs `prompts` through `c` and checks that each was computed on the decode engine, none
-/// loaded, and the prefill engine was still told to free (no hold waits for its lease).
-fn computed_locally(mut c: Cluster, prompts: &[(RequestId, Vec<u32>)], what: &str) {
+/// loaded, and nothing leaked.
+fn computed_locally(c: &mut Cluster, prompts: &[(RequestId, Vec<u32>)], what: &str) {
     for (rid, text) in prompts {
-        submit(&mut c, rid, text.clone());
+        submit(c, rid, text.clone());
     }
     c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert_clean(&c);
+    assert_clean(c);
     let decode = &c.decodes[0];
     for (rid, _) in prompts {
         assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), what);
@@ -183,7 +161,6 @@ fn computed_locally(mut c: Cluster, prompts: &[(RequestId, Vec<u32>)], what: &st
     let s = decode.stats();
     assert_eq!((s.tokens_loaded, s.blocks_verified), (0, 0), "{what}: {s:?}");
     assert!(decode.worker_stats().iter().all(|w| w.reads_posted == 0), "{what}");
-    assert_no_hold_expired(&c.prefills[0], what);
 }
 
 /// A prompt of 5 blocks less one token: the prefill engine, with 79 tokens computed, keeps its
@@ -197,9 +174,10 @@ fn a_window_block_the_prefill_engine_dropped_is_computed_locally() {
     for (p, d) in [(1, 1), (2, 1), (1, 2)] {
         let what = format!("P={p} D={d}");
         let lb = Loopback::simulated();
-        let (c, offers) = with_offers(cluster(&lb, &model, (p, d)), |_| {});
+        let (mut c, offers) = with_offers(cluster(&lb, &model, (p, d)), |_| {});
         let text = prompt(7, 5 * BS - 1);
-        computed_locally(c, &[(id("dropped"), text.clone())], &what);
+        computed_locally(&mut c, &[(id("dropped"), text.clone())], &what);
+        assert_no_hold_expired(&c.prefills[0], &what);
         let offer = offers.lock().unwrap().pop().unwrap();
         assert_eq!(
             offer,
@@ -222,7 +200,10 @@ fn a_window_block_the_prefill_engine_dropped_is_computed_locally() {
 }
 
 /// An offer whose KV-cache groups are not the decode engine's (a group missing, or an extra one)
-/// is not loaded: the decode engine computes the prompt, and the prefill engine is freed.
+/// is not loaded: the decode engine computes the prompt, and the prefill engine is freed. Between
+/// engines whose groups differ (a hybrid prefill engine, a decode engine of one full-attention
+/// group) the same, but the handshake refuses the other layout, so the release cannot reach the
+/// prefill engine and its holds wait for their leases.
 #[test]
 fn an_offer_with_other_groups_is_computed_locally() {
     let model = one_sliding_one_full();
@@ -230,7 +211,7 @@ fn an_offer_with_other_groups_is_computed_locally() {
         (0..3).map(|i| (id(format!("r{i}")), prompt(40 + i as u64, 2 * BS + 5 * i))).collect();
     for (drop_last, what) in [(true, "a group missing"), (false, "an extra group")] {
         let lb = Loopback::simulated();
-        let (c, _) = with_offers(cluster(&lb, &model, (2, 2)), move |params| {
+        let (mut c, _) = with_offers(cluster(&lb, &model, (2, 2)), move |params| {
             let groups = params.remote_block_ids.as_mut().unwrap();
             if drop_last {
                 groups.pop();
@@ -239,6 +220,39 @@ fn an_offer_with_other_groups_is_computed_locally() {
             }
             params.kvx_group_first.clear();
         });
-        computed_locally(c, &prompts, what);
+        computed_locally(&mut c, &prompts, what);
+        assert_no_hold_expired(&c.prefills[0], what);
     }
+    let lb = Loopback::simulated();
+    let one_group = ModelSpec::standard(2, 4, 8, BS as u32).with_layout(HeadLayout::Hnd);
+    let mut c = lb.cluster_of(vec![engine(&lb, "prefill", &model, 1)], engine(&lb, "decode", &one_group, 1));
+    computed_locally(&mut c, &prompts, "engines with other groups");
+    let expired: u64 = c.prefills[0].worker_stats().iter().map(|w| w.expired_holds).sum();
+    assert_eq!(expired, prompts.len() as u64);
+}
+
+/// vLLM's hybrid prefix-hit rule on the decode engine (3-block window, 16-token blocks): after a
+/// 10-block prompt `a` was loaded (the full group's blocks 0 to 9, the sliding group's 7 to 9
+/// only), a prompt sharing its first 6 blocks hits nothing, since a hit of h blocks needs the
+/// sliding group's blocks of the window before h too (blocks 3 to 5 for 6), which were never
+/// loaded; a longer prompt of `a` hits all 10 blocks, the sliding group taking only blocks 7 to 9,
+/// and loads its 11th.
+#[test]
+fn a_prefix_hit_needs_the_sliding_groups_window_too() {
+    let model = one_sliding_one_full();
+    let lb = Loopback::simulated();
+    let mut c = cluster(&lb, &model, (1, 1));
+    let a = prompt(11, 10 * BS);
+    let shares_prefix = [&a[..6 * BS], &prompt(12, 2 * BS + 8)].concat();
+    let extends = [&a[..], &prompt(13, BS + 4)].concat();
+    let mut cached = Vec::new();
+    for (name, text) in [("a", a.clone()), ("shares-prefix", shares_prefix), ("extends", extends)] {
+        submit(&mut c, &id(name), text);
+        c.run_until_idle(LIMIT).unwrap();
+        cached.push(c.decodes[0].stats().tokens_cached);
+    }
+    assert_clean(&c);
+    assert_eq!(cached, [0, 0, 10 * BS as u64], "{:?}", c.decodes[0].stats());
+    // Sliding / full: `a` 3 / 10, the second (8 full blocks) 3 / 8, the third block 10 only.
+    assert_eq!(c.decodes[0].stats().group_blocks_loaded, [3 + 3 + 1, 10 + 8 + 1]);
 }

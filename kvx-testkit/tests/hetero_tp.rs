@@ -81,32 +81,9 @@ fn run_pair(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
             }
         }
     }
-    // Aborted at the prefill engine before its first step.
-    let early = id("abort-at-prefill");
-    submit(&mut c, &early, prompt(seed + 1, 2 * BS + 3));
-    c.abort(&early);
-    // Aborted at the decode engine while its KV is on the way.
-    let loading = id("abort-while-loading");
-    submit(&mut c, &loading, prompt(seed + 2, 3 * BS + 1));
-    step_until(&mut c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
-        matches!(
-            c.decodes[0].state(&loading),
-            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
-        )
-    });
-    c.abort(&loading);
-    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
-
-    assert_clean(&c);
+    abort_at_both_and_finish(&mut c, &served, seed, &what);
     let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
-    for rid in &served {
-        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), &what);
-    }
-    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), &what);
-    assert_eq!(decode.state(&early), None, "{what}: {early} never reached the decode engine");
-    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), &what);
     let s = decode.stats();
-    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
     assert!(s.tokens_cached >= 3 * BS as u64, "{what}: the second wave hit the shared prefix: {s:?}");
     // Every loaded block was checked on every decode rank, in every layer within its window.
     let regions = u64::from(model.kind().regions_per_layer());

@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvx_core::{EngineId, ManualClock, RequestId, TransferAgent};
+use kvx_core::{EngineId, FinishReason, ManualClock, RequestId, TransferAgent};
 use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::matrix::step_until;
 use kvx_testkit::sim::{
     Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SimBackend, SimEngine, SimTime,
 };
@@ -133,4 +134,35 @@ pub fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
 #[track_caller]
 pub fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
     assert_eq!(e.state(id), Some(&state), "{what}: {id}");
+}
+
+/// Ends a workload on `c`: aborts a request at the prefill engine before its first step and one
+/// at the decode engine while its KV is on the way (seeds of their prompts from `seed`), runs until
+/// idle, and checks that nothing went wrong or leaked, every request of `served` finished, the two
+/// were aborted where they were, and the decode engine finished or failed nothing else.
+pub fn abort_at_both_and_finish(c: &mut Cluster, served: &[RequestId], seed: u64, what: &str) {
+    let early = id("abort-at-prefill");
+    submit(c, &early, prompt(seed + 1, 2 * BS + 3));
+    c.abort(&early);
+    let loading = id("abort-while-loading");
+    submit(c, &loading, prompt(seed + 2, 3 * BS + 1));
+    step_until(c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
+        matches!(
+            c.decodes[0].state(&loading),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
+        )
+    });
+    c.abort(&loading);
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+
+    assert_clean(c);
+    let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
+    for rid in served {
+        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), what);
+    }
+    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), what);
+    assert_eq!(decode.state(&early), None, "{what}: {early} never reached the decode engine");
+    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), what);
+    let s = decode.stats();
+    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
 }
