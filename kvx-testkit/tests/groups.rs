@@ -7,7 +7,8 @@
 //! hybrid rule shrinks) and aborts at both engines; every loaded byte of every group is checked,
 //! the sliding groups load only their windows, and nothing leaks in either pool. A request whose
 //! prefill engine already dropped a block its window needs, and one whose offer has other groups
-//! than the decode engine, are computed locally.
+//! than the decode engine, are computed locally; a failed load is computed into both groups. A
+//! prefix hit needs the sliding group's window blocks too (vLLM's hybrid rule).
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
@@ -17,7 +18,8 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use kvx_core::{FinishReason, GroupBlocks, RequestId};
-use kvx_testkit::sim::{Cluster, HeadLayout, ModelSpec, RequestState};
+use kvx_loopback::Faults;
+use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, LoadFailurePolicy, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -255,4 +257,32 @@ fn a_prefix_hit_needs_the_sliding_groups_window_too() {
     assert_eq!(cached, [0, 0, 10 * BS as u64], "{:?}", c.decodes[0].stats());
     // Sliding / full: `a` 3 / 10, the second (8 full blocks) 3 / 8, the third block 10 only.
     assert_eq!(c.decodes[0].stats().group_blocks_loaded, [3 + 3 + 1, 10 + 8 + 1]);
+}
+
+/// A load that fails, where the policy is to compute instead, is computed into the request's
+/// blocks of both groups on the decode engine (the sliding group's only from the window the load
+/// would have needed on, its first 4 of 7 blocks never allocated), and cached per group: a longer
+/// prompt of it then hits 7 blocks in both groups and loads only the 8th.
+#[test]
+fn a_failed_load_is_computed_into_both_groups() {
+    let model = one_sliding_one_full();
+    let lb = Loopback::simulated();
+    let config =
+        EngineConfig { tp: 1, load_failure: LoadFailurePolicy::Recompute, ..lb.config("decode", &model) };
+    let mut c = lb.cluster_of(vec![engine(&lb, "prefill", &model, 1)], lb.engine(config));
+    lb.agent("decode", 0).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
+    let a = prompt(21, 7 * BS + 3);
+    submit(&mut c, &id("failed"), a.clone());
+    c.run_until_idle(LIMIT).unwrap();
+    submit(&mut c, &id("extends"), [&a[..], &prompt(22, BS)].concat());
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    let decode = &c.decodes[0];
+    for rid in ["failed", "extends"] {
+        assert_state(decode, &id(rid), RequestState::Finished(FinishReason::LengthCapped), rid);
+    }
+    let s = decode.stats();
+    assert_eq!((s.recomputed, s.tokens_cached, s.tokens_loaded), (1, 7 * BS as u64, BS as u64), "{s:?}");
+    assert_eq!(s.group_blocks_loaded, [1, 1], "{s:?}");
+    assert_no_hold_expired(&c.prefills[0], "failed load");
 }
