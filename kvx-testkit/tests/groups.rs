@@ -23,6 +23,9 @@ use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, LoadFailurePolicy, Mod
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// Requests in each wave of [`run_groups`].
+const WAVE: usize = 12;
+
 /// Tokens the second wave's requests generate: more than a window.
 const GENERATED: usize = 4 * BS;
 
@@ -78,10 +81,10 @@ fn run_groups(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
     let shared = prompt(seed, 6 * BS);
     let mut served = Vec::new();
     let mut first_wave = Vec::new();
-    for i in 0..6 {
+    for i in 0..WAVE {
         let mut text = if i % 2 == 0 { shared.clone() } else { Vec::new() };
         // The last one long enough for the windows to leave blocks out of its load.
-        let len = if i == 5 { 8 * BS + 1 } else { edge_len(&mut rng, window) };
+        let len = if i == WAVE - 1 { 8 * BS + 1 } else { edge_len(&mut rng, window) };
         text.extend(prompt(rng.r#gen(), len));
         let rid = id(format!("w0-{i}"));
         submit(&mut c, &rid, text.clone());
@@ -285,4 +288,30 @@ fn a_failed_load_is_computed_into_both_groups() {
     assert_eq!((s.recomputed, s.tokens_cached, s.tokens_loaded), (1, 7 * BS as u64, BS as u64), "{s:?}");
     assert_eq!(s.group_blocks_loaded, [1, 1], "{s:?}");
     assert_no_hold_expired(&c.prefills[0], "failed load");
+}
+
+/// An engine takes every group's prefix hits before it allocates any new block: the blocks of a
+/// finished prompt `a` wait at the head of a 40-block pool's free queue (a second prompt used the
+/// rest), so the sliding group's new blocks of a longer prompt of `a` would otherwise be taken
+/// from the full group's hits (the full group's block 3 overwritten with the sliding group's block
+/// 4), and the decode engine would receive that block wrong.
+#[test]
+fn every_groups_hits_are_taken_before_new_blocks_are_allocated() {
+    let model = one_sliding_one_full();
+    let lb = Loopback::simulated();
+    let prefill = lb.engine(EngineConfig { tp: 1, num_blocks: 40, ..lb.config("prefill", &model) });
+    let mut c = lb.cluster_of(vec![prefill], engine(&lb, "decode", &model, 1));
+    let a = prompt(31, 4 * BS + 1);
+    // Computed on the prefill engine alone: 10 blocks, then the other 30.
+    for (name, text) in [("a", a.clone()), ("rest", prompt(32, 14 * BS))] {
+        c.prefills[0].add_request(id(name), &text, 1, None).unwrap();
+        c.run_until_idle(LIMIT).unwrap();
+    }
+    assert_eq!(c.prefills[0].stats().tokens_cached, 0);
+    submit(&mut c, &id("b"), [&a[..4 * BS], &prompt(33, 2 * BS + 4)].concat());
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    assert_eq!(c.prefills[0].stats().tokens_cached, 4 * BS as u64, "b hit a's 4 blocks in both groups");
+    // The sliding group's 3-block window before block 6, the full group's blocks 0 to 5.
+    assert_eq!(c.decodes[0].stats().group_blocks_loaded, [3, 6]);
 }

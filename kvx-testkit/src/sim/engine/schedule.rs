@@ -98,9 +98,14 @@ impl SimEngine {
                 .to_vec();
             self.pool.touch(&kept).map_err(pool_err)?;
             r.groups.push(GroupBlocks::new(from as u32, kept));
-            let new = self.pool.allocate(total - from.max(h)).map_err(pool_err)?;
-            r.groups[g].ids.extend_from_slice(&new);
-            new_blocks.push(GroupBlocks::new(from.max(h) as u32, new));
+        }
+        // Every group's hits are taken before any block is allocated: an allocation may evict a
+        // free cached block, which another group's hit may be.
+        for group in &mut r.groups {
+            let start = (group.first as usize).max(h);
+            let new = self.pool.allocate(total - start).map_err(pool_err)?;
+            group.ids.extend_from_slice(&new);
+            new_blocks.push(GroupBlocks::new(start as u32, new));
         }
         self.stats.tokens_cached += computed as u64;
         self.scheduler.update_state_after_alloc(
