@@ -30,6 +30,9 @@ pub(crate) struct Summary {
     losses: Option<PrefillLosses>,
     /// Requests each engine served, by engine id (empty: no such row).
     served: Vec<(String, u64)>,
+    /// Each KV-cache group's window (tokens; `None`: full attention) and the block positions the
+    /// decode engines loaded of it.
+    groups: Vec<(Option<u32>, u64)>,
 }
 
 /// What a `kvx decode` run saw of its prefill process going away (its request API unreachable, or
@@ -84,6 +87,13 @@ impl Summary {
         };
         for decode in decodes {
             let stats = decode.stats();
+            let windows = &decode.config().model.groups;
+            s.groups.resize(windows.len(), (None, 0));
+            for ((group, &window), &loaded) in
+                s.groups.iter_mut().zip(windows).zip(&stats.group_blocks_loaded)
+            {
+                *group = (window, group.1 + loaded);
+            }
             s.finished += stats.finished;
             s.failed += stats.failed;
             s.blocks_verified += stats.blocks_verified;
@@ -197,6 +207,17 @@ impl fmt::Display for Summary {
         ];
         for (name, value) in rows {
             writeln!(f, "  {name:<22} {value}")?;
+        }
+        if self.groups.len() > 1 {
+            let groups: Vec<String> = self
+                .groups
+                .iter()
+                .map(|(window, loaded)| match window {
+                    Some(w) => format!("{loaded} ({w}-token window)"),
+                    None => format!("{loaded} (full)"),
+                })
+                .collect();
+            writeln!(f, "  {:<22} {}", "blocks loaded by group", groups.join(", "))?;
         }
         if !self.served.is_empty() {
             let served: Vec<String> = self.served.iter().map(|(id, n)| format!("{id} {n}")).collect();

@@ -48,10 +48,17 @@ pub(crate) struct ModelArgs {
     /// The KV cache's layout.
     #[arg(long, value_enum, default_value_t = Layout::Hnd)]
     layout: Layout,
-    /// A hybrid model: every other layer (the 2nd, 4th, ...) attends to its last W blocks only
-    /// (a sliding window), and only those are moved.
+    /// A hybrid model as vLLM's hybrid allocator runs it: every other layer (the 2nd, 4th, ...)
+    /// attends to the last W tokens only (a sliding window). The layers form two KV-cache groups,
+    /// a sliding-window one and a full-attention one, overlaid in the same caches and sharing one
+    /// block pool; a load moves only the blocks the window needs of the sliding group.
     #[arg(long, value_name = "W", value_parser = clap::value_parser!(u32).range(1..))]
     window: Option<u32>,
+    /// A hybrid model as vLLM runs it with its hybrid allocator off: one KV-cache group, every
+    /// other layer keeping only its last W blocks (chunked local attention), and a load moves
+    /// only those of it.
+    #[arg(long, value_name = "W", conflicts_with = "window", value_parser = clap::value_parser!(u32).range(1..))]
+    layer_window: Option<u32>,
     /// Tensor-parallel ranks of each engine.
     #[arg(long, default_value_t = 2)]
     pub(crate) tp: u32,
@@ -66,17 +73,31 @@ impl ModelArgs {
             Layout::Nhd => HeadLayout::Nhd,
             Layout::Hnd => HeadLayout::Hnd,
         };
-        let windows = (0..self.layers).map(|l| self.window.filter(|_| l % 2 == 1)).collect();
-        ModelSpec::standard(self.layers, self.kv_heads, self.head_dim, self.block_size)
-            .with_layout(layout)
-            .with_windows(windows)
+        match self.window {
+            // Each cache holds one layer of each group (vLLM pads the smaller group).
+            Some(w) => {
+                ModelSpec::standard(self.layers.div_ceil(2), self.kv_heads, self.head_dim, self.block_size)
+                    .with_groups(vec![Some(w), None])
+            }
+            None => {
+                let windows = (0..self.layers).map(|l| self.layer_window.filter(|_| l % 2 == 1)).collect();
+                ModelSpec::standard(self.layers, self.kv_heads, self.head_dim, self.block_size)
+                    .with_windows(windows)
+            }
+        }
+        .with_layout(layout)
     }
 
     /// The model in words, with `tp` for the tensor-parallel sizes (`TP=2`, say).
     pub(crate) fn describe_with(&self, tp: &str) -> String {
-        let window = match self.window {
-            Some(w) => format!(", every other layer a {w}-block window"),
-            None => String::new(),
+        let window = match (self.window, self.layer_window) {
+            (Some(w), _) => format!(
+                ", every other layer a {w}-token sliding window (KV-cache groups: sliding, full; {} \
+                 layers each)",
+                self.layers.div_ceil(2)
+            ),
+            (None, Some(w)) => format!(", every other layer a {w}-block window"),
+            (None, None) => String::new(),
         };
         format!(
             "{tp}, {} layers, {} KV heads x {} ({}){window}, {}-token blocks, {} blocks per pool",

@@ -127,10 +127,11 @@ fn demo_refuses_engine_counts_out_of_range() {
 /// `kvx demo` with prefill and decode engines of TP sizes `p` and `d` (head-major caches, the
 /// default) and `extra` options: each decode rank READs its own slice of the heads from the
 /// prefill ranks that hold it, every byte checked, nothing leaked.
-fn demo_moves_kv_between_tp_sizes_on(backend: &str, (p, d): (u32, u32), extra: &[&str]) {
+fn demo_moves_kv_between_tp_sizes_on(backend: &str, (p, d): (u32, u32), extra: &[&str]) -> String {
     let (ps, ds) = (p.to_string(), d.to_string());
     let stdout = demo_on(backend, &[&["--prefill-tp", &ps, "--decode-tp", &ds], extra].concat());
     assert!(stdout.contains(&format!("TP={p} prefill, TP={d} decode")), "{stdout}");
+    stdout
 }
 
 #[test]
@@ -138,8 +139,15 @@ fn demo_moves_kv_between_tp_sizes() {
     for pair in [(1, 2), (2, 1), (4, 2)] {
         demo_moves_kv_between_tp_sizes_on("loopback", pair, &[]);
     }
-    // A hybrid model: every other layer a 2-block window.
-    demo_moves_kv_between_tp_sizes_on("loopback", (2, 4), &["--window", "2"]);
+    // A hybrid model: every other layer a 40-token sliding window, in a KV-cache group of its own
+    // (the sliding group loads fewer blocks than the full one)...
+    let stdout = demo_moves_kv_between_tp_sizes_on("loopback", (2, 4), &["--window", "40"]);
+    let loaded = stdout.lines().find_map(|l| l.trim().strip_prefix("blocks loaded by group")).unwrap();
+    let counts: Vec<u64> =
+        loaded.split(", ").map(|g| g.trim().split(' ').next().unwrap().parse().unwrap()).collect();
+    assert!(counts.len() == 2 && 0 < counts[0] && counts[0] < counts[1], "{stdout}");
+    // ...or with one group, every other layer keeping its last 2 blocks.
+    demo_moves_kv_between_tp_sizes_on("loopback", (4, 2), &["--layer-window", "2"]);
 }
 
 /// A token-major cache cannot be sliced between TP sizes: every request fails with the
@@ -154,15 +162,17 @@ fn demo_with_a_token_major_cache_refuses_different_tp_sizes() {
 }
 
 /// `--tp` gives both engines' TP size, so it cannot come with `--prefill-tp` or `--decode-tp`;
-/// sizes and windows of 0 are refused.
+/// sizes and windows of 0 are refused, as are both kinds of window at once.
 #[test]
 fn demo_refuses_conflicting_or_zero_tp_sizes() {
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 7] = [
         &["--tp", "2", "--prefill-tp", "1"],
         &["--tp", "2", "--decode-tp", "1"],
         &["--prefill-tp", "0"],
         &["--decode-tp", "0"],
         &["--window", "0"],
+        &["--layer-window", "0"],
+        &["--window", "32", "--layer-window", "2"],
     ];
     for args in cases {
         let out = wait(
@@ -233,10 +243,10 @@ macro_rules! native_backend_tests {
             }
 
             /// `kvx prefill --tp 2` and `kvx decode --tp 1` of a hybrid model: the decode rank
-            /// READs from both prefill ranks, the windowed layers only their window.
+            /// READs from both prefill ranks, the sliding-window group only its window.
             #[test]
             fn prefill_tp2_decode_tp1() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "2"]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "32"]);
             }
 
             #[test]

@@ -16,9 +16,9 @@ use std::time::Instant;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvx_core::{
     AgentName, BlockId, BlockList, Capabilities, ConnectorMetadata, ConnectorScheduler, ConnectorWorker,
-    DlistId, DlistOwner, Endpoint, FinishReason, Finished, HostMemory, KvMemory, LayerCache, Notification,
-    RegistrationId, RemoteCoordinates, RequestId, Result, SchedulerConfig, TransferAgent, TransferParams,
-    WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
+    DlistId, DlistOwner, Endpoint, FinishReason, Finished, GroupBlocks, HostMemory, KvMemory, LayerCache,
+    Notification, RegistrationId, RemoteCoordinates, RequestId, Result, SchedulerConfig, TransferAgent,
+    TransferParams, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
 };
 
 /// Tokens per block.
@@ -139,17 +139,24 @@ impl Schedulers {
         let held = TransferParams { do_remote_decode: true, ..Default::default() };
         let ids: Vec<BlockId> = (0..blocks as BlockId).collect();
         let tokens = blocks * BS as usize;
-        let out = self.prefill.request_finished(id, Some(&held), FinishReason::LengthCapped, tokens, &ids);
+        let out = self.prefill.request_finished(
+            id,
+            Some(&held),
+            FinishReason::LengthCapped,
+            tokens,
+            &[GroupBlocks::whole(ids)],
+        );
         (out.params.unwrap(), self.prefill.build_connector_meta(now))
     }
 
     /// The decode side's hooks for a request with `params`, up to the metadata its workers get.
     fn decode_starts(&mut self, id: &RequestId, params: &TransferParams, now: Instant) -> ConnectorMetadata {
         let mut params = params.clone();
-        let tokens = params.remote_blocks().len() * BS as usize;
+        let offered = params.remote_block_ids.as_ref().map_or(0, |g| g[0].len());
+        let tokens = offered * BS as usize;
         self.decode.on_new_request(id, Some(&params));
         let matched = self.decode.get_num_new_matched_tokens(id, tokens + 1, Some(&params), 0).unwrap();
-        let local: Vec<BlockId> = (0..params.remote_blocks().len() as BlockId).collect();
+        let local = [GroupBlocks::whole((0..offered as BlockId).collect())];
         self.decode
             .update_state_after_alloc(id, tokens + 1, Some(&mut params), &local, 0, matched.count)
             .unwrap();
@@ -164,6 +171,7 @@ impl Schedulers {
         self.decode.update_finished(&Finished { recving: vec![id.clone()], ..Default::default() });
         let local: Vec<BlockId> = (0..blocks as BlockId).collect();
         let tokens = blocks * BS as usize;
+        let local = [GroupBlocks::whole(local)];
         black_box(self.decode.request_finished(id, None, FinishReason::Stopped, tokens + 1, &local));
         self.prefill.update_finished(&Finished { sending: vec![id.clone()], ..Default::default() });
         black_box((prefill_meta, decode_meta));

@@ -9,6 +9,9 @@ use crate::ids::{BlockId, GroupBlocks, RequestId};
 use crate::params::{InstanceId, Offer, RemoteCoordinates};
 use crate::wire::{MessageKind, WireMessage};
 
+/// The block pairs of a READ: local blocks and the remote blocks they are read from, index by index.
+pub type BlockPairs<'a> = (Cow<'a, [BlockId]>, Cow<'a, [BlockId]>);
+
 /// One request whose KV the decode workers load from a prefill engine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvRequest {
@@ -51,7 +54,7 @@ impl RecvRequest {
     /// The READ's block pairs: each group's local blocks and the offered blocks at the same
     /// positions of the same group, the groups one after another (borrowed for one group);
     /// refused when a group to load is not offered at those positions.
-    pub fn read_pairs(&self) -> Result<(Cow<'_, [BlockId]>, Cow<'_, [BlockId]>)> {
+    pub fn read_pairs(&self) -> Result<BlockPairs<'_>> {
         let (local, offered) = (&self.local_block_ids, &self.remote_block_ids);
         if local.len() != offered.len() {
             return Err(Error::invalid_peer_data(format!(

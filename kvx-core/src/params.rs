@@ -230,7 +230,6 @@ impl TransferParams {
     }
 }
 
-
 /// What a prefill engine offers a decode engine for one held request: what the MAC in
 /// [`TransferParams::kvx_offer_mac`] covers. Every field is length-prefixed in the MAC, so no two
 /// different offers share a tag.
@@ -256,7 +255,10 @@ impl Offer<'_> {
             .groups
             .iter()
             .flat_map(|g| {
-                [g.first, g.ids.len() as u32].into_iter().chain(g.ids.iter().copied()).flat_map(u32::to_le_bytes)
+                [g.first, g.ids.len() as u32]
+                    .into_iter()
+                    .chain(g.ids.iter().copied())
+                    .flat_map(u32::to_le_bytes)
             })
             .collect();
         // Without an endpoint, an empty host and an empty port: no 2-byte port is empty.
@@ -330,7 +332,9 @@ mod groups {
         ids.serialize(s)
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Vec<BlockId>>>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Vec<Vec<BlockId>>>, D::Error> {
         match Option::<Value>::deserialize(d)? {
             None => Ok(None),
             Some(v) => groups(&v).map(Some).map_err(serde::de::Error::custom),
@@ -344,11 +348,9 @@ mod groups {
         };
         match items.as_slice() {
             [] => Ok(Vec::new()),
-            [Value::Array(_), ..] => items
-                .iter()
-                .enumerate()
-                .map(|(i, g)| ids(g, &format!("remote_block_ids[{i}]")))
-                .collect(),
+            [Value::Array(_), ..] => {
+                items.iter().enumerate().map(|(i, g)| ids(g, &format!("remote_block_ids[{i}]"))).collect()
+            }
             _ => ids(v, "remote_block_ids").map(|ids| vec![ids]),
         }
     }
@@ -386,7 +388,7 @@ mod tests {
         let json = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"prefill-0","remote_request_id":"cmpl-1-0","remote_host":"10.0.0.1","remote_port":5600,"tp_size":2}"#;
         let p = TransferParams::from_json(json).unwrap();
         assert!(p.do_remote_prefill && !p.do_remote_decode);
-        assert_eq!(p.remote_blocks(), &[1, 2, 3]);
+        assert_eq!(p.remote_groups().unwrap(), [GroupBlocks::whole(vec![1, 2, 3])]);
         assert_eq!(p.remote_request_id, Some("cmpl-1-0".into()));
         assert_eq!(p.coordinates(), Some(RemoteCoordinates::at("prefill-0", "10.0.0.1", 5600)));
         let back: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
@@ -398,20 +400,22 @@ mod tests {
     fn reads_flat_and_per_group_block_ids_and_writes_per_group() {
         for json in [r#"{"remote_block_ids":[7,8]}"#, r#"{"remote_block_ids":[[7,8]]}"#] {
             let p = TransferParams::from_json(json).unwrap();
-            assert_eq!(p.remote_blocks(), &[7, 8]);
+            assert_eq!(p.remote_block_ids, Some(vec![vec![7, 8]]));
             let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
             assert_eq!(v["remote_block_ids"], serde_json::json!([[7, 8]]));
         }
         let none = TransferParams::from_json(r#"{"remote_block_ids":null}"#).unwrap();
         assert_eq!(none.remote_block_ids, None);
-        assert!(TransferParams::from_json(r#"{"remote_block_ids":[]}"#).unwrap().remote_blocks().is_empty());
+        assert!(!TransferParams::from_json(r#"{"remote_block_ids":[]}"#).unwrap().has_remote_blocks());
         let empty_group = TransferParams::from_json(r#"{"remote_block_ids":[[]]}"#).unwrap();
-        assert_eq!(empty_group.remote_block_ids, Some(vec![]));
+        assert_eq!(empty_group.remote_block_ids, Some(vec![vec![]]));
+        assert!(!empty_group.has_remote_blocks());
     }
 
     #[test]
     fn emits_exactly_vllms_keys() {
-        let p = TransferParams::for_decode(vec![4], RemoteCoordinates::at("e", "h", 1));
+        let p =
+            TransferParams::for_decode(vec![GroupBlocks::whole(vec![4])], RemoteCoordinates::at("e", "h", 1));
         let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
         let mut keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
         keys.sort();
@@ -431,9 +435,8 @@ mod tests {
     #[test]
     fn prefill_request_params_and_bad_input() {
         let p = TransferParams::from_json(r#"{"do_remote_decode": true}"#).unwrap();
-        assert!(p.do_remote_decode && p.coordinates().is_none() && p.remote_blocks().is_empty());
+        assert!(p.do_remote_decode && p.coordinates().is_none() && !p.has_remote_blocks());
         assert!(TransferParams::from_json(r#"{"remote_port": 70000}"#).is_err());
-        assert!(TransferParams::from_json(r#"{"remote_block_ids": [[1], [2]]}"#).is_err(), "two groups");
         let at = TransferParams::for_decode(vec![], RemoteCoordinates::at("e", "h", 1));
         let no_host = TransferParams { remote_host: Some(String::new()), ..at.clone() };
         assert!(no_host.coordinates().is_none());
@@ -444,7 +447,10 @@ mod tests {
 
     #[test]
     fn params_without_host_and_port_name_the_engine_to_find_by_id() {
-        let p = TransferParams::for_decode(vec![3], RemoteCoordinates::by_id("prefill-0"));
+        let p = TransferParams::for_decode(
+            vec![GroupBlocks::whole(vec![3])],
+            RemoteCoordinates::by_id("prefill-0"),
+        );
         let back = TransferParams::from_json(&p.to_json()).unwrap();
         assert_eq!(back.coordinates(), Some(RemoteCoordinates::by_id("prefill-0")));
         assert_eq!((back.remote_host, back.remote_port), (None, None));
@@ -492,8 +498,9 @@ mod tests {
         let key = AuthKey::new("a deployment's shared secret").unwrap();
         let remote = RemoteCoordinates::at("p", "h", 5600);
         let (id, nonce) = (RequestId::new("r1"), Nonce::parse(&"ab".repeat(16)).unwrap());
+        let groups = [GroupBlocks::whole(vec![1, 2])];
         let offer =
-            Offer { remote: &remote, request_id: &id, block_ids: &[1, 2], nonce: &nonce, instance: None };
+            Offer { remote: &remote, request_id: &id, groups: &groups, nonce: &nonce, instance: None };
         let mac = offer.tag(&key);
         offer.verify(&key, Some(&mac)).unwrap();
         let other_id = RequestId::new("r2");
@@ -503,8 +510,11 @@ mod tests {
         let other_nonce = Nonce::parse(&"cd".repeat(16)).unwrap();
         for changed in [
             Offer { request_id: &other_id, ..offer },
-            Offer { block_ids: &[1, 3], ..offer },
-            Offer { block_ids: &[1, 2, 3], ..offer },
+            Offer { groups: &[GroupBlocks::whole(vec![1, 3])], ..offer },
+            Offer { groups: &[GroupBlocks::whole(vec![1, 2, 3])], ..offer },
+            Offer { groups: &[GroupBlocks::new(1, vec![1, 2])], ..offer },
+            Offer { groups: &[GroupBlocks::whole(vec![1]), GroupBlocks::whole(vec![2])], ..offer },
+            Offer { groups: &[GroupBlocks::whole(vec![1, 2]), GroupBlocks::whole(vec![])], ..offer },
             Offer { remote: &other_remote, ..offer },
             Offer { remote: &by_id, ..offer },
             Offer { remote: &empty_host, ..offer },
@@ -522,5 +532,35 @@ mod tests {
         let e = TransferParams::from_json(r#"{"kvx_hold_nonce": "zz"}"#).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Wire, "{e}");
         assert!(e.to_string().contains("not 32 hex digits"), "{e}");
+    }
+
+    #[test]
+    fn groups_round_trip_with_their_first_positions_and_bad_positions_are_refused() {
+        let groups = vec![GroupBlocks::new(2, vec![5, 6]), GroupBlocks::whole(vec![1, 2, 3, 4])];
+        let p = TransferParams::for_decode(groups.clone(), RemoteCoordinates::at("e", "h", 1));
+        let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
+        assert_eq!(v["remote_block_ids"], serde_json::json!([[5, 6], [1, 2, 3, 4]]));
+        assert_eq!(v["kvx_group_first"], serde_json::json!([2, 0]));
+        let back = TransferParams::from_json(&p.to_json()).unwrap();
+        assert_eq!(back.remote_groups().unwrap(), groups);
+        // Every group from position 0: vLLM's shape, no kvx key.
+        let flat =
+            TransferParams::for_decode(vec![GroupBlocks::whole(vec![1])], RemoteCoordinates::by_id("e"));
+        assert!(!flat.to_json().contains("kvx_group_first"));
+        for (json, says) in [
+            (r#"{"remote_block_ids": [[1], [2]], "kvx_group_first": [1]}"#, "names 1 positions for 2"),
+            (r#"{"remote_block_ids": [[1]], "kvx_group_first": [0, 0]}"#, "names 2 positions for 1"),
+            (r#"{"remote_block_ids": [[1, 2]], "kvx_group_first": [4294967295]}"#, "past 2^32"),
+            (r#"{"remote_block_ids": [[1]], "kvx_group_first": [-1]}"#, "expected u32"),
+        ] {
+            let e = TransferParams::from_json(json).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Wire, "{json}");
+            assert!(e.to_string().contains(says), "{json}: {e}");
+        }
+        let many = format!(r#"{{"remote_block_ids": [{}]}}"#, vec!["[]"; MAX_GROUPS + 1].join(","));
+        assert!(TransferParams::from_json(&many).unwrap_err().to_string().contains("KV-cache groups, over"));
+        // Built in code with mismatched positions: refused where they are read.
+        let odd = TransferParams { kvx_group_first: vec![1, 2], ..flat };
+        assert_eq!(odd.remote_groups().unwrap_err().kind(), ErrorKind::Wire);
     }
 }

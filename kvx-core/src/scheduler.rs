@@ -75,7 +75,8 @@ impl SchedulerConfig {
 fn needed_from(window: Option<u32>, from: u64, end: u64, block_size: u64) -> u64 {
     match window {
         None => from,
-        Some(w) => from.max((end * block_size + 1).saturating_sub(u64::from(w)) / block_size),
+        Some(w) => from
+            .max(end.saturating_mul(block_size).saturating_add(1).saturating_sub(u64::from(w)) / block_size),
     }
 }
 
@@ -278,7 +279,11 @@ impl ConnectorScheduler {
 
     /// The coordinates and groups of an offer, or `None` (with a warning) when they are
     /// incomplete or do not check.
-    fn offered(&self, request_id: &RequestId, params: &TransferParams) -> Option<(RemoteCoordinates, Vec<GroupBlocks>)> {
+    fn offered(
+        &self,
+        request_id: &RequestId,
+        params: &TransferParams,
+    ) -> Option<(RemoteCoordinates, Vec<GroupBlocks>)> {
         let Some(remote) = params.coordinates() else {
             warn!(%request_id, "do_remote_prefill without complete remote coordinates: computing locally");
             return None;
@@ -296,7 +301,13 @@ impl ConnectorScheduler {
     /// every group's offer. `None` when nothing past `first` can load: the offer's groups are not
     /// this engine's, a full-attention group misses a block from `first` on, or a sliding-window
     /// group misses one its window needs.
-    fn load_end(&self, request_id: &RequestId, groups: &[GroupBlocks], prompt_len: usize, first: u64) -> Option<u64> {
+    fn load_end(
+        &self,
+        request_id: &RequestId,
+        groups: &[GroupBlocks],
+        prompt_len: usize,
+        first: u64,
+    ) -> Option<u64> {
         let windows = self.config.windows();
         if groups.len() != windows.len() {
             if groups.iter().any(|g| !g.ids.is_empty()) {
@@ -306,7 +317,8 @@ impl ConnectorScheduler {
         }
         let bs = self.block_size() as u64;
         let end = groups.iter().map(GroupBlocks::end).fold((prompt_len as u64) / bs, u64::min);
-        let covered = groups.iter().zip(windows).all(|(g, &w)| u64::from(g.first) <= needed_from(w, first, end, bs));
+        let covered =
+            groups.iter().zip(windows).all(|(g, &w)| u64::from(g.first) <= needed_from(w, first, end, bs));
         if end <= first {
             return None;
         }
@@ -352,7 +364,13 @@ impl ConnectorScheduler {
             }
             return Ok(());
         }
-        let local = match self.local_blocks(&groups, new_blocks, prompt_len, num_computed_tokens, num_external_tokens) {
+        let local = match self.local_blocks(
+            &groups,
+            new_blocks,
+            prompt_len,
+            num_computed_tokens,
+            num_external_tokens,
+        ) {
             Ok(local) => local,
             Err(misfit) => {
                 // The prefill engine is still told to free: the load never happens.
@@ -396,7 +414,7 @@ impl ConnectorScheduler {
             ));
         }
         let (first, needed) = ((num_computed_tokens / bs) as u64, (num_external_tokens / bs) as u64);
-        let end = first + needed;
+        let end = first.saturating_add(needed);
         if end > (prompt_len / bs) as u64 {
             return Err(format!(
                 "{num_computed_tokens} computed and {num_external_tokens} external tokens exceed the \
@@ -524,7 +542,9 @@ impl ConnectorScheduler {
         if let Some(params) = params.filter(|p| p.do_remote_prefill) {
             // Finished before its blocks were allocated (aborted while queued): nothing will be
             // read, but the prefill engine is told to free now rather than at the lease's end.
-            if let Some((remote, groups)) = self.offered(request_id, params).filter(|_| params.has_remote_blocks()) {
+            if let Some((remote, groups)) =
+                self.offered(request_id, params).filter(|_| params.has_remote_blocks())
+            {
                 debug!(%request_id, "finished before its load: notify the prefill engine only");
                 self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
             }
@@ -534,7 +554,8 @@ impl ConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !keeps {
             return FinishOutcome::default();
         }
-        let full_blocks = (num_computed_tokens / self.block_size()) as u64;
+        // No block position past 2^32 - 1 (a block id's range).
+        let full_blocks = ((num_computed_tokens / self.block_size()) as u64).min(u64::from(u32::MAX));
         let computed: Vec<GroupBlocks> = blocks
             .iter()
             .map(|g| {
@@ -604,6 +625,7 @@ impl ConnectorScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::BlockId;
 
     const BS: usize = 16;
 
@@ -616,12 +638,26 @@ mod tests {
             lease_duration: Duration::from_secs(30),
             instance: None,
             tp_size: 1,
+            group_windows: Vec::new(),
         })
         .unwrap()
     }
 
     fn decode_params(blocks: Vec<BlockId>) -> TransferParams {
-        TransferParams::for_decode(blocks, RemoteCoordinates::at("prefill", "10.0.0.1", 5600))
+        TransferParams::for_decode(
+            vec![GroupBlocks::whole(blocks)],
+            RemoteCoordinates::at("prefill", "10.0.0.1", 5600),
+        )
+    }
+
+    /// One group's blocks from position 0.
+    fn whole(ids: &[BlockId]) -> Vec<GroupBlocks> {
+        vec![GroupBlocks::whole(ids.to_vec())]
+    }
+
+    /// One group's new blocks, from the position after `computed` tokens.
+    fn new_at(computed: usize, ids: &[BlockId]) -> Vec<GroupBlocks> {
+        vec![GroupBlocks::new((computed / BS) as u32, ids.to_vec())]
     }
 
     fn id(s: &str) -> RequestId {
@@ -647,14 +683,19 @@ mod tests {
         let mut prefill =
             ConnectorScheduler::new(SchedulerConfig { side_channel: None, ..sched().config }).unwrap();
         let asked = TransferParams { do_remote_decode: true, ..Default::default() };
-        let out =
-            prefill.request_finished(&id("p"), Some(&asked), FinishReason::LengthCapped, 2 * BS, &[4, 5]);
+        let out = prefill.request_finished(
+            &id("p"),
+            Some(&asked),
+            FinishReason::LengthCapped,
+            2 * BS,
+            &whole(&[4, 5]),
+        );
         let mut p = out.params.unwrap();
         assert_eq!((&p.remote_host, p.remote_port), (&None, None));
         let mut s = sched();
         let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
         assert_eq!(m, MatchedTokens { count: 2 * BS, load_async: true });
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, m.count).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[7, 8]), 0, m.count).unwrap();
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv[0].remote, RemoteCoordinates::by_id("prefill"));
     }
@@ -690,7 +731,8 @@ mod tests {
             }
             let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
             assert_eq!(m, MatchedTokens::default(), "case {strip}");
-            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).unwrap();
+            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[7, 8]), 0, 2 * BS)
+                .unwrap();
             assert!(!p.do_remote_prefill, "at most one transfer");
             assert!(s.build_connector_meta(Instant::now()).reqs_to_recv.is_empty());
         }
@@ -701,16 +743,17 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11, 12]);
         s.get_num_new_matched_tokens(&id("r"), 3 * BS + 1, Some(&p), BS).unwrap();
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6, 99], BS, 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &new_at(BS, &[5, 6, 99]), BS, 2 * BS)
+            .unwrap();
         assert!(!p.do_remote_prefill);
         // A second allocation for the same request triggers nothing.
-        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 3 * BS + 1, Some(&mut p), &new_at(0, &[5, 6]), 0, 2 * BS)
+            .unwrap();
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         let r = &meta.reqs_to_recv[0];
-        assert_eq!(r.local_block_ids, vec![5, 6]);
-        assert_eq!(r.remote_block_ids, vec![10, 11, 12], "as offered");
-        assert_eq!(r.remote_read_from, 1, "the first block hit the local prefix cache");
+        assert_eq!(r.local_block_ids, new_at(BS, &[5, 6]), "the first block hit the local prefix cache");
+        assert_eq!(r.remote_block_ids, whole(&[10, 11, 12]), "as offered");
         assert_eq!(r.remote.engine_id, "prefill".into());
         assert_eq!(s.num_recving(), 1);
         assert!(s.build_connector_meta(Instant::now()).is_empty(), "the record is cleared");
@@ -723,7 +766,7 @@ mod tests {
         let m = s.get_num_new_matched_tokens(&id("r"), 2 * BS + 3, Some(&p), 2 * BS).unwrap();
         assert_eq!(m, MatchedTokens::default());
         // The engine allocates a block for its own computation of the tail: not a load target.
-        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS + 3, Some(&mut p), &new_at(0, &[42]), 0, 0).unwrap();
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
@@ -736,7 +779,8 @@ mod tests {
         let mut p = decode_params(vec![]);
         let m = s.get_num_new_matched_tokens(&id("r"), 5 * BS, Some(&p), 0).unwrap();
         assert_eq!(m, MatchedTokens::default());
-        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &[1, 2, 3, 4, 5], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("r"), 5 * BS, Some(&mut p), &new_at(0, &[1, 2, 3, 4, 5]), 0, 0)
+            .unwrap();
         assert!(s.build_connector_meta(Instant::now()).is_empty(), "nothing held remotely: nothing to free");
     }
 
@@ -744,10 +788,15 @@ mod tests {
     fn alloc_with_too_few_blocks_is_an_error() {
         let mut s = sched();
         let mut p = decode_params(vec![1, 2]);
-        let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 2 * BS).unwrap_err();
+        let e = s
+            .update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[7]), 0, 2 * BS)
+            .unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
         let mut p = decode_params(vec![1]);
-        assert!(s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7, 8], 0, 2 * BS).is_err());
+        assert!(
+            s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[7, 8]), 0, 2 * BS)
+                .is_err()
+        );
     }
 
     #[test]
@@ -755,7 +804,13 @@ mod tests {
         let mut s = sched();
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
         // 2 full blocks and a partial one: the partial block is not offered.
-        let out = s.request_finished(&id("a"), Some(&p), FinishReason::LengthCapped, 2 * BS + 5, &[3, 4, 5]);
+        let out = s.request_finished(
+            &id("a"),
+            Some(&p),
+            FinishReason::LengthCapped,
+            2 * BS + 5,
+            &whole(&[3, 4, 5]),
+        );
         assert!(out.delay_free);
         let params = out.params.unwrap();
         let nonce_a = params.kvx_hold_nonce.unwrap();
@@ -770,17 +825,18 @@ mod tests {
         );
         assert_eq!(params.kvx_offer_mac, None, "no key, no MAC");
         // Exactly 2 full blocks, a third allocated for the next token: only 2 offered.
-        let out = s.request_finished(&id("b"), Some(&p), FinishReason::LengthCapped, 2 * BS, &[6, 7, 8]);
+        let out =
+            s.request_finished(&id("b"), Some(&p), FinishReason::LengthCapped, 2 * BS, &whole(&[6, 7, 8]));
         let params_b = out.params.unwrap();
-        assert_eq!(params_b.remote_block_ids, Some(vec![6, 7]));
+        assert_eq!(params_b.remote_block_ids, Some(vec![vec![6, 7]]));
         let nonce_b = params_b.kvx_hold_nonce.unwrap();
         assert_ne!(nonce_a, nonce_b, "every hold has its own nonce");
         // Zero computed tokens is not "all full".
-        let out = s.request_finished(&id("c"), Some(&p), FinishReason::LengthCapped, 0, &[9]);
+        let out = s.request_finished(&id("c"), Some(&p), FinishReason::LengthCapped, 0, &whole(&[9]));
         assert!(!out.delay_free);
-        assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![]));
+        assert_eq!(out.params.unwrap().remote_block_ids, Some(vec![vec![]]));
         // Shorter than a block: free now.
-        let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &[9]);
+        let out = s.request_finished(&id("d"), Some(&p), FinishReason::LengthCapped, 5, &whole(&[9]));
         assert!(!out.delay_free);
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(
@@ -801,19 +857,19 @@ mod tests {
         let p = TransferParams { do_remote_decode: true, ..Default::default() };
         for reason in [FinishReason::LengthCapped, FinishReason::Stopped] {
             assert!(
-                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]).delay_free,
+                s.request_finished(&id("a"), Some(&p), reason, 64, &whole(&[1, 2, 3, 4])).delay_free,
                 "{reason:?}"
             );
         }
         s.update_finished(&Finished { sending: vec![id("a")], ..Default::default() });
         for reason in [FinishReason::Aborted, FinishReason::Error] {
             assert_eq!(
-                s.request_finished(&id("a"), Some(&p), reason, 64, &[1, 2, 3, 4]),
+                s.request_finished(&id("a"), Some(&p), reason, 64, &whole(&[1, 2, 3, 4])),
                 FinishOutcome::default()
             );
         }
         assert_eq!(
-            s.request_finished(&id("a"), None, FinishReason::LengthCapped, 64, &[1, 2, 3, 4]),
+            s.request_finished(&id("a"), None, FinishReason::LengthCapped, 64, &whole(&[1, 2, 3, 4])),
             FinishOutcome::default()
         );
         assert!(s.is_idle());
@@ -824,8 +880,8 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
         s.get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
-        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5, 6]);
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[5, 6]), 0, 2 * BS).unwrap();
+        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &whole(&[5, 6]));
         assert!(!out.delay_free, "no READ will target the blocks: free them now");
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
@@ -838,9 +894,9 @@ mod tests {
         let mut s = sched();
         let mut p = decode_params(vec![10]);
         s.get_num_new_matched_tokens(&id("r"), BS, Some(&p), 0).unwrap();
-        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &[5], 0, BS).unwrap();
+        s.update_state_after_alloc(&id("r"), BS, Some(&mut p), &new_at(0, &[5]), 0, BS).unwrap();
         s.build_connector_meta(Instant::now());
-        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &[5]);
+        let out = s.request_finished(&id("r"), Some(&p), FinishReason::Aborted, 0, &whole(&[5]));
         assert!(out.delay_free);
         s.update_finished(&Finished {
             failed_recving: vec![FailedRecv {
@@ -873,14 +929,14 @@ mod tests {
         // tokens: neither a second load nor a notify-only message may follow.
         let mut s = sched();
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[5, 6], 0, 2 * BS).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[5, 6]), 0, 2 * BS).unwrap();
         assert_eq!(s.build_connector_meta(Instant::now()).reqs_to_recv.len(), 1);
-        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &[7], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new_at(0, &[7]), 0, 0).unwrap();
         assert!(s.build_connector_meta(Instant::now()).is_empty());
         // Notify-only, twice: one message.
         let mut p = decode_params(vec![10, 11]);
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
-        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &[42], 0, 0).unwrap();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &new_at(0, &[42]), 0, 0).unwrap();
+        s.update_state_after_alloc(&id("n"), 2 * BS + 3, Some(&mut p), &new_at(0, &[42]), 0, 0).unwrap();
         let meta = s.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].is_notify_only());
@@ -891,8 +947,13 @@ mod tests {
         // Prefill: request_finished names its own request in the params it returns.
         let mut prefill = sched();
         let held = TransferParams { do_remote_decode: true, ..Default::default() };
-        let out =
-            prefill.request_finished(&id("cmpl-p"), Some(&held), FinishReason::LengthCapped, 2 * BS, &[3, 4]);
+        let out = prefill.request_finished(
+            &id("cmpl-p"),
+            Some(&held),
+            FinishReason::LengthCapped,
+            2 * BS,
+            &whole(&[3, 4]),
+        );
         // The params cross to the decode engine as JSON (through the proxy), per-group block ids.
         let json = out.params.unwrap().to_json();
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -902,9 +963,16 @@ mod tests {
         // Decode: a load and a notify-only request both carry the prefill engine's id.
         let mut decode = sched();
         decode
-            .update_state_after_alloc(&id("cmpl-d"), 2 * BS, Some(&mut p.clone()), &[5, 6], 0, 2 * BS)
+            .update_state_after_alloc(
+                &id("cmpl-d"),
+                2 * BS,
+                Some(&mut p.clone()),
+                &new_at(0, &[5, 6]),
+                0,
+                2 * BS,
+            )
             .unwrap();
-        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &[], 0, 0).unwrap();
+        decode.update_state_after_alloc(&id("cmpl-d2"), 2 * BS, Some(&mut p), &new_at(0, &[]), 0, 0).unwrap();
         let mut reqs = decode.build_connector_meta(Instant::now()).reqs_to_recv;
         reqs.sort_by(|a, b| a.request_id.as_str().cmp(b.request_id.as_str()));
         assert_eq!(reqs.len(), 2);
@@ -915,7 +983,7 @@ mod tests {
         assert!(!reqs[0].is_notify_only() && reqs[1].is_notify_only());
         // Without it (an older peer), the notification names the decode engine's own id.
         let mut old = decode_params(vec![1]);
-        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &[9], 0, BS).unwrap();
+        decode.update_state_after_alloc(&id("same"), BS, Some(&mut old), &new_at(0, &[9]), 0, BS).unwrap();
         let meta = decode.build_connector_meta(Instant::now());
         assert_eq!(meta.reqs_to_recv[0].prefill_request_id(), &id("same"));
         // And it survives the wire encoding to the workers.
@@ -936,18 +1004,30 @@ mod tests {
             ConnectorScheduler::new(SchedulerConfig { auth_key: Some(key.clone()), ..sched().config })
                 .unwrap();
         let held = TransferParams { do_remote_decode: true, ..Default::default() };
-        let out =
-            prefill.request_finished(&id("p1"), Some(&held), FinishReason::LengthCapped, 3 * BS, &[7, 8, 9]);
+        let out = prefill.request_finished(
+            &id("p1"),
+            Some(&held),
+            FinishReason::LengthCapped,
+            3 * BS,
+            &whole(&[7, 8, 9]),
+        );
         let mut params = TransferParams::from_json(&out.params.unwrap().to_json()).unwrap();
         let mut decode = sched();
         decode
-            .update_state_after_alloc(&id("d1"), 2 * BS + 1, Some(&mut params), &[1, 2], 0, 2 * BS)
+            .update_state_after_alloc(
+                &id("d1"),
+                2 * BS + 1,
+                Some(&mut params),
+                &new_at(0, &[1, 2]),
+                0,
+                2 * BS,
+            )
             .unwrap();
         let r = decode.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
-        assert_eq!((r.remote_block_ids.as_slice(), r.remote_read_from), (&[7, 8, 9][..], 0));
+        assert_eq!(r.remote_block_ids, whole(&[7, 8, 9]));
         r.offer().unwrap().verify(&key, r.mac.as_ref()).unwrap();
         let mut forged = r.clone();
-        forged.remote_block_ids[2] = 3;
+        forged.remote_block_ids[0].ids[2] = 3;
         assert!(forged.offer().unwrap().verify(&key, forged.mac.as_ref()).is_err());
     }
 
@@ -957,7 +1037,7 @@ mod tests {
             let mut s =
                 ConnectorScheduler::with_nonces(sched().config, NonceSource::from_seed(seed)).unwrap();
             let held = TransferParams { do_remote_decode: true, ..Default::default() };
-            s.request_finished(&id("a"), Some(&held), FinishReason::LengthCapped, BS, &[1])
+            s.request_finished(&id("a"), Some(&held), FinishReason::LengthCapped, BS, &whole(&[1]))
                 .params
                 .unwrap()
                 .kvx_hold_nonce
@@ -968,8 +1048,13 @@ mod tests {
 
     fn offered(prefill: &mut ConnectorScheduler, id_: &str) -> TransferParams {
         let held = TransferParams { do_remote_decode: true, ..Default::default() };
-        let out =
-            prefill.request_finished(&id(id_), Some(&held), FinishReason::LengthCapped, 2 * BS, &[3, 4]);
+        let out = prefill.request_finished(
+            &id(id_),
+            Some(&held),
+            FinishReason::LengthCapped,
+            2 * BS,
+            &whole(&[3, 4]),
+        );
         out.params.unwrap()
     }
 
@@ -992,8 +1077,8 @@ mod tests {
         assert_eq!(beats[0].holds[0].nonce, a.kvx_hold_nonce.unwrap());
         assert!(s.build_connector_meta(t0 + sixth + sixth / 2).heartbeats.is_empty());
         // "a" is loading: still renewed until its load is reported; "b" finishes while queued.
-        s.update_state_after_alloc(&id("a"), 2 * BS, Some(&mut a), &[1, 2], 0, 2 * BS).unwrap();
-        s.request_finished(&id("b"), Some(&b), FinishReason::Aborted, 0, &[]);
+        s.update_state_after_alloc(&id("a"), 2 * BS, Some(&mut a), &new_at(0, &[1, 2]), 0, 2 * BS).unwrap();
+        s.request_finished(&id("b"), Some(&b), FinishReason::Aborted, 0, &whole(&[]));
         let meta = s.build_connector_meta(t0 + 2 * sixth);
         assert_eq!(meta.heartbeats[0].holds.len(), 1);
         assert_eq!(meta.reqs_to_recv.len(), 2, "a's load, and b's release though it never ran");
@@ -1028,14 +1113,103 @@ mod tests {
         let mut s = sched();
         // 3 blocks offered, 1 cached locally: at most 2 may load, from the second remote block.
         let mut p = decode_params(vec![10, 11, 12]);
-        let e =
-            s.update_state_after_alloc(&id("r"), 3 * BS, Some(&mut p), &[5, 6, 7], BS, 3 * BS).unwrap_err();
+        let e = s
+            .update_state_after_alloc(&id("r"), 3 * BS, Some(&mut p), &new_at(BS, &[5, 6, 7]), BS, 3 * BS)
+            .unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
         let meta = s.build_connector_meta(Instant::now());
         assert!(meta.reqs_to_recv[0].is_notify_only(), "the prefill engine is still told to free");
         let mut p = decode_params(vec![10, 11, 12]);
-        s.update_state_after_alloc(&id("q"), 3 * BS, Some(&mut p), &[5], 2 * BS, BS).unwrap();
+        s.update_state_after_alloc(&id("q"), 3 * BS, Some(&mut p), &new_at(2 * BS, &[5]), 2 * BS, BS)
+            .unwrap();
         let r = s.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
-        assert_eq!((r.local_block_ids, r.remote_read_from), (vec![5], 2));
+        assert_eq!(r.local_block_ids, new_at(2 * BS, &[5]), "read from the third remote block");
+    }
+
+    /// A scheduler for a model with a sliding-window group of two blocks and a full-attention group.
+    fn hybrid() -> ConnectorScheduler {
+        ConnectorScheduler::new(SchedulerConfig {
+            group_windows: vec![Some(2 * BS as u32), None],
+            ..sched().config
+        })
+        .unwrap()
+    }
+
+    /// What a hybrid prefill engine offers after computing `tokens`, holding the blocks `sliding`
+    /// (from position `first`) and `full`.
+    fn hybrid_offer(tokens: usize, first: u32, sliding: &[BlockId], full: &[BlockId]) -> TransferParams {
+        let held = TransferParams { do_remote_decode: true, ..Default::default() };
+        let blocks = [GroupBlocks::new(first, sliding.to_vec()), GroupBlocks::whole(full.to_vec())];
+        hybrid()
+            .request_finished(&id("p"), Some(&held), FinishReason::LengthCapped, tokens, &blocks)
+            .params
+            .unwrap()
+    }
+
+    #[test]
+    fn a_hybrid_model_offers_each_group_and_loads_only_the_window_of_a_sliding_group() {
+        // 4 full blocks and a partial one; the sliding group dropped positions 0 and 1.
+        let mut p = hybrid_offer(4 * BS + 3, 2, &[20, 21, 22], &[1, 2, 3, 4, 5]);
+        let v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
+        assert_eq!(v["remote_block_ids"], serde_json::json!([[20, 21], [1, 2, 3, 4]]), "full blocks only");
+        assert_eq!(v["kvx_group_first"], serde_json::json!([2, 0]));
+        let mut s = hybrid();
+        let m = s.get_num_new_matched_tokens(&id("r"), 4 * BS + 3, Some(&p), 0).unwrap();
+        assert_eq!(m, MatchedTokens { count: 4 * BS, load_async: true });
+        // The engine allocated the sliding group from position 2 (its window), the full one whole.
+        let new = [GroupBlocks::new(2, vec![50, 51, 52]), GroupBlocks::whole(vec![60, 61, 62, 63, 64])];
+        s.update_state_after_alloc(&id("r"), 4 * BS + 3, Some(&mut p), &new, 0, m.count).unwrap();
+        let r = s.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
+        assert_eq!(
+            r.local_block_ids,
+            [GroupBlocks::new(2, vec![50, 51]), GroupBlocks::whole(vec![60, 61, 62, 63])]
+        );
+        let (local, remote) = r.read_pairs().unwrap();
+        assert_eq!((&local[..], &remote[..]), (&[50, 51, 60, 61, 62, 63][..], &[20, 21, 1, 2, 3, 4][..]));
+        // With a local prefix hit of 3 blocks, one block of each group loads.
+        let mut p = hybrid_offer(4 * BS + 3, 2, &[20, 21], &[1, 2, 3, 4]);
+        let m = s.get_num_new_matched_tokens(&id("q"), 4 * BS + 3, Some(&p), 3 * BS).unwrap();
+        assert_eq!(m.count, BS);
+        let new = [GroupBlocks::new(3, vec![53, 54]), GroupBlocks::new(3, vec![65, 66])];
+        s.update_state_after_alloc(&id("q"), 4 * BS + 3, Some(&mut p), &new, 3 * BS, m.count).unwrap();
+        let r = s.build_connector_meta(Instant::now()).reqs_to_recv.remove(0);
+        assert_eq!(r.read_pairs().unwrap().1.as_ref(), [21, 4]);
+    }
+
+    #[test]
+    fn a_window_block_the_prefill_engine_dropped_is_computed_locally_not_loaded() {
+        // 79 tokens computed: the window of the next token starts at token 48 (position 3), so
+        // the prefill engine dropped position 2; a decode engine loading 4 blocks recomputes
+        // token 64 first, whose window reaches back to position 2.
+        let p = hybrid_offer(5 * BS - 1, 3, &[23], &[1, 2, 3, 4]);
+        let s = hybrid();
+        assert_eq!(
+            s.get_num_new_matched_tokens(&id("r"), 5 * BS - 1, Some(&p), 0).unwrap(),
+            MatchedTokens::default()
+        );
+        // One token more and it fits again: 80 tokens keep positions 3 and 4; 5 blocks load.
+        let p = hybrid_offer(5 * BS, 3, &[23, 24], &[1, 2, 3, 4, 5]);
+        assert_eq!(s.get_num_new_matched_tokens(&id("r"), 5 * BS, Some(&p), 0).unwrap().count, 5 * BS);
+    }
+
+    #[test]
+    fn groups_that_are_not_this_engines_load_nothing_and_a_misfit_allocation_still_frees() {
+        // A one-group offer to a hybrid engine, and a hybrid offer to a one-group engine.
+        let one = decode_params(vec![1, 2]);
+        assert_eq!(hybrid().get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&one), 0).unwrap().count, 0);
+        let two = hybrid_offer(2 * BS, 0, &[7, 8], &[1, 2]);
+        assert_eq!(sched().get_num_new_matched_tokens(&id("r"), 2 * BS, Some(&two), 0).unwrap().count, 0);
+        // An allocation that misses a block the window needs, or a group: refused, and the prefill
+        // engine is told to free.
+        for new in [
+            vec![GroupBlocks::new(1, vec![50]), GroupBlocks::whole(vec![60, 61])],
+            vec![GroupBlocks::whole(vec![60, 61])],
+        ] {
+            let mut s = hybrid();
+            let mut p = two.clone();
+            let e = s.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &new, 0, 2 * BS).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{new:?}");
+            assert!(s.build_connector_meta(Instant::now()).reqs_to_recv[0].is_notify_only());
+        }
     }
 }

@@ -16,7 +16,7 @@ use crate::ids::{AgentName, EngineId};
 pub mod agent_metadata;
 
 /// The wire-format version. Bump it on any incompatible change of a message.
-pub const WIRE_VERSION: u16 = 4;
+pub const WIRE_VERSION: u16 = 5;
 
 const MAGIC: [u8; 4] = *b"KVX1";
 

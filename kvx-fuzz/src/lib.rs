@@ -286,7 +286,8 @@ pub mod dict {
             "held",
             "holds",
             "heartbeats",
-            "remote_read_from",
+            "first",
+            "ids",
         ];
         let mut dict: Vec<Vec<u8>> = words.iter().filter_map(|w| rmp_serde::to_vec(w).ok()).collect();
         dict.extend([
@@ -314,6 +315,7 @@ pub mod dict {
             "\"do_remote_prefill\":true,",
             "\"do_remote_decode\":true,",
             "\"remote_block_ids\":",
+            "\"kvx_group_first\":[",
             "\"remote_engine_id\":\"prefill-0\",",
             "\"remote_request_id\":\"cmpl-1-0\",",
             "\"remote_host\":\"10.0.0.1\",",

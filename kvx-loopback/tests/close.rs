@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvx_core::{
-    GroupBlocks,
-    BlockList, ConnectorMetadata, ConnectorWorker, DlistOwner, ErrorKind, HeldRequest, HexBytes, HostMemory,
-    KvMemory, LayerCache, MemKind, PeerLocator, RecvRequest, RemoteCoordinates, RequestId, TransferAgent,
-    WorkerCommand, WorkerConfig,
+    BlockList, ConnectorMetadata, ConnectorWorker, DlistOwner, ErrorKind, GroupBlocks, HeldRequest, HexBytes,
+    HostMemory, KvMemory, LayerCache, MemKind, PeerLocator, RecvRequest, RemoteCoordinates, RequestId,
+    TransferAgent, WorkerCommand, WorkerConfig,
 };
 use kvx_loopback::Fabric;
 

@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    GroupBlocks,
-    Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, Handshakes, HeldRequest,
-    HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RecvRequest,
+    Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, GroupBlocks, Handshakes,
+    HeldRequest, HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RecvRequest,
     RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
 };
 use kvx_loopback::Fabric;

@@ -10,9 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvx_core::{
-    GroupBlocks,
-    AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, HexBytes,
-    HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
+    AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, GroupBlocks,
+    HexBytes, HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
     RemoteCoordinates, Result, TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
 };
 use kvx_loopback::{Fabric, Faults, LoopbackAgent};

@@ -15,10 +15,10 @@
 mod common;
 
 use common::*;
-use kvx_core::{ErrorKind, FinishReason, RequestId};
+use kvx_core::{ErrorKind, FinishReason};
 use kvx_loopback::Faults;
 use kvx_testkit::matrix::{assert_failed, step_until};
-use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, ModelSpec, RequestState, SimEngine};
+use kvx_testkit::sim::{EngineConfig, HeadLayout, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -45,38 +45,11 @@ fn hybrid() -> ModelSpec {
     ])
 }
 
-/// An engine `name` of TP `tp` for `model`, in `lb`'s simulated time.
-fn engine(lb: &Loopback, name: &str, model: &ModelSpec, tp: u32) -> SimEngine {
-    lb.engine(EngineConfig { tp, ..lb.config(name, model) })
-}
-
-/// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
-fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
-    lb.cluster_of(vec![engine(lb, "prefill", model, p)], engine(lb, "decode", model, d))
-}
-
-/// Every hold of every rank of `prefill` was released by its readers; none expired.
-#[track_caller]
-fn assert_no_hold_expired(prefill: &SimEngine, what: &str) {
-    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
-    assert_eq!(expired, vec![0; expired.len()], "{what}: holds expired per rank of {}", prefill.engine_id());
-}
-
 /// Blocks a decode engine of TP `d` checks when it loaded `tokens` tokens of `model` (no windows):
 /// every block on every rank, layer and region.
 fn verified(model: &ModelSpec, d: u32, tokens: u64) -> u64 {
     let regions = u64::from(model.kind().regions_per_layer());
     tokens / BS as u64 * model.num_layers() as u64 * regions * u64::from(d)
-}
-
-/// Submits `id` with `prompt`, 2 tokens to generate.
-fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
-    c.submit(id.clone(), prompt, 2).unwrap_or_else(|e| panic!("submitting {id}: {e}"));
-}
-
-#[track_caller]
-fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
-    assert_eq!(e.state(id), Some(&state), "{what}: {id}");
 }
 
 /// The workload on a prefill engine of TP `p` and a decode engine of TP `d`: two waves of random
@@ -108,32 +81,9 @@ fn run_pair(model: &ModelSpec, (p, d): (u32, u32), seed: u64) {
             }
         }
     }
-    // Aborted at the prefill engine before its first step.
-    let early = id("abort-at-prefill");
-    submit(&mut c, &early, prompt(seed + 1, 2 * BS + 3));
-    c.abort(&early);
-    // Aborted at the decode engine while its KV is on the way.
-    let loading = id("abort-while-loading");
-    submit(&mut c, &loading, prompt(seed + 2, 3 * BS + 1));
-    step_until(&mut c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
-        matches!(
-            c.decodes[0].state(&loading),
-            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
-        )
-    });
-    c.abort(&loading);
-    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
-
-    assert_clean(&c);
+    abort_at_both_and_finish(&mut c, &served, seed, &what);
     let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
-    for rid in &served {
-        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), &what);
-    }
-    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), &what);
-    assert_eq!(decode.state(&early), None, "{what}: {early} never reached the decode engine");
-    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), &what);
     let s = decode.stats();
-    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
     assert!(s.tokens_cached >= 3 * BS as u64, "{what}: the second wave hit the shared prefix: {s:?}");
     // Every loaded block was checked on every decode rank, in every layer within its window.
     let regions = u64::from(model.kind().regions_per_layer());

@@ -838,4 +838,3 @@ fn per_head(list: &BlockList, heads: u32) -> BlockList {
 fn head_units(blocks: &[BlockId], per_block: u32, first: u32, count: u32) -> Vec<BlockId> {
     blocks.iter().flat_map(|&b| (0..count).map(move |h| b * per_block + first + h)).collect()
 }
-

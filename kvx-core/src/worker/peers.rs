@@ -14,6 +14,7 @@ use super::{ConnectorWorker, WorkerCommand};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exchange::PeerLocator;
 use crate::ids::{AgentName, EngineId};
+use crate::meta::HoldRelease;
 use crate::params::{Endpoint, RemoteCoordinates};
 use crate::tp::{HeadSplit, MAX_TP};
 use crate::transfer::{BlockList, DlistId, DlistOwner};
@@ -262,6 +263,8 @@ impl ConnectorWorker {
                         releases.push(release);
                     }
                 }
+                // A notify-only request's release: a refused peer can still be told below.
+                Waiter::Message(msg) if wire::decode::<HoldRelease>(&msg).is_ok() => releases.push(msg),
                 Waiter::Message(_) => self.stats.unsent_messages += 1,
             }
         }

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::auth::Nonce;
-use crate::ids::{AgentName, BlockId};
+use crate::ids::{AgentName, BlockId, GroupBlocks};
 use crate::memory::HostMemory;
 use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
@@ -187,14 +187,18 @@ fn answer(posts: &Mutex<Vec<Posted>>, id: &str, held: bool) -> Notification {
     notif(&wire::encode(&HoldStatus { request_id: id.into(), nonce: nonce_of(id), held, token }).unwrap())
 }
 
+/// One group's blocks `ids` from position `first`.
+fn at(first: u32, ids: Vec<BlockId>) -> Vec<GroupBlocks> {
+    vec![GroupBlocks::new(first, ids)]
+}
+
 /// A load of `local` blocks from the last `local.len()` of the `remote` blocks offered.
 fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
     RecvRequest {
         request_id: id.into(),
         remote_request_id: None,
-        remote_read_from: remote.len().saturating_sub(local.len()) as u32,
-        local_block_ids: local,
-        remote_block_ids: remote,
+        local_block_ids: vec![GroupBlocks::new(remote.len().saturating_sub(local.len()) as u32, local)],
+        remote_block_ids: vec![GroupBlocks::whole(remote)],
         remote: RemoteCoordinates::at("prefill", "h", 5600),
         nonce: Some(nonce_of(id)),
         mac: None,
@@ -289,6 +293,28 @@ fn windowed_layers_read_only_their_last_blocks() {
     assert_eq!(posts[0].local, vec![1, 2, 9, 10, 18, 26]);
     assert_eq!(posts[0].remote, vec![3, 4, 19, 20, 36, 52]);
     assert_eq!((w.stats().descriptors, w.stats().block_descriptors), (4, 6));
+}
+
+#[test]
+fn the_groups_of_a_hybrid_model_read_their_blocks_at_the_same_positions_into_every_region() {
+    // vLLM overlays the layers of its KV-cache groups on the same regions: a group's blocks are
+    // read, in every region, from the offered blocks of that group at the same positions.
+    let posts = Arc::new(Mutex::new(vec![]));
+    let mut w = worker_with(agent(posts.clone(), |_| {}), 0, &[None, None]);
+    let req = RecvRequest {
+        // Sliding group: positions 2 and 3 (its window); full group: positions 1 to 3.
+        local_block_ids: vec![GroupBlocks::new(2, vec![5, 6]), GroupBlocks::new(1, vec![1, 2, 3])],
+        remote_block_ids: vec![GroupBlocks::new(1, vec![7, 8, 9]), GroupBlocks::whole(vec![10, 11, 12, 13])],
+        ..recv("a", vec![], vec![])
+    };
+    start_and_handshake(&mut w, Instant::now(), vec![req]);
+    let posts = posts.lock().unwrap();
+    assert_eq!(posts.len(), 1, "one READ for both groups");
+    // Pairs 5<-8, 6<-9, 1<-11, 2<-12, 3<-13 in region 0 (K0); region 1 adds 8 locally, 16 remotely.
+    assert_eq!(posts[0].local[..5], [5, 6, 1, 2, 3]);
+    assert_eq!(posts[0].remote[..5], [8, 9, 11, 12, 13]);
+    assert_eq!(posts[0].local[5..10], [13, 14, 9, 10, 11]);
+    assert_eq!(posts[0].remote[5..10], [24, 25, 27, 28, 29]);
 }
 
 #[test]
@@ -495,8 +521,33 @@ fn bad_peer_inputs_fail_the_request_and_transfer_nothing() {
         ("remote id past the remote pool", recv("r", vec![1], vec![16])),
         ("local id past the local pool", recv("r", vec![8], vec![1])),
         ("more local than remote blocks", recv("r", vec![1, 2], vec![1])),
-        ("read window past the offer", RecvRequest { remote_read_from: 1, ..recv("r", vec![1], vec![1]) }),
-        ("read window overflows", RecvRequest { remote_read_from: u32::MAX, ..recv("r", vec![1], vec![1]) }),
+        (
+            "read window past the offer",
+            RecvRequest { local_block_ids: at(1, vec![1]), ..recv("r", vec![1], vec![1]) },
+        ),
+        (
+            "read window overflows",
+            RecvRequest { local_block_ids: at(u32::MAX, vec![1]), ..recv("r", vec![1], vec![1]) },
+        ),
+        (
+            "read before the offer",
+            RecvRequest { remote_block_ids: at(1, vec![1]), ..recv("r", vec![1], vec![1]) },
+        ),
+        (
+            "more groups to load than offered",
+            RecvRequest {
+                local_block_ids: vec![GroupBlocks::whole(vec![1]), GroupBlocks::whole(vec![2])],
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
+        (
+            "a block loaded twice across groups",
+            RecvRequest {
+                local_block_ids: vec![GroupBlocks::whole(vec![1]), GroupBlocks::whole(vec![1])],
+                remote_block_ids: vec![GroupBlocks::whole(vec![1]), GroupBlocks::whole(vec![2])],
+                ..recv("r", vec![1], vec![1])
+            },
+        ),
         ("no nonce: not a kvx offer", RecvRequest { nonce: None, ..recv("r", vec![1], vec![1]) }),
         ("notify-only without a nonce", RecvRequest { nonce: None, ..recv("r", vec![], vec![1]) }),
         (
@@ -724,7 +775,7 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
         }),
         (
             "another request's blocks",
-            RecvRequest { remote_block_ids: vec![5], ..signed(recv("a", vec![1], vec![1])) },
+            RecvRequest { remote_block_ids: at(0, vec![5]), ..signed(recv("a", vec![1], vec![1])) },
         ),
         (
             "another request's id",

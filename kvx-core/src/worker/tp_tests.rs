@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::auth::Nonce;
-use crate::ids::{AgentName, BlockId};
+use crate::ids::{AgentName, BlockId, GroupBlocks};
 use crate::memory::HostMemory;
 use crate::meta::{HeldRequest, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
@@ -153,9 +153,8 @@ fn recv(local: Vec<BlockId>, remote: Vec<BlockId>, tp: u32) -> RecvRequest {
     RecvRequest {
         request_id: "r".into(),
         remote_request_id: None,
-        local_block_ids: local,
-        remote_block_ids: remote,
-        remote_read_from: 0,
+        local_block_ids: vec![GroupBlocks::whole(local)],
+        remote_block_ids: vec![GroupBlocks::whole(remote)],
         remote: RemoteCoordinates::at("prefill", "h", 5600),
         nonce: Some(nonce()),
         mac: None,

@@ -2,8 +2,8 @@
 
 use kvx_core::wire;
 use kvx_core::{
-    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, Finished, Nonce, Offer,
-    RequestId, SchedulerConfig, TransferParams,
+    AuthKey, BlockId, ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, Finished, GroupBlocks,
+    Nonce, Offer, RequestId, SchedulerConfig, TransferParams,
 };
 
 use crate::input::ByteSource;
@@ -44,7 +44,12 @@ pub fn transfer_params(data: &[u8]) {
     drive_schedulers(&params, &mut ByteSource::new(picks));
 }
 
-fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option<ConnectorScheduler> {
+fn scheduler(
+    engine: &str,
+    block_size: u32,
+    auth_key: Option<AuthKey>,
+    group_windows: Vec<Option<u32>>,
+) -> Option<ConnectorScheduler> {
     ConnectorScheduler::new(SchedulerConfig {
         engine_id: engine.into(),
         block_size,
@@ -53,18 +58,27 @@ fn scheduler(engine: &str, block_size: u32, auth_key: Option<AuthKey>) -> Option
         lease_duration: std::time::Duration::from_secs(30),
         instance: None,
         tp_size: 1,
+        group_windows,
     })
     .ok()
 }
 
 fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     let block_size = [16, 1, 3, 256, u32::MAX, 0][src.below(6)];
-    let Some(mut decode) = scheduler("decode", block_size, None) else {
+    let offered_groups = params.remote_groups().unwrap_or_default();
+    // One full-attention group, a sliding window of two blocks and a full group, or as many
+    // full-attention groups as offered.
+    let windows = match src.below(3) {
+        0 => Vec::new(),
+        1 => vec![Some(block_size.saturating_mul(2)), None],
+        _ => vec![None; offered_groups.len().min(8)],
+    };
+    let Some(mut decode) = scheduler("decode", block_size, None, windows.clone()) else {
         assert_eq!(block_size, 0, "a scheduler with block size {block_size} refused");
         return;
     };
     let bs = block_size as usize;
-    let offered = params.remote_blocks().len();
+    let offered = offered_groups.iter().map(GroupBlocks::end).max().unwrap_or(0) as usize;
     let prompt_len = match src.below(6) {
         0 => offered.saturating_mul(bs).saturating_add(3),
         1 => 0,
@@ -87,7 +101,7 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     if let Ok(m) = matched {
         assert!(m.count % bs == 0, "{} matched tokens are not whole blocks of {bs}", m.count);
         assert!(m.count <= prompt_len, "{} matched tokens for a {prompt_len}-token prompt", m.count);
-        assert!(m.count / bs <= offered, "{} matched tokens but {offered} blocks offered", m.count);
+        assert!(m.count / bs <= offered, "{} matched tokens but {offered} block positions offered", m.count);
         assert_eq!(m.load_async, m.count > 0);
     }
     let external = match src.below(4) {
@@ -96,11 +110,24 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         2 => bs.saturating_mul(src.below(8)),
         _ => src.u32() as usize,
     };
-    let new_blocks: Vec<BlockId> = match src.below(3) {
-        0 => (0..(external / bs).min(4096) as u32).map(|b| b + 100).collect(),
-        1 => (0..src.below(64)).map(|_| src.edgy_u32()).collect(),
+    // Fresh blocks from the first uncomputed position for each group, random ones, or none.
+    let groups = windows.len().max(1);
+    let first = u32::try_from(computed / bs).unwrap_or(u32::MAX);
+    let new_blocks: Vec<GroupBlocks> = match src.below(3) {
+        0 => (0..groups as u32)
+            .map(|g| {
+                GroupBlocks::new(
+                    first,
+                    (0..(external / bs).min(4096) as u32).map(|b| 100 + g * 4096 + b).collect(),
+                )
+            })
+            .collect(),
+        1 => (0..src.below(4))
+            .map(|_| GroupBlocks::new(src.edgy_u32(), (0..src.below(64)).map(|_| src.edgy_u32()).collect()))
+            .collect(),
         _ => Vec::new(),
     };
+    let allocated: Vec<BlockId> = new_blocks.iter().flat_map(|g| g.ids.iter().copied()).collect();
     let mut alloc_params = params.clone();
     let alloc = decode.update_state_after_alloc(
         &id,
@@ -127,15 +154,15 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
             alloc.is_ok() || r.is_notify_only(),
             "a load recorded although the allocation failed: {alloc:?}, {r:?}"
         );
-        assert!(r.local_block_ids.len() <= r.remote_block_ids.len(), "{r:?}");
-        assert!(
-            r.local_block_ids.iter().all(|b| new_blocks.contains(b)),
-            "loads into unallocated blocks: {r:?}"
-        );
-        assert!(
-            r.remote_block_ids.iter().all(|b| params.remote_blocks().contains(b)),
-            "reads unoffered: {r:?}"
-        );
+        assert_eq!(r.remote_block_ids, offered_groups, "the offer as the params made it");
+        if !r.is_notify_only() {
+            let pairs = r.read_pairs();
+            let Ok((local, remote)) = &pairs else { panic!("a load whose pairs do not check: {pairs:?}") };
+            assert!(local.iter().all(|b| allocated.contains(b)), "loads into unallocated blocks: {r:?}");
+            let offered_ids: Vec<BlockId> =
+                offered_groups.iter().flat_map(|g| g.ids.iter().copied()).collect();
+            assert!(remote.iter().all(|b| offered_ids.contains(b)), "reads unoffered: {r:?}");
+        }
     }
     match wire::encode(&meta).and_then(|b| wire::decode::<ConnectorMetadata>(&b)) {
         Ok(back) => assert_eq!(back, meta),
@@ -171,7 +198,7 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
     // The same params at a prefill engine (with a key or none), for a request that stops at its
     // length cap: the params it hands out carry a nonce, and with a key a MAC that verifies.
     let key = (src.below(2) == 1).then(|| AuthKey::new("kvx-fuzz deployment key")).and_then(Result::ok);
-    let Some(mut prefill) = scheduler("prefill", block_size, key.clone()) else { return };
+    let Some(mut prefill) = scheduler("prefill", block_size, key.clone(), windows) else { return };
     let out =
         prefill.request_finished(&id, Some(params), FinishReason::LengthCapped, prompt_len, &new_blocks);
     if let Some(offered) = out.params.as_ref().filter(|p| p.do_remote_prefill) {
@@ -180,8 +207,11 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
         assert!(remote.is_some() && nonce.is_some(), "an offer without coordinates or nonce: {offered:?}");
         if let (Some(key), Some(remote), Some(nonce)) = (&key, &remote, &nonce) {
             let instance = offered.kvx_instance.as_ref();
-            let offer =
-                Offer { remote, request_id: &id, block_ids: offered.remote_blocks(), nonce, instance };
+            let groups = offered.remote_groups();
+            let Ok(groups) = &groups else {
+                panic!("a prefill engine's own offer does not parse: {groups:?}")
+            };
+            let offer = Offer { remote, request_id: &id, groups, nonce, instance };
             let verified = offer.verify(key, offered.kvx_offer_mac.as_ref());
             assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
         }

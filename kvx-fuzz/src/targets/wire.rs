@@ -6,9 +6,8 @@ use kvx_core::net::MetadataRequest;
 use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
-    GroupBlocks,
-    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, HeldRequest, HoldRelease, HoldStatus,
-    RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
+    ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, GroupBlocks, HeldRequest, HoldRelease,
+    HoldStatus, RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
 };
 
 use super::fixture::{NONCE, auth_key, must, prefill};
@@ -109,6 +108,7 @@ fn scheduler(engine: &str) -> ConnectorScheduler {
             lease_duration: std::time::Duration::from_secs(30),
             instance: None,
             tp_size: 1,
+            group_windows: Vec::new(),
         }),
         "scheduler",
     )
@@ -124,7 +124,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
         Some(&held),
         FinishReason::LengthCapped,
         4 * 3 + 1,
-        &[28, 29, 30, 31],
+        &[GroupBlocks::whole(vec![28, 29, 30, 31])],
     );
     let prefill_meta = prefill.build_connector_meta(std::time::Instant::now());
     let json = out.params.unwrap_or_default().to_json();
@@ -135,14 +135,21 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
             &"cmpl-d-0".into(),
             4 * 3 + 1,
             Some(&mut params.clone()),
-            &[0, 1, 2],
+            &[GroupBlocks::whole(vec![0, 1, 2])],
             0,
             12,
         ),
         "alloc",
     );
     must(
-        decode.update_state_after_alloc(&"cmpl-d-1".into(), 4 * 3 + 1, Some(&mut params), &[9], 12, 0),
+        decode.update_state_after_alloc(
+            &"cmpl-d-1".into(),
+            4 * 3 + 1,
+            Some(&mut params),
+            &[GroupBlocks::new(3, vec![9])],
+            12,
+            0,
+        ),
         "alloc",
     );
     let decode_meta = decode.build_connector_meta(std::time::Instant::now());

@@ -205,7 +205,9 @@ pub fn out_of_range_read(m: &Matrix) {
     let (c, _net) = m.cluster("oob");
     let mut c = c.with_client(|mut request: ClientRequest| {
         if request.0.as_str().starts_with("oob") {
-            if let Some(last) = request.3.remote_block_ids.as_mut().and_then(|g| g.last_mut()).and_then(|b| b.last_mut()) {
+            if let Some(last) =
+                request.3.remote_block_ids.as_mut().and_then(|g| g.last_mut()).and_then(|b| b.last_mut())
+            {
                 *last = NUM_BLOCKS;
             }
         }

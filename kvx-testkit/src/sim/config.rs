@@ -244,4 +244,9 @@ pub struct EngineStats {
     pub bytes_verified: u64,
     /// Received blocks whose bytes were wrong.
     pub blocks_mismatched: u64,
+    /// Block positions loaded from a remote engine, per KV-cache group (of a sliding-window group
+    /// only those its window needs), counted once whatever the ranks, layers and regions.
+    pub group_blocks_loaded: Vec<u64>,
+    /// Blocks sliding-window groups gave back to the pool as their windows moved past them.
+    pub blocks_dropped: u64,
 }

@@ -4,8 +4,9 @@
 //! - [`BlockPool`]: paged KV blocks with a prefix cache, reference counts, LRU reuse, and checks
 //!   that nothing leaks ([`BlockPool::is_whole`]) and nothing still needed is freed.
 //! - [`ModelSpec`]: the KV shape (standard attention token- or head-major, split or replicated
-//!   over the ranks, or MLA; chunked local-attention windows) and the deterministic bytes the
-//!   "model" writes, per rank of any tensor-parallel size.
+//!   over the ranks, or MLA; chunked local-attention windows per layer, or KV-cache groups of
+//!   sliding windows and full attention as vLLM's hybrid allocator keeps them) and the
+//!   deterministic bytes the "model" writes, per rank of any tensor-parallel size.
 //! - [`SimEngine`]: requests that wait, load remote KV, run and finish; a scheduler, and per
 //!   tensor-parallel rank a worker with its own agent and KV memory.
 //! - [`Cluster`]: prefill engines, decode engines and the router between them, on the system

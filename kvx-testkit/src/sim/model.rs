@@ -46,8 +46,14 @@ pub struct ModelSpec {
     pub shape: KvShape,
     /// The order of tokens and heads in a block of standard attention.
     pub layout: HeadLayout,
-    /// One entry per layer: `Some(w)` for chunked local attention over the last `w` blocks.
+    /// One entry per layer: `Some(w)` for chunked local attention over the last `w` blocks (a
+    /// model with one KV-cache group, as vLLM runs a hybrid model with its hybrid allocator off).
     pub windows: Vec<Option<u32>>,
+    /// The KV-cache groups of vLLM's hybrid allocator, one entry per group: `Some(w)` for a
+    /// sliding window of `w` tokens, `None` for full attention (`[None]`: one full-attention
+    /// group). Each layer's cache (a slot) holds that layer of every group overlaid: the groups
+    /// share one block pool, and block `b` of a slot holds the layer of whichever group owns `b`.
+    pub groups: Vec<Option<u32>>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Bytes per element.
@@ -62,6 +68,7 @@ impl ModelSpec {
             shape: KvShape::Standard { kv_heads, head_dim },
             layout: HeadLayout::Nhd,
             windows: vec![None; layers],
+            groups: vec![None],
             block_size,
             elem_size: 2,
         }
@@ -73,6 +80,7 @@ impl ModelSpec {
             shape: KvShape::Mla { latent_dim },
             layout: HeadLayout::Nhd,
             windows: vec![None; layers],
+            groups: vec![None],
             block_size,
             elem_size: 2,
         }
@@ -82,6 +90,23 @@ impl ModelSpec {
     pub fn with_windows(mut self, windows: Vec<Option<u32>>) -> Self {
         self.windows = windows;
         self
+    }
+
+    /// The same model with the KV-cache groups `groups` (see [`groups`](Self::groups)): each of
+    /// its layers holds one layer of every group.
+    pub fn with_groups(mut self, groups: Vec<Option<u32>>) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    /// The first block position group `group` keeps once `tokens` tokens are computed: 0 for
+    /// full attention; for a sliding window of `w` tokens the block of token `tokens + 1 - w`, the
+    /// first the next token attends to (vLLM's `get_num_skipped_tokens`).
+    pub fn window_start(&self, group: usize, tokens: usize) -> usize {
+        match self.groups.get(group).copied().flatten() {
+            None => 0,
+            Some(w) => (tokens + 1).saturating_sub(w as usize) / self.block_size as usize,
+        }
     }
 
     /// The same model with its standard-attention blocks in `layout` (MLA ignores it).
@@ -122,6 +147,12 @@ impl ModelSpec {
         }
         if self.windows.contains(&Some(0)) {
             return bad("a layer has a zero block window".to_owned());
+        }
+        if self.groups.is_empty() || self.groups.contains(&Some(0)) {
+            return bad(format!("KV-cache groups {:?}: none, or a zero-token window", self.groups));
+        }
+        if self.groups != [None] && self.windows.iter().any(Option::is_some) {
+            return bad("layers with their own windows take one full-attention KV-cache group".to_owned());
         }
         match self.shape {
             KvShape::Standard { kv_heads, head_dim }
@@ -189,18 +220,18 @@ impl ModelSpec {
 
     /// A tag of everything that is not in the layout but that peers must agree on.
     pub fn compat_tag(&self) -> String {
-        format!("kvx-sim/{:?}/elem{}", self.shape, self.elem_size)
+        format!("kvx-sim/{:?}/elem{}/groups{:?}", self.shape, self.elem_size, self.groups)
     }
 
-    /// The bytes that `rank` of `tp` holds in one block of `region` of `layer` for the tokens
-    /// whose prefix hashes are `prefixes`, from slot `first_slot` of the block on: hands each
-    /// contiguous piece to `put` with its offset in the block (one piece token-major, one per
-    /// local head head-major).
+    /// The bytes that `rank` of `tp` holds in one block of `region` of `layer` of KV-cache group
+    /// `group` for the tokens whose prefix hashes are `prefixes`, from slot `first_slot` of the
+    /// block on: hands each contiguous piece to `put` with its offset in the block (one piece
+    /// token-major, one per local head head-major).
     pub fn fill_block(
         &self,
         prefixes: &[u64],
         first_slot: usize,
-        layer: usize,
+        (layer, group): (usize, usize),
         region: u32,
         (rank, tp): (u32, u32),
         mut put: impl FnMut(usize, &[u8]) -> Result<()>,
@@ -209,7 +240,7 @@ impl ModelSpec {
         let head_bytes = dim as usize * self.elem_size as usize;
         let seed = |prefix: u64, h: u32| {
             let head = u64::from(self.global_head(rank, tp, h));
-            mix(mix(mix(prefix, layer as u64), u64::from(region)), head)
+            mix(mix(mix(mix(prefix, layer as u64), group as u64), u64::from(region)), head)
         };
         let mut piece = Vec::with_capacity(prefixes.len() * heads as usize * head_bytes);
         match (self.shape, self.layout) {
@@ -269,6 +300,12 @@ pub(crate) fn next_token(prefix: u64) -> u32 {
     (mix(prefix, 0x5a3e) % u64::from(VOCAB)) as u32
 }
 
+/// The hash under which KV-cache group `group` caches the block whose chained hash is `hash`
+/// (each group caches its own blocks, as vLLM's hybrid allocator does).
+pub(crate) fn group_hash(hash: BlockHash, group: usize) -> BlockHash {
+    mix(hash, 0x6772_6f75_7000 ^ group as u64)
+}
+
 /// The chained hash of a full block: its tokens and the hash of the block before it.
 pub(crate) fn block_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     tokens
@@ -284,7 +321,7 @@ mod tests {
     fn block(m: &ModelSpec, region: u32, rank: u32, tp: u32) -> Vec<u8> {
         let prefixes: Vec<u64> = (1..=u64::from(m.block_size)).collect();
         let mut out = vec![0u8; m.block_len(tp)];
-        m.fill_block(&prefixes, 0, 0, region, (rank, tp), |at, bytes| {
+        m.fill_block(&prefixes, 0, (0, 0), region, (rank, tp), |at, bytes| {
             out[at..at + bytes.len()].copy_from_slice(bytes);
             Ok(())
         })
@@ -295,15 +332,17 @@ mod tests {
     #[test]
     fn rows_depend_on_prefix_layer_region_and_rank_head_slice() {
         let m = ModelSpec::standard(2, 4, 8, 16);
-        let row = |p, l, r, rank, tp| {
+        let row_of = |p, (l, g), r, rank, tp| {
             let mut v = Vec::new();
-            m.fill_block(&[p], 0, l, r, (rank, tp), |_, bytes| {
+            m.fill_block(&[p], 0, (l, g), r, (rank, tp), |_, bytes| {
                 v.extend_from_slice(bytes);
                 Ok(())
             })
             .unwrap();
             v
         };
+        let row = |p, l, r, rank, tp| row_of(p, (l, 0), r, rank, tp);
+        assert_ne!(row(1, 0, 0, 0, 1), row_of(1, (0, 1), 0, 0, 1), "another KV-cache group's layer");
         assert_eq!(row(1, 0, 0, 0, 1).len(), 4 * 8 * 2);
         assert_eq!(row(1, 0, 0, 0, 2).len(), 2 * 8 * 2);
         assert_eq!(row(1, 0, 0, 0, 1), row(1, 0, 0, 0, 1));
@@ -339,7 +378,7 @@ mod tests {
         let prefixes: Vec<u64> = (1..=16).collect();
         let mut parts = vec![0u8; hnd.block_len(2)];
         for (from, to) in [(0, 5), (5, 16)] {
-            hnd.fill_block(&prefixes[from..to], from, 0, 0, (1, 2), |at, bytes| {
+            hnd.fill_block(&prefixes[from..to], from, (0, 0), 0, (1, 2), |at, bytes| {
                 parts[at..at + bytes.len()].copy_from_slice(bytes);
                 Ok(())
             })
@@ -369,9 +408,28 @@ mod tests {
         assert!(ModelSpec::standard(1, 2, 8, 16).check(3).is_err());
         assert!(ModelSpec::mla(1, 0, 16).check(1).is_err());
         assert!(ModelSpec::standard(1, 4, 8, 16).with_windows(vec![Some(0)]).check(1).is_err());
+        let hybrid = ModelSpec::standard(2, 4, 8, 16).with_groups(vec![Some(32), None]);
+        assert!(hybrid.check(2).is_ok());
+        assert!(hybrid.clone().with_groups(vec![Some(0), None]).check(1).is_err());
+        assert!(hybrid.clone().with_groups(Vec::new()).check(1).is_err());
+        assert!(hybrid.with_windows(vec![None, Some(1)]).check(1).is_err(), "layer windows and groups");
         let ambiguous = ModelSpec::standard(1, 8, 8, 4).with_layout(HeadLayout::Hnd);
         assert!(ambiguous.check(2).is_err(), "4 heads per rank in 4-token blocks");
         assert!(ambiguous.check(1).is_ok());
+    }
+
+    #[test]
+    fn a_sliding_window_keeps_the_blocks_the_next_token_attends_to() {
+        // vLLM's tiny hybrid: 128-token blocks, a 256-token window.
+        let m = ModelSpec::standard(2, 2, 64, 128).with_groups(vec![Some(256), None]);
+        let starts: Vec<usize> =
+            [0, 255, 256, 257, 383, 384, 600, 639, 640, 641, 767].map(|n| m.window_start(0, n)).into();
+        assert_eq!(
+            starts,
+            [0, 0, 0, 0, 1, 1, 2, 3, 3, 3, 4],
+            "vLLM 0.32 nulls 2, 3, 3 and 0 blocks at 600, 640, 641 and 257 tokens"
+        );
+        assert_eq!(m.window_start(1, 10_000), 0, "full attention keeps every block");
     }
 
     #[test]

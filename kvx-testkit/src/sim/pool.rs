@@ -117,7 +117,13 @@ impl BlockPool {
     /// The cached blocks holding the longest prefix of `hashes` (the chained hashes of a prompt's
     /// full blocks). Takes no reference: [`touch`](Self::touch) them to keep them.
     pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
-        hashes.iter().map_while(|h| self.cached.get(h).copied()).collect()
+        hashes.iter().map_while(|&h| self.cached_block(h)).collect()
+    }
+
+    /// The cached block holding the full block whose chained hash is `hash`, if any. Takes no
+    /// reference.
+    pub fn cached_block(&self, hash: BlockHash) -> Option<BlockId> {
+        self.cached.get(&hash).copied()
     }
 
     /// Takes a reference on each of `blocks` (prefix-cache hits), taking free ones off the free

@@ -7,10 +7,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvx_core::{EngineId, ManualClock, RequestId, TransferAgent};
+use kvx_core::{EngineId, FinishReason, ManualClock, RequestId, TransferAgent};
 use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::matrix::step_until;
 use kvx_testkit::sim::{
-    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, SimBackend, SimEngine, SimTime,
+    Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SimBackend, SimEngine, SimTime,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -105,4 +106,63 @@ pub fn assert_clean(c: &Cluster) {
         assert!(e.is_idle(), "{} is not idle", e.engine_id());
         assert!(e.pool().is_whole(), "{} leaked {} blocks", e.engine_id(), c.blocks_in_use());
     }
+}
+
+/// An engine `name` of TP `tp` for `model`, in `lb`'s simulated time.
+pub fn engine(lb: &Loopback, name: &str, model: &ModelSpec, tp: u32) -> SimEngine {
+    lb.engine(EngineConfig { tp, ..lb.config(name, model) })
+}
+
+/// A prefill engine of TP `p` and a decode engine of TP `d` for `model`, in simulated time.
+pub fn cluster(lb: &Loopback, model: &ModelSpec, (p, d): (u32, u32)) -> Cluster {
+    lb.cluster_of(vec![engine(lb, "prefill", model, p)], engine(lb, "decode", model, d))
+}
+
+/// Every hold of every rank of `prefill` was released by its readers; none expired.
+#[track_caller]
+pub fn assert_no_hold_expired(prefill: &SimEngine, what: &str) {
+    let expired: Vec<u64> = prefill.worker_stats().iter().map(|w| w.expired_holds).collect();
+    assert_eq!(expired, vec![0; expired.len()], "{what}: holds expired per rank of {}", prefill.engine_id());
+}
+
+/// Submits `id` with `prompt`, 2 tokens to generate.
+pub fn submit(c: &mut Cluster, id: &RequestId, prompt: Vec<u32>) {
+    c.submit(id.clone(), prompt, 2).unwrap_or_else(|e| panic!("submitting {id}: {e}"));
+}
+
+/// `id` is in `state` at `e`.
+#[track_caller]
+pub fn assert_state(e: &SimEngine, id: &RequestId, state: RequestState, what: &str) {
+    assert_eq!(e.state(id), Some(&state), "{what}: {id}");
+}
+
+/// Ends a workload on `c`: aborts a request at the prefill engine before its first step and one
+/// at the decode engine while its KV is on the way (seeds of their prompts from `seed`), runs until
+/// idle, and checks that nothing went wrong or leaked, every request of `served` finished, the two
+/// were aborted where they were, and the decode engine finished or failed nothing else.
+pub fn abort_at_both_and_finish(c: &mut Cluster, served: &[RequestId], seed: u64, what: &str) {
+    let early = id("abort-at-prefill");
+    submit(c, &early, prompt(seed + 1, 2 * BS + 3));
+    c.abort(&early);
+    let loading = id("abort-while-loading");
+    submit(c, &loading, prompt(seed + 2, 3 * BS + 1));
+    step_until(c, &format!("{what}: {loading} waits for its KV (or ended)"), |c| {
+        matches!(
+            c.decodes[0].state(&loading),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Finished(_) | RequestState::Failed(_))
+        )
+    });
+    c.abort(&loading);
+    c.run_until_idle(LIMIT).unwrap_or_else(|e| panic!("{what}: {e}"));
+
+    assert_clean(c);
+    let (prefill, decode) = (&c.prefills[0], &c.decodes[0]);
+    for rid in served {
+        assert_state(decode, rid, RequestState::Finished(FinishReason::LengthCapped), what);
+    }
+    assert_state(prefill, &early, RequestState::Finished(FinishReason::Aborted), what);
+    assert_eq!(decode.state(&early), None, "{what}: {early} never reached the decode engine");
+    assert_state(decode, &loading, RequestState::Finished(FinishReason::Aborted), what);
+    let s = decode.stats();
+    assert_eq!((s.finished, s.failed), (served.len() as u64 + 1, 0), "{what}: {s:?}");
 }

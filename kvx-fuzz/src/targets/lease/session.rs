@@ -308,7 +308,7 @@ impl Session {
             .iter()
             .filter_map(|id| self.loads.iter().find(|r| &r.request_id == id))
             .map(|r| {
-                let n = r.local_block_ids.len();
+                let n: usize = r.local_block_ids.iter().map(|g| g.ids.len()).sum();
                 (2 * n + 2 * n.min(2)) as u64 * BLOCK_LEN as u64
             })
             .sum();

@@ -166,7 +166,7 @@ fn fuzzed_requests(src: &mut ByteSource<'_>) -> Vec<RecvRequest> {
                 r.remote = kvx_core::RemoteCoordinates::at(r.remote.engine_id, "10.0.0.1", u16::MAX);
             }
             if src.below(4) == 3 {
-                r.remote_read_from = src.edgy_u32();
+                r.local_block_ids[0].first = src.edgy_u32();
             }
             r
         })

@@ -2,7 +2,9 @@
 //! metadata with fuzzed loads and holds.
 
 use kvx_core::wire::{self, HandshakePayload};
-use kvx_core::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, Offer, RecvRequest, RequestId};
+use kvx_core::{
+    ConnectorMetadata, Finished, GroupBlocks, Heartbeat, HeldRequest, Offer, RecvRequest, RequestId,
+};
 
 use crate::input::ByteSource;
 use crate::seeds::Seed;
@@ -185,22 +187,30 @@ fn fuzzed_metadata(
             let mut r = RecvRequest {
                 request_id: request_id.into(),
                 remote_request_id,
-                local_block_ids,
-                remote_block_ids,
-                remote_read_from,
+                local_block_ids: vec![GroupBlocks::new(remote_read_from, local_block_ids)],
+                remote_block_ids: vec![GroupBlocks::whole(remote_block_ids)],
                 remote: kvx_core::RemoteCoordinates::at(engine_id, "10.0.0.1", port),
                 nonce,
                 mac: None,
                 remote_instance: None,
                 remote_tp_size: None,
             };
+            if src.below(4) == 0 {
+                // A second KV-cache group (a hybrid model): a block at a position the offer may
+                // or may not have.
+                r.local_block_ids.push(GroupBlocks::new(src.below(3) as u32, vec![offset + 1]));
+                let offered = vec![PREFILL_BLOCKS - 2, PREFILL_BLOCKS - 3];
+                r.remote_block_ids.push(GroupBlocks::new(src.below(2) as u32, offered));
+            }
             if keyed {
                 r.mac = match src.below(4) {
                     0 => r.offer().map(|offer| offer.tag(&auth_key())),
                     1 => None,
                     2 => Some(kvx_core::HexBytes([src.u8(); 32])),
                     // A valid tag over another offer (other blocks).
-                    _ => r.offer().map(|offer| Offer { block_ids: &[1, 2, 3], ..offer }.tag(&auth_key())),
+                    _ => r.offer().map(|offer| {
+                        Offer { groups: &[GroupBlocks::whole(vec![1, 2, 3])], ..offer }.tag(&auth_key())
+                    }),
                 };
             }
             leases.push([Lease::Held, Lease::Expired, Lease::OtherNonce, Lease::Missing][src.below(4)]);

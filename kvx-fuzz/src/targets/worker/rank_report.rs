@@ -36,6 +36,7 @@ pub fn rank_report_aggregate(data: &[u8]) {
             lease_duration: Duration::from_secs(30),
             instance: None,
             tp_size: 1,
+            group_windows: Vec::new(),
         }),
         "scheduler",
     );

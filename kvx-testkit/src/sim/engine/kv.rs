@@ -1,7 +1,9 @@
 //! The simulated model's KV bytes (written by prefill, checked byte for byte by decode), its
 //! block hashes and its seeds.
 
-use kvx_core::{Error, ErrorKind, Result};
+use std::ops::Range;
+
+use kvx_core::{BlockId, Error, ErrorKind, GroupBlocks, Result};
 
 use crate::sim::config::EngineConfig;
 use crate::sim::model;
@@ -17,8 +19,21 @@ pub(super) struct Verified {
     pub(super) wrong: Vec<String>,
 }
 
-/// Compares every block the load brought in (for windowed layers, only their last `window`
-/// loaded blocks) with what the model computes.
+/// The block of `group` at position `i`, if it has one.
+pub(super) fn block_at(group: &GroupBlocks, i: usize) -> Option<BlockId> {
+    group.at(i as u64, i as u64 + 1).and_then(|ids| ids.first().copied())
+}
+
+/// The block positions of group `g` that `load` fills: all of the load's, but of a
+/// sliding-window group only those from its first block on (it has none before its window).
+pub(super) fn loaded_positions(r: &Request, load: Load, g: usize) -> Range<usize> {
+    let first = r.groups.get(g).map_or(0, |group| group.first as usize);
+    load.first.max(first)..load.first + load.count
+}
+
+/// Compares every block the load brought in, in every KV-cache group (of a sliding-window group
+/// only those its window needs; of a layer with its own window only its last `window` loaded
+/// blocks), with what the model computes.
 pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) -> Verified {
     let mut out = Verified::default();
     let Some(load) = r.load else { return out };
@@ -29,28 +44,35 @@ pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) ->
     let region_len = config.num_blocks as usize * block_len;
     let mut expected = vec![0u8; block_len];
     let mut actual = vec![0u8; block_len];
-    for (rank, ranked) in ranks.iter().enumerate() {
-        for (layer, buf) in ranked.layers.iter().enumerate() {
-            let skip = model.windows[layer].map_or(0, |w| load.count.saturating_sub(w as usize));
-            for i in load.first + skip..load.first + load.count {
-                let block = r.blocks[i] as usize;
-                for region in 0..regions {
-                    let filled = model.fill_block(
-                        &r.prefixes[i * bs..(i + 1) * bs],
-                        0,
-                        layer,
-                        region,
-                        (rank as u32, tp),
-                        |at, bytes| place(&mut expected, at, bytes),
-                    );
-                    let offset = region as usize * region_len + block * block_len;
-                    let read = buf.read(offset, &mut actual);
-                    out.blocks += 1;
-                    out.bytes += block_len as u64;
-                    if filled.is_err() || read.is_err() || actual != expected {
-                        out.wrong.push(format!(
-                            "rank {rank} layer {layer} region {region} block {i} (id {block})"
-                        ));
+    for (g, group) in r.groups.iter().enumerate() {
+        let loaded = loaded_positions(r, load, g);
+        for (rank, ranked) in ranks.iter().enumerate() {
+            for (layer, buf) in ranked.layers.iter().enumerate() {
+                let from = model.windows[layer]
+                    .map_or(loaded.start, |w| loaded.start.max(loaded.end.saturating_sub(w as usize)));
+                for i in from..loaded.end {
+                    let Some(block) = block_at(group, i) else {
+                        out.wrong.push(format!("group {g} has no block at loaded position {i}"));
+                        continue;
+                    };
+                    for region in 0..regions {
+                        let filled = model.fill_block(
+                            &r.prefixes[i * bs..(i + 1) * bs],
+                            0,
+                            (layer, g),
+                            region,
+                            (rank as u32, tp),
+                            |at, bytes| place(&mut expected, at, bytes),
+                        );
+                        let offset = region as usize * region_len + block as usize * block_len;
+                        let read = buf.read(offset, &mut actual);
+                        out.blocks += 1;
+                        out.bytes += block_len as u64;
+                        if filled.is_err() || read.is_err() || actual != expected {
+                            out.wrong.push(format!(
+                                "rank {rank} layer {layer} group {g} region {region} block {i} (id {block})"
+                            ));
+                        }
                     }
                 }
             }
@@ -59,7 +81,9 @@ pub(super) fn verify_load(ranks: &[Rank], config: &EngineConfig, r: &Request) ->
     out
 }
 
-/// Writes the KV of positions `from..to` of `r` into its blocks, on every rank, layer and region.
+/// Writes the KV of positions `from..to` of `r` into its blocks of every KV-cache group, on every
+/// rank, layer and region; a sliding-window group's positions before its first block are not
+/// kept (vLLM writes them to its null block, which nothing reads).
 pub(super) fn write_kv(
     ranks: &[Rank],
     config: &EngineConfig,
@@ -75,22 +99,25 @@ pub(super) fn write_kv(
     while pos < to {
         let (i, slot) = (pos / bs, pos % bs);
         let end = to.min((i + 1) * bs);
-        let block = *r
-            .blocks
-            .get(i)
-            .ok_or_else(|| Error::new(ErrorKind::State, "position beyond the request's blocks"))?;
-        for (rank, ranked) in ranks.iter().enumerate() {
-            for (layer, buf) in ranked.layers.iter().enumerate() {
-                for region in 0..model.kind().regions_per_layer() {
-                    let base = region as usize * region_len + block as usize * block_len;
-                    model.fill_block(
-                        &r.prefixes[pos..end],
-                        slot,
-                        layer,
-                        region,
-                        (rank as u32, tp),
-                        |at, bytes| buf.write(base + at, bytes),
-                    )?;
+        for (g, group) in r.groups.iter().enumerate() {
+            let block = match block_at(group, i) {
+                Some(block) => block,
+                None if i < group.first as usize => continue,
+                None => return Err(Error::new(ErrorKind::State, "position beyond the request's blocks")),
+            };
+            for (rank, ranked) in ranks.iter().enumerate() {
+                for (layer, buf) in ranked.layers.iter().enumerate() {
+                    for region in 0..model.kind().regions_per_layer() {
+                        let base = region as usize * region_len + block as usize * block_len;
+                        model.fill_block(
+                            &r.prefixes[pos..end],
+                            slot,
+                            (layer, g),
+                            region,
+                            (rank as u32, tp),
+                            |at, bytes| buf.write(base + at, bytes),
+                        )?;
+                    }
                 }
             }
         }

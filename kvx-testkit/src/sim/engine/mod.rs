@@ -10,8 +10,8 @@ use tokio::runtime::Runtime;
 use kvx_core::net::{NetConfig, ServerStats};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, Endpoint, EngineId, Error, FinishReason,
-    Finished, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result, SchedulerConfig,
-    TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
+    Finished, GroupBlocks, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result,
+    SchedulerConfig, TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
 };
 
 use super::config::{EndedRequest, EngineConfig, EngineStats, RequestState, SideChannel, SimBackend};
@@ -25,9 +25,10 @@ mod schedule;
 
 use kv::*;
 
+/// The block positions a load fills (of a sliding-window group, only those in its blocks).
 #[derive(Debug, Clone, Copy)]
 struct Load {
-    /// Index of the first loaded block in the request's blocks.
+    /// The first loaded block position.
     first: usize,
     count: usize,
 }
@@ -42,7 +43,9 @@ struct Request {
     prefixes: Vec<u64>,
     params: Option<TransferParams>,
     state: RequestState,
-    blocks: Vec<BlockId>,
+    /// Its blocks in each KV-cache group, by block position: a sliding-window group has none
+    /// before its window (vLLM's null blocks).
+    groups: Vec<GroupBlocks>,
     /// Chained hashes of the full blocks computed so far (those in the prefix cache).
     block_hashes: Vec<BlockHash>,
     num_computed: usize,
@@ -176,6 +179,7 @@ impl SimEngine {
             lease_duration: config.lease_duration,
             instance: Some(instance),
             tp_size: config.tp,
+            group_windows: model.groups.clone(),
             ..SchedulerConfig::new(config.engine_id.clone(), model.block_size, endpoint.clone())
         };
         let scheduler = match config.seed {
@@ -224,6 +228,7 @@ impl SimEngine {
             driver.register_kv_caches(&caches)?;
             ranks.push(Rank { driver, layers });
         }
+        let stats = EngineStats { group_blocks_loaded: vec![0; model.groups.len()], ..Default::default() };
         Ok(SimEngine {
             pool: BlockPool::new(config.num_blocks),
             config,
@@ -234,7 +239,7 @@ impl SimEngine {
             running: Vec::new(),
             delayed: HashMap::new(),
             outputs: Vec::new(),
-            stats: EngineStats::default(),
+            stats,
             errors: Vec::new(),
             side_channel_port: base_port,
             tcp_side_channels: tcp,
@@ -395,7 +400,7 @@ impl SimEngine {
             prefixes: Vec::with_capacity(prompt.len() + max_new_tokens),
             params,
             state: RequestState::Waiting,
-            blocks: Vec::new(),
+            groups: Vec::new(),
             block_hashes: Vec::new(),
             num_computed: 0,
             load: None,
@@ -437,7 +442,8 @@ impl SimEngine {
             if recv.is_notify_only() {
                 continue;
             }
-            let local: Vec<BlockId> = recv.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
+            let local: Vec<BlockId> =
+                recv.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
             match self.pool.begin_transfer(&local) {
                 Ok(()) => {
                     if let Some(r) = self.requests.get_mut(&recv.request_id) {

@@ -3,8 +3,8 @@
 use kvx_core::{BlockId, Error, ErrorKind, FinishReason, Finished, GroupBlocks, RequestId, Result};
 
 use crate::sim::config::{LoadFailurePolicy, RequestState};
-use crate::sim::model;
-use crate::sim::pool::{BlockHash, PoolError};
+use crate::sim::model::{self, ModelSpec};
+use crate::sim::pool::{BlockHash, BlockPool, PoolError};
 
 use super::*;
 
@@ -22,7 +22,7 @@ impl SimEngine {
 
     /// Admits waiting requests in arrival order while their blocks fit.
     pub(super) fn schedule_waiting(&mut self) {
-        let bs = self.config.model.block_size as usize;
+        let (bs, groups) = (self.config.model.block_size as usize, self.config.model.groups.len());
         while let Some(id) = self.waiting.front().cloned() {
             let Some(r) = self.requests.get(&id) else {
                 self.waiting.pop_front();
@@ -30,51 +30,94 @@ impl SimEngine {
             };
             let hashes = full_block_hashes(&r.tokens[..r.prompt_len], bs);
             // At least one prompt token is always computed, so the last one yields logits.
-            let hit = self.pool.lookup(&hashes[..hashes.len().min((r.prompt_len - 1) / bs)]);
-            let total = (r.prompt_len + r.max_new_tokens).div_ceil(bs);
-            let new = total - hit.len();
-            if self.pool.num_free() < new + hit.len() {
+            let hit = self.prefix_hit(&hashes[..hashes.len().min((r.prompt_len - 1) / bs)]);
+            // Every group's blocks from position 0: more than sliding-window groups keep.
+            let total = (r.prompt_len + r.max_new_tokens).div_ceil(bs) * groups;
+            if self.pool.num_free() < total {
                 break;
             }
             self.waiting.pop_front();
-            if let Err(e) = self.admit(&id, hit, new, hashes) {
+            if let Err(e) = self.admit(&id, hit, hashes) {
                 self.error(format!("admitting request {id}: {e}"));
                 self.fail(&id, e);
             }
         }
     }
 
+    /// The longest prefix hit of the full blocks whose chained hashes are `hashes` (vLLM's hybrid
+    /// rule): `h` blocks such that every full-attention group has positions `0..h` cached and
+    /// every sliding-window group the positions before `h` its window needs; with each group's
+    /// cached blocks of those positions.
+    fn prefix_hit(&self, hashes: &[BlockHash]) -> (usize, Vec<GroupBlocks>) {
+        let model = &self.config.model;
+        let bs = model.block_size as usize;
+        let hits = |h: usize| -> Option<Vec<GroupBlocks>> {
+            (0..model.groups.len())
+                .map(|g| {
+                    let from = model.window_start(g, h * bs);
+                    let cached = |i: usize| self.pool.cached_block(model::group_hash(hashes[i], g));
+                    let ids = (from..h).map(cached).collect::<Option<Vec<_>>>()?;
+                    Some(GroupBlocks::new(from as u32, ids))
+                })
+                .collect()
+        };
+        // No hit (h = 0) always fits.
+        (0..=hashes.len())
+            .rev()
+            .find_map(|h| Some((h, hits(h)?)))
+            .unwrap_or_else(|| (0, vec![GroupBlocks::default(); model.groups.len()]))
+    }
+
+    /// Takes a waiting request's prefix hit (`h` blocks, each group's cached blocks) and allocates
+    /// the rest of its blocks; a sliding-window group gets none before the window of the tokens
+    /// known once the load is in (vLLM's null blocks), hit or not.
     pub(super) fn admit(
         &mut self,
         id: &RequestId,
-        hit: Vec<BlockId>,
-        new: usize,
+        (h, hit): (usize, Vec<GroupBlocks>),
         hashes: Vec<BlockHash>,
     ) -> Result<()> {
-        let bs = self.config.model.block_size as usize;
+        let model = &self.config.model;
+        let bs = model.block_size as usize;
         let Some(r) = self.requests.get_mut(id) else { return Ok(()) };
-        let computed = hit.len() * bs;
+        let computed = h * bs;
         let matched =
             self.scheduler.get_num_new_matched_tokens(id, r.prompt_len, r.params.as_ref(), computed)?;
+        let known = computed + matched.count;
+        let total = (r.prompt_len + r.max_new_tokens).div_ceil(bs);
         let pool_err = |e: PoolError| Error::new(ErrorKind::State, e.to_string());
-        self.pool.touch(&hit).map_err(pool_err)?;
-        r.block_hashes = hashes[..hit.len()].to_vec();
-        r.blocks = hit;
-        let new_blocks = self.pool.allocate(new).map_err(pool_err)?;
-        r.blocks.extend_from_slice(&new_blocks);
-        let hit_len = r.block_hashes.len();
+        r.block_hashes = hashes[..h].to_vec();
         r.num_computed = computed;
+        r.groups = Vec::with_capacity(hit.len());
+        let mut new_blocks = Vec::with_capacity(hit.len());
+        for (g, hit) in hit.into_iter().enumerate() {
+            let from = model.window_start(g, known);
+            let kept = hit
+                .at(from.min(h) as u64, h as u64)
+                .ok_or_else(|| Error::new(ErrorKind::State, format!("group {g}: a hit without its window")))?
+                .to_vec();
+            self.pool.touch(&kept).map_err(pool_err)?;
+            r.groups.push(GroupBlocks::new(from as u32, kept));
+        }
+        // Every group's hits are taken before any block is allocated: an allocation may evict a
+        // free cached block, which another group's hit may be.
+        for group in &mut r.groups {
+            let start = (group.first as usize).max(h);
+            let new = self.pool.allocate(total - start).map_err(pool_err)?;
+            group.ids.extend_from_slice(&new);
+            new_blocks.push(GroupBlocks::new(start as u32, new));
+        }
         self.stats.tokens_cached += computed as u64;
         self.scheduler.update_state_after_alloc(
             id,
             r.prompt_len,
             r.params.as_mut(),
-            &[GroupBlocks::new(hit_len as u32, new_blocks)],
+            &new_blocks,
             computed,
             matched.count,
         )?;
         if matched.load_async && matched.count > 0 {
-            r.load = Some(Load { first: r.block_hashes.len(), count: matched.count / bs });
+            r.load = Some(Load { first: h, count: matched.count / bs });
             r.state = RequestState::WaitingForRemoteKv;
         } else {
             r.state = RequestState::Running;
@@ -96,14 +139,12 @@ impl SimEngine {
             r.num_computed = end;
             let token = model::next_token(r.prefixes[end - 1]);
             r.push_token(token);
-            let bs = self.config.model.block_size as usize;
-            while (r.block_hashes.len() + 1) * bs <= r.num_computed {
-                let i = r.block_hashes.len();
-                let h = model::block_hash(r.block_hashes.last().copied(), &r.tokens[i * bs..(i + 1) * bs]);
-                r.block_hashes.push(h);
-                if let Err(e) = self.pool.cache(r.blocks[i], h) {
-                    self.errors.push(format!("request {id}: caching block {i}: {e}"));
-                }
+            if let Err(e) = cache_full_blocks(&mut self.pool, &self.config.model, r, end) {
+                self.errors.push(format!("request {id}: {e}"));
+            }
+            match drop_outside_windows(&mut self.pool, &self.config.model, r) {
+                Ok(dropped) => self.stats.blocks_dropped += dropped,
+                Err(e) => self.errors.push(format!("request {id}: dropping blocks outside a window: {e}")),
             }
             if r.tokens.len() - r.prompt_len >= r.max_new_tokens {
                 done.push(id.clone());
@@ -129,14 +170,8 @@ impl SimEngine {
         }
         self.ended.push(id.clone());
         let outcome =
-            self.scheduler.request_finished(
-            id,
-            r.params.as_ref(),
-            reason,
-            r.num_computed,
-            &[GroupBlocks::whole(r.blocks.clone())],
-        );
-        let blocks = std::mem::take(&mut r.blocks);
+            self.scheduler.request_finished(id, r.params.as_ref(), reason, r.num_computed, &r.groups);
+        let blocks: Vec<BlockId> = std::mem::take(&mut r.groups).into_iter().flat_map(|g| g.ids).collect();
         let mut in_flight = std::mem::take(&mut r.in_flight);
         if let Some(params) = outcome.params {
             if outcome.delay_free {
@@ -244,13 +279,12 @@ impl SimEngine {
         let Some(r) = self.requests.get_mut(id) else { return };
         let Some(load) = r.load else { return };
         self.stats.tokens_loaded += (load.count * bs) as u64;
+        for (g, n) in self.stats.group_blocks_loaded.iter_mut().enumerate() {
+            *n += loaded_positions(r, load, g).len() as u64;
+        }
         let loaded_end = load.first + load.count;
-        for i in r.block_hashes.len()..loaded_end {
-            let h = model::block_hash(r.block_hashes.last().copied(), &r.tokens[i * bs..(i + 1) * bs]);
-            r.block_hashes.push(h);
-            if let Err(e) = self.pool.cache(r.blocks[i], h) {
-                self.errors.push(format!("request {id}: caching loaded block {i}: {e}"));
-            }
+        if let Err(e) = cache_full_blocks(&mut self.pool, &self.config.model, r, loaded_end * bs) {
+            self.errors.push(format!("request {id}: loaded: {e}"));
         }
         // As vLLM does: with the whole prompt in place, the last prompt token is computed again
         // to produce the first output token.
@@ -258,4 +292,42 @@ impl SimEngine {
         r.state = RequestState::Running;
         self.running.push(id.clone());
     }
+}
+
+/// Caches each KV-cache group's block of every full block below `tokens` not cached yet (a
+/// sliding-window group has none before its window).
+fn cache_full_blocks(
+    pool: &mut BlockPool,
+    model: &ModelSpec,
+    r: &mut Request,
+    tokens: usize,
+) -> Result<(), String> {
+    let bs = model.block_size as usize;
+    while (r.block_hashes.len() + 1) * bs <= tokens {
+        let i = r.block_hashes.len();
+        let h = model::block_hash(r.block_hashes.last().copied(), &r.tokens[i * bs..(i + 1) * bs]);
+        r.block_hashes.push(h);
+        for (g, group) in r.groups.iter().enumerate() {
+            if let Some(block) = block_at(group, i) {
+                pool.cache(block, model::group_hash(h, g))
+                    .map_err(|e| format!("caching block {i} of group {g}: {e}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Gives back each sliding-window group's blocks that the window of the next token no longer
+/// reaches (vLLM's `remove_skipped_blocks`); how many.
+fn drop_outside_windows(pool: &mut BlockPool, model: &ModelSpec, r: &mut Request) -> Result<u64, PoolError> {
+    let mut dropped = 0;
+    for (g, group) in r.groups.iter_mut().enumerate() {
+        let n =
+            model.window_start(g, r.num_computed).saturating_sub(group.first as usize).min(group.ids.len());
+        pool.free(&group.ids[..n])?;
+        group.ids.drain(..n);
+        group.first += n as u32;
+        dropped += n as u64;
+    }
+    Ok(dropped)
 }
