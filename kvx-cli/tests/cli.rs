@@ -249,6 +249,34 @@ macro_rules! native_backend_tests {
                 super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "32"]);
             }
 
+            /// `kvx prefill --tp 2` and `kvx decode --tp 4` of a hybrid model: each decode rank
+            /// READs a quarter of the heads, a slice of a prefill rank's half.
+            #[test]
+            fn prefill_tp2_decode_tp4() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 4), &["--window", "32"]);
+            }
+
+            /// `kvx prefill --tp 4` and `kvx decode --tp 2`: each decode rank gathers its heads
+            /// from two prefill ranks.
+            #[test]
+            fn prefill_tp4_decode_tp2() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 2), &[]);
+            }
+
+            /// `kvx prefill --tp 1` and `kvx decode --tp 4` (4 KV heads): each decode rank READs
+            /// one head out of the one prefill rank's blocks.
+            #[test]
+            fn prefill_tp1_decode_tp4() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 4), &[]);
+            }
+
+            /// `kvx prefill --tp 4` and `kvx decode --tp 1` of a hybrid model (4 KV heads): the
+            /// one decode rank READs one head from each prefill rank, in both groups.
+            #[test]
+            fn prefill_tp4_decode_tp1() {
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 1), &["--window", "32"]);
+            }
+
             #[test]
             fn prefill_survives_hostile_bytes_on_every_port() {
                 super::prefill_survives_hostile_bytes_on_every_port(BACKEND);

@@ -195,13 +195,6 @@ fn fuzzed_metadata(
                 remote_instance: None,
                 remote_tp_size: None,
             };
-            if src.below(4) == 0 {
-                // A second KV-cache group (a hybrid model): a block at a position the offer may
-                // or may not have.
-                r.local_block_ids.push(GroupBlocks::new(src.below(3) as u32, vec![offset + 1]));
-                let offered = vec![PREFILL_BLOCKS - 2, PREFILL_BLOCKS - 3];
-                r.remote_block_ids.push(GroupBlocks::new(src.below(2) as u32, offered));
-            }
             if keyed {
                 r.mac = match src.below(4) {
                     0 => r.offer().map(|offer| offer.tag(&auth_key())),
@@ -214,6 +207,18 @@ fn fuzzed_metadata(
                 };
             }
             leases.push([Lease::Held, Lease::Expired, Lease::OtherNonce, Lease::Missing][src.below(4)]);
+            if src.below(4) == 3 {
+                // A second KV-cache group (a hybrid model): a block at a position the offer may
+                // or may not have; a valid MAC is taken again over the offer with both groups.
+                let valid =
+                    keyed && r.mac.is_some() && r.mac == r.offer().map(|offer| offer.tag(&auth_key()));
+                r.local_block_ids.push(GroupBlocks::new(src.below(3) as u32, vec![offset + 1]));
+                let offered = vec![PREFILL_BLOCKS - 2, PREFILL_BLOCKS - 3];
+                r.remote_block_ids.push(GroupBlocks::new(src.below(2) as u32, offered));
+                if valid {
+                    r.mac = r.offer().map(|offer| offer.tag(&auth_key()));
+                }
+            }
             r
         })
         .collect();

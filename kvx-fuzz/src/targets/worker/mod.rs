@@ -45,7 +45,7 @@ mod tests {
             assert!(!loaded(&unheld, "s0-r0"), "lease choice {lease}: {unheld:?}");
             assert_eq!(unheld.failed_recving.len(), 1, "{unheld:?}");
         }
-        let shared = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0];
+        let shared = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0];
         let two = metadata_fields_session(&[[0u8, 0, 1].as_slice(), &shared, &shared].concat());
         assert_eq!((two.recving.len(), two.failed_recving.len()), (1, 1), "one load per offer: {two:?}");
     }
