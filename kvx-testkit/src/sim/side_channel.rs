@@ -444,12 +444,20 @@ mod tests {
     fn tcp_channels_rebind_a_given_base_port() {
         let rt =
             || tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let first = rt();
-        let base = bind_tcp(first.handle(), "127.0.0.1", 0, 2, &NetConfig::default()).unwrap().base_port;
-        // The runtime's shutdown drops the servers and their listeners.
-        drop(first);
-        let again = rt();
-        let bound = bind_tcp(again.handle(), "127.0.0.1", base, 2, &NetConfig::default()).unwrap();
+        // Between the release and the rebind another process (a parallel test) may take one of
+        // the freed ports: then try again with other ports, at most 5 times.
+        let (again, base, bound) = (0..5)
+            .find_map(|_| {
+                let first = rt();
+                let base =
+                    bind_tcp(first.handle(), "127.0.0.1", 0, 2, &NetConfig::default()).unwrap().base_port;
+                // The runtime's shutdown drops the servers and their listeners.
+                drop(first);
+                let again = rt();
+                let bound = bind_tcp(again.handle(), "127.0.0.1", base, 2, &NetConfig::default()).ok()?;
+                Some((again, base, bound))
+            })
+            .expect("rebinding freed ports failed 5 times");
         assert_eq!(bound.base_port, base);
         let taken = bind_tcp(again.handle(), "127.0.0.1", base, 2, &NetConfig::default()).unwrap_err();
         assert_eq!(taken.kind(), ErrorKind::Io, "{taken}");
