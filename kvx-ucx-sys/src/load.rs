@@ -31,6 +31,16 @@ pub struct Lib {
     uselocale: unsafe extern "C" fn(libc::locale_t) -> libc::locale_t,
     /// `environ` of the namespace's own C library (see [`Lib::refresh_environment`]).
     environ: &'static AtomicPtr<*mut c_char>,
+    /// The namespace C library's `<stdio.h>` memory streams (see [`Lib::endpoint_info`]).
+    stdio: Stdio,
+}
+
+/// `open_memstream`, `fclose` and `free` of the namespace's own C library: UCX's C library must
+/// write to a stream it made itself (glibc refuses a `FILE` of another C library's instance).
+struct Stdio {
+    open_memstream: unsafe extern "C" fn(*mut *mut c_char, *mut usize) -> *mut libc::FILE,
+    fclose: unsafe extern "C" fn(*mut libc::FILE) -> libc::c_int,
+    free: unsafe extern "C" fn(*mut c_void),
 }
 
 impl Lib {
@@ -78,6 +88,35 @@ impl Lib {
             entries.iter().map(|entry| entry.as_ptr().cast_mut()).chain([std::ptr::null_mut()]).collect();
         self.environ.store(Vec::leak(array).as_mut_ptr(), Ordering::Release);
         *given = entries;
+    }
+
+    /// What `ucp_ep_print_info` says of `ep`: its lanes (one line each, such as
+    /// `lane[0]:  0:tcp/lo.0 md[0] -> md[0]/tcp/sysdev[255] rma_bw#0 am am_bw#0`) and protocol
+    /// thresholds. `None` when the namespace's C library could not open a memory stream.
+    ///
+    /// # Safety
+    /// `ep` must be a live endpoint, used as its worker's thread mode allows.
+    pub unsafe fn endpoint_info(&self, ep: crate::ucp_ep_h) -> Option<String> {
+        let mut buffer: *mut c_char = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: valid out-pointers, which the stream updates until it is closed.
+        let stream = unsafe { (self.stdio.open_memstream)(&mut buffer, &mut len) };
+        if stream.is_null() {
+            return None;
+        }
+        // SAFETY: a live endpoint (the caller's promise) and an open stream of UCX's C library.
+        unsafe { crate::ucp_ep_print_info(ep, stream.cast()) };
+        // SAFETY: the stream is open; closing it sets `buffer` and `len` for the last time.
+        let closed = unsafe { (self.stdio.fclose)(stream) };
+        if buffer.is_null() {
+            return None;
+        }
+        // SAFETY: after fclose, `buffer` holds `len` bytes (plus a NUL); copied at once.
+        let text = unsafe { std::slice::from_raw_parts(buffer.cast::<u8>(), len) };
+        let text = String::from_utf8_lossy(text).into_owned();
+        // SAFETY: allocated by the namespace's C library (see above), freed once, by it.
+        unsafe { (self.stdio.free)(buffer.cast()) };
+        (closed == 0).then_some(text)
     }
 }
 
@@ -246,7 +285,20 @@ fn open() -> Result<Lib, LoadError> {
     // SAFETY: the namespace C library's `environ`, a `char **` variable: an atomic pointer has
     // its size and alignment, and the variable lives as long as the namespace, for good.
     let environ = unsafe { &*lookup(c"environ")?.cast::<AtomicPtr<*mut c_char>>() };
-    let lib = Lib { dir, version: (major, minor, release), functions, uselocale, environ };
+    // SAFETY: the namespace C library's functions of these names, whose C types these are.
+    let stdio = unsafe {
+        Stdio {
+            open_memstream: std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(*mut *mut c_char, *mut usize) -> *mut libc::FILE,
+            >(lookup(c"open_memstream")?),
+            fclose: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut libc::FILE) -> libc::c_int>(
+                lookup(c"fclose")?,
+            ),
+            free: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_void)>(lookup(c"free")?),
+        }
+    };
+    let lib = Lib { dir, version: (major, minor, release), functions, uselocale, environ, stdio };
     // Until now the namespace read the program's own array, which a later `setenv` may free.
     lib.refresh_environment(&[]);
     Ok(lib)

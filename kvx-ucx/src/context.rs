@@ -20,6 +20,30 @@ pub struct UcxConfig {
     options: Vec<(String, String)>,
     progress_thread: Option<ProgressThreadConfig>,
     peer_failure: bool,
+    read_path: ReadPath,
+}
+
+/// How a [`UcxAgent`](crate::UcxAgent) READs a peer's memory, chosen per peer when it is loaded.
+///
+/// UCX 1.13 has no get over TCP: it emulates one with active messages that copy every byte into
+/// and out of UCX's own segments (four copies, about twice a TCP stream's CPU per byte). Reading
+/// by rendezvous active messages instead, the target sends each range straight from its
+/// registered memory and the reader receives it straight into the slot (`sendmsg` and `recv`
+/// on the socket, as a plain TCP stream does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadPath {
+    /// [`ActiveMessages`](ReadPath::ActiveMessages) where every lane UCX chose for RMA to the
+    /// peer is TCP (`ucp_ep_print_info`), [`Get`](ReadPath::Get) otherwise (shared memory,
+    /// RDMA).
+    #[default]
+    Auto,
+    /// One `ucp_get_nbx` per range: one-sided where the transport can read (shared memory,
+    /// RDMA), emulated with active messages over TCP.
+    Get,
+    /// The reader asks, the target answers each range with a rendezvous active message from its
+    /// registered memory (checked against its registrations first) into the reader's slot. Like
+    /// a get over TCP, the target must progress (a progress thread or regular calls).
+    ActiveMessages,
 }
 
 impl UcxConfig {
@@ -72,6 +96,17 @@ impl UcxConfig {
     pub fn with_peer_failure_detection(mut self) -> Self {
         self.peer_failure = true;
         self
+    }
+
+    /// How READs reach a peer's memory (default [`ReadPath::Auto`]).
+    pub fn with_read_path(mut self, path: ReadPath) -> Self {
+        self.read_path = path;
+        self
+    }
+
+    /// How READs reach a peer's memory (see [`UcxConfig::with_read_path`]).
+    pub fn read_path(&self) -> ReadPath {
+        self.read_path
     }
 
     /// Whether endpoints detect a failed peer (see [`UcxConfig::with_peer_failure_detection`]).

@@ -7,7 +7,7 @@ mod status;
 mod wire;
 
 pub use agent::UcxAgent;
-pub use context::{ProgressThreadConfig, UcxConfig};
+pub use context::{ProgressThreadConfig, ReadPath, UcxConfig};
 pub use memory::UcxMemory;
 
 /// The UCX library version this process runs (`ucp_get_version`), e.g. `(1, 13, 1)`; loads UCX

@@ -10,7 +10,7 @@ use kvx_core::{
     BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, RegistrationId, TransferAgent,
     XferId, XferOp, XferState,
 };
-use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
+use kvx_ucx::{ProgressThreadConfig, ReadPath, UcxAgent, UcxConfig};
 
 const BLOCK: usize = 64 << 10;
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -83,6 +83,7 @@ fn read_of_ucx_allocated_memory_needs_no_target_progress() {
     fill_blocks(|off, d| pool.write(off, d).unwrap(), blocks as usize);
     target.register(pool.clone()).unwrap();
     let r = reader("reader", &UcxConfig::default(), &target, pool.as_ptr() as u64, blocks);
+    assert_eq!(r.agent.read_path(target.name()).unwrap(), ReadPath::Get);
     let local: Vec<u32> = (0..blocks).collect();
     let remote: Vec<u32> = (0..blocks).rev().collect();
     let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, None).unwrap();
@@ -102,6 +103,8 @@ fn progress_thread_serves_heap_memory_over_tcp() {
     fill_blocks(|off, d| heap.write(off, d).unwrap(), blocks as usize);
     target.register(heap.clone()).unwrap();
     let r = reader("tcp-reader", &tcp, &target, heap.region().addr, blocks);
+    // Every lane to the target is TCP: the target answers the READ by active messages.
+    assert_eq!(r.agent.read_path(target.name()).unwrap(), ReadPath::ActiveMessages);
     let local: Vec<u32> = (0..blocks).collect();
     let remote: Vec<u32> = (0..blocks).rev().collect();
     let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, Some(b"done")).unwrap();
@@ -116,6 +119,58 @@ fn progress_thread_serves_heap_memory_over_tcp() {
     }
     assert_eq!(notes[0].from.as_str(), "tcp-reader");
     assert_eq!(notes[0].msg, b"done");
+}
+
+/// Progresses the target too until the transfer settles.
+fn wait_both(agent: &UcxAgent, target: &UcxAgent, x: XferId) -> XferState {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        target.progress().unwrap();
+        let state = agent.poll(x).unwrap();
+        if state != XferState::Pending {
+            return state;
+        }
+        assert!(Instant::now() < deadline, "transfer still pending after {DEADLINE:?}");
+    }
+}
+
+/// A READ by active messages of memory that the target no longer has registered (deregistered
+/// after the reader loaded its metadata) is refused range by range: the READ fails with
+/// `Transfer`, nothing is written, and the target goes on serving the memory it still has.
+#[test]
+fn a_target_refuses_to_answer_from_memory_it_does_not_have_registered() {
+    let tcp = UcxConfig::default().with_transports("tcp");
+    let target = UcxAgent::with_config("strict-target", &tcp).unwrap();
+    let blocks = 8u32;
+    let kept = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    let gone = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
+    fill_blocks(|off, d| kept.write(off, d).unwrap(), blocks as usize);
+    fill_blocks(|off, d| gone.write(off, d).unwrap(), blocks as usize);
+    target.register(kept.clone()).unwrap();
+    let gone_reg = target.register(gone.clone()).unwrap();
+    let r = reader("asker", &tcp, &target, gone.region().addr, blocks);
+    assert_eq!(r.agent.read_path(target.name()).unwrap(), ReadPath::ActiveMessages);
+    target.deregister(gone_reg).unwrap();
+
+    let local: Vec<u32> = (0..blocks).collect();
+    let remote: Vec<u32> = (0..blocks).rev().collect();
+    let x = r.agent.post(XferOp::Read, r.local_list, &local, r.remote_list, &remote, Some(b"x")).unwrap();
+    match wait_both(&r.agent, &target, x) {
+        XferState::Failed(e) => assert_eq!(e.kind(), ErrorKind::Transfer, "{e}"),
+        other => panic!("a READ of deregistered memory ended {other:?}"),
+    }
+    assert!(r.local.to_vec().iter().all(|&v| v == 0), "a refused READ wrote into its slots");
+    assert_eq!(target.refused_read_messages(), u64::from(blocks));
+    let mut notes = Vec::new();
+    target.drain_notifications(&mut notes).unwrap();
+    assert!(notes.is_empty(), "a failed READ notified {notes:?}");
+
+    let kept_list =
+        r.agent.prep_dlist(&DlistOwner::Remote(target.name().clone()), &list(kept.region().addr, blocks)).unwrap();
+    let x = r.agent.post(XferOp::Read, r.local_list, &local, kept_list, &remote, None).unwrap();
+    assert_eq!(wait_both(&r.agent, &target, x), XferState::Done);
+    verify_reversed(&r.local, blocks as usize);
+    assert_eq!(r.agent.refused_read_messages(), 0);
 }
 
 /// With peer failure detection, a peer that goes away fails what is sent to it instead of
@@ -175,7 +230,8 @@ fn a_dead_peer_fails_transfers_with_peer_failure_detection() {
 /// endpoint until UCX is done, sends no notification, and lets the memory go when it ends.
 #[test]
 fn handles_outlive_running_transfers() {
-    let tcp = UcxConfig::default().with_transports("tcp");
+    // Gets: UCX cannot cancel them (a READ by active messages stops at release, below).
+    let tcp = UcxConfig::default().with_transports("tcp").with_read_path(ReadPath::Get);
     let target = UcxAgent::with_config("slow-target", &tcp).unwrap();
     let blocks = 64u32;
     let heap = Arc::new(HostMemory::new(blocks as usize * BLOCK).unwrap());
@@ -209,12 +265,21 @@ fn handles_outlive_running_transfers() {
     assert_eq!(Arc::strong_count(&heap), 1, "the target released its memory on drop");
 }
 
-/// Thousands of gets in flight at once, in several transfers over TCP, while the target serves
+/// Thousands of ranges in flight at once, in several transfers over TCP, while the target serves
 /// nothing until the reader drains: `drain_completions` reports every transfer exactly once and
-/// a released one never, every block arrives, and the released one ends on its own and lets the
-/// reader's memory go.
+/// a released one never, every block arrives, and the released one ends (gets: on their own, the
+/// blocks written; active messages: at release, nothing written) and lets the reader's memory go.
 #[test]
 fn thousands_of_outstanding_gets_complete_exactly_once() {
+    thousands_of_outstanding_reads(ReadPath::Get);
+}
+
+#[test]
+fn thousands_of_outstanding_reads_by_active_messages_complete_exactly_once() {
+    thousands_of_outstanding_reads(ReadPath::ActiveMessages);
+}
+
+fn thousands_of_outstanding_reads(path: ReadPath) {
     const SMALL: usize = 4 << 10;
     const XFERS: usize = 8;
     const PER_XFER: usize = 512;
@@ -227,7 +292,7 @@ fn thousands_of_outstanding_gets_complete_exactly_once() {
         num_blocks: blocks as u32,
         block_len: SMALL as u64,
     };
-    let tcp = UcxConfig::default().with_transports("tcp");
+    let tcp = UcxConfig::default().with_transports("tcp").with_read_path(path);
     let target = UcxAgent::with_config("busy-target", &tcp).unwrap();
     let heap = Arc::new(HostMemory::new(blocks * SMALL).unwrap());
     for b in 0..blocks {
@@ -238,6 +303,7 @@ fn thousands_of_outstanding_gets_complete_exactly_once() {
     let local = Arc::new(HostMemory::new(blocks * SMALL).unwrap());
     let registration = agent.register(local.clone()).unwrap();
     agent.load_remote(&target.local_metadata().unwrap()).unwrap();
+    assert_eq!(agent.read_path(target.name()).unwrap(), path);
     let local_list = agent.prep_dlist(&DlistOwner::Local, &small_list(local.region().addr)).unwrap();
     let remote_list = agent
         .prep_dlist(&DlistOwner::Remote(target.name().clone()), &small_list(heap.region().addr))
@@ -285,7 +351,22 @@ fn thousands_of_outstanding_gets_complete_exactly_once() {
     let got = local.to_vec();
     for (slot, chunk) in got.chunks(SMALL).enumerate() {
         let b = blocks - 1 - slot;
-        assert!(chunk.iter().enumerate().all(|(i, &v)| v == pattern(b, i)), "block {b} in slot {slot}");
+        if path == ReadPath::ActiveMessages && slot / PER_XFER == RELEASED {
+            // Released before the target answered: its answers were refused, not written.
+            assert!(chunk.iter().all(|&v| v == 0), "released slot {slot} was written");
+        } else {
+            assert!(chunk.iter().enumerate().all(|(i, &v)| v == pattern(b, i)), "block {b} in slot {slot}");
+        }
+    }
+    if path == ReadPath::ActiveMessages {
+        // Every answer to the released READ is refused: keep serving until all came.
+        while agent.refused_read_messages() < PER_XFER as u64 {
+            assert!(Instant::now() < deadline, "{} answers refused", agent.refused_read_messages());
+            target.progress().unwrap();
+            agent.progress().unwrap();
+        }
+        assert_eq!(agent.refused_read_messages(), PER_XFER as u64);
+        assert!(local.to_vec()[RELEASED * PER_XFER * SMALL..][..PER_XFER * SMALL].iter().all(|&v| v == 0));
     }
 }
 

@@ -23,10 +23,11 @@ use std::time::Duration;
 use kvx_core::wire::agent_metadata;
 use kvx_core::{AgentName, ErrorKind, Result};
 
-use crate::context::{Context, UcxConfig};
+use crate::context::{Context, ReadPath, UcxConfig};
 use crate::memory::{PoolMapping, UcxMemory};
 use crate::status::{BACKEND, error};
 
+mod am_read;
 mod inbox;
 mod progress;
 mod request;
@@ -75,7 +76,7 @@ impl UcxAgent {
         let name = name.into();
         agent_metadata::check_agent_name(&name).map_err(|e| e.with_backend(BACKEND))?;
         let context = Arc::new(Context::new(config, name.as_str())?);
-        let inner = Inner::new(name.clone(), context, config.peer_failure_detection())?;
+        let inner = Inner::new(name.clone(), context, config.peer_failure_detection(), config.read_path())?;
         let shared = Arc::new(Shared { name, inner: Mutex::new(inner) });
         let progress_thread = match config.progress_thread() {
             Some(cfg) => Some(ProgressThread::start(Arc::clone(&shared), *cfg)?),
@@ -108,6 +109,28 @@ impl UcxAgent {
     pub fn failed_endpoints(&self) -> u64 {
         match self.shared.lock() {
             Ok(inner) => inner.inbox.failures.load(Ordering::Relaxed),
+            Err(_) => 0,
+        }
+    }
+
+    /// How READs from `agent`'s memory go ([`ReadPath::Get`] or [`ReadPath::ActiveMessages`]),
+    /// as chosen when it was loaded; `NotFound` when it is not loaded.
+    pub fn read_path(&self, agent: &AgentName) -> Result<ReadPath> {
+        let inner = self.shared.lock()?;
+        let peer = inner.peer_ids.get(agent).and_then(|key| inner.peers.get(key));
+        let peer = peer.ok_or_else(|| error(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?;
+        Ok(if peer.am_reads { ReadPath::ActiveMessages } else { ReadPath::Get })
+    }
+
+    /// READ messages dropped because they were malformed or answered no READ in flight: requests
+    /// this agent was sent and answers it received (a peer bug or a forgery), counted rather
+    /// than failing anything. Ranges a target refused because they were not in its registered
+    /// memory are counted there too; the READ that asked for them fails.
+    pub fn refused_read_messages(&self) -> u64 {
+        match self.shared.lock() {
+            Ok(inner) => {
+                inner.reads.refused.load(Ordering::Relaxed) + inner.serve.refused.load(Ordering::Relaxed)
+            }
             Err(_) => 0,
         }
     }

@@ -48,6 +48,11 @@ impl Tracker {
         })
     }
 
+    /// The transfer's id (or the answers').
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Starts posting a stage's requests.
     pub(super) fn begin(&self) {
         self.outstanding.fetch_add(1, Ordering::Relaxed);
@@ -57,6 +62,24 @@ impl Tracker {
     /// transfer (when none is left, the caller advances it itself).
     pub(super) fn end(&self) {
         self.outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Counts `n` completions still to come that are not requests of this agent (the ranges of
+    /// a READ by active messages, each [`complete`](Tracker::complete)d when it arrived or was
+    /// given up); between `begin` and `end`.
+    pub(super) fn expect(&self, n: usize) {
+        self.outstanding.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts one completion with its status (a failure is kept if it is the first); the last
+    /// one queues the transfer on the worker's completions.
+    pub(super) fn complete(&self, status: sys::ucs_status_t) {
+        if status != sys::UCS_OK {
+            let _ = self.failure.compare_exchange(sys::UCS_OK, status, Ordering::AcqRel, Ordering::Relaxed);
+        }
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.completions.lock().unwrap_or_else(PoisonError::into_inner).push(self.id);
+        }
     }
 
     /// Whether no request of the transfer is in flight.
@@ -80,6 +103,14 @@ impl Tracker {
         param
     }
 
+    /// Parameters of an active-message data receive that report its completion to this
+    /// tracker, as [`param`](Tracker::param) does for sends.
+    pub(super) fn recv_param(&self) -> sys::ucp_request_param_t {
+        let mut param = self.param();
+        param.cb.recv_am = Some(on_receive_done);
+        param
+    }
+
     /// Records the status pointer of a `*_nbx` call made with [`param`](Tracker::param), between
     /// `begin` and `end`: a request is counted until its callback; an immediate completion needs
     /// nothing; an error is returned, of `kind` and naming `what`.
@@ -95,29 +126,46 @@ impl Tracker {
     }
 }
 
-/// The completion callback of every tracked request (see [`Tracker`]); UCX calls it from
-/// progress (or when an endpoint fails or closes), always with the agent's lock held.
+/// The completion callback of every tracked send, get, put and flush (see [`Tracker`]); UCX
+/// calls it from progress (or when an endpoint fails or closes), always with the agent's lock
+/// held.
 unsafe extern "C" fn on_request_done(
     request: *mut c_void,
     status: sys::ucs_status_t,
     user_data: *mut c_void,
 ) {
+    // SAFETY: UCX passes the request and the user data of `Tracker::param`.
+    unsafe { request_done(request, status, user_data) }
+}
+
+/// The completion callback of a tracked active-message data receive (`ucp_am_recv_data_nbx`
+/// with [`Tracker::recv_param`]); as [`on_request_done`].
+pub(super) unsafe extern "C" fn on_receive_done(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    _length: usize,
+    user_data: *mut c_void,
+) {
+    // SAFETY: UCX passes the request and the user data of `Tracker::recv_param`.
+    unsafe { request_done(request, status, user_data) }
+}
+
+/// Frees a completed tracked request and counts it on its tracker.
+///
+/// # Safety
+/// `request` is a completed request of a live worker, not freed yet; `user_data` is the
+/// [`Tracker`] it was posted with, alive until the tracker is idle.
+unsafe fn request_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
     // Nothing below panics short of an allocation failure; a panic must not unwind into C.
     let _ = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: `user_data` is the Tracker of the request's transfer (`Tracker::param`), which
         // lives until the tracker is idle, that is, past this call; the agent's lock, held by
         // whoever progresses the worker, keeps anyone from dropping it meanwhile.
         let tracker = unsafe { &*user_data.cast::<Tracker>() };
-        if status != sys::UCS_OK {
-            let _ =
-                tracker.failure.compare_exchange(sys::UCS_OK, status, Ordering::AcqRel, Ordering::Relaxed);
-        }
         // SAFETY: a request of a live worker, completed, freed once (here: kvx keeps no handle
         // on a tracked request); freeing from its callback is allowed.
         unsafe { sys::ucp_request_free(request) };
-        if tracker.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
-            tracker.completions.lock().unwrap_or_else(PoisonError::into_inner).push(tracker.id);
-        }
+        tracker.complete(status);
     }));
 }
 

@@ -11,10 +11,11 @@ use kvx_core::post::DlistView;
 use kvx_core::{AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Result, XferId};
 use kvx_ucx_sys as sys;
 
-use crate::context::Context;
+use crate::context::{Context, ReadPath};
 use crate::memory::PoolMapping;
 use crate::status::{check, error, ucx_error};
 
+use super::am_read::{AM_READ_DATA, AM_READ_REQUEST, Answers, Reads, Serve, on_read_data, on_read_request};
 use super::inbox::{Inbox, on_notification};
 use super::request::{Completions, PendingSend, Request, reap};
 use super::xfer::Xfer;
@@ -31,6 +32,12 @@ pub(super) struct Inner {
     pub(super) inbox: Box<Inbox>,
     /// Endpoints are created with `UCP_ERR_HANDLING_MODE_PEER` (see `UcxConfig`).
     pub(super) peer_failure: bool,
+    pub(super) read_path: ReadPath,
+    /// READs in flight by active messages (the reader's side).
+    pub(super) reads: Box<Reads>,
+    /// READ requests received (the target's side), and the answers on their way out.
+    pub(super) serve: Box<Serve>,
+    pub(super) answers: HashMap<u64, Answers>,
     pub(super) regs: HashMap<u64, LocalReg>,
     pub(super) peers: HashMap<u64, Peer>,
     pub(super) peer_ids: HashMap<AgentName, u64>,
@@ -87,6 +94,8 @@ pub(super) struct Peer {
     pub(super) regions: Vec<RemoteRegion>,
     pub(super) inflight: usize,
     pub(super) forgotten: bool,
+    /// READs go by active messages (see [`ReadPath`]).
+    pub(super) am_reads: bool,
     /// Why UCX reported the endpoint failed: nothing more is posted on it, and it is closed
     /// without a flush.
     pub(super) failed: Option<Error>,
@@ -125,7 +134,12 @@ pub(super) enum DlistTarget {
 }
 
 impl Inner {
-    pub(super) fn new(name: AgentName, context: Arc<Context>, peer_failure: bool) -> Result<Self> {
+    pub(super) fn new(
+        name: AgentName,
+        context: Arc<Context>,
+        peer_failure: bool,
+        read_path: ReadPath,
+    ) -> Result<Self> {
         // SAFETY: all-zero is "no fields set" for this plain C struct.
         let mut params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE);
@@ -143,6 +157,10 @@ impl Inner {
             address: Vec::new(),
             inbox: Inbox::new(),
             peer_failure,
+            read_path,
+            reads: Reads::new(worker.as_ptr()),
+            serve: Serve::new(),
+            answers: HashMap::new(),
             regs: HashMap::new(),
             peers: HashMap::new(),
             peer_ids: HashMap::new(),
@@ -174,14 +192,20 @@ impl Inner {
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
         );
-        am.id = AM_NOTIFY;
         am.flags = sys::UCP_AM_FLAG_WHOLE_MSG;
-        am.cb = Some(on_notification);
-        am.arg = ptr::from_ref::<Inbox>(&inner.inbox).cast_mut().cast();
-        // SAFETY: live worker; the callback's argument (the boxed inbox, which never moves) lives
-        // until after the worker is destroyed (Inner::drop destroys the worker before fields drop).
-        let status = unsafe { sys::ucp_worker_set_am_recv_handler(worker.as_ptr(), &am) };
-        check(status, "ucp_worker_set_am_recv_handler")?;
+        let handlers: [(u32, sys::ucp_am_recv_callback_t, *mut c_void); 3] = [
+            (AM_NOTIFY, Some(on_notification), ptr::from_ref::<Inbox>(&inner.inbox).cast_mut().cast()),
+            (AM_READ_REQUEST, Some(on_read_request), ptr::from_ref::<Serve>(&inner.serve).cast_mut().cast()),
+            (AM_READ_DATA, Some(on_read_data), ptr::from_ref::<Reads>(&inner.reads).cast_mut().cast()),
+        ];
+        for (id, cb, arg) in handlers {
+            (am.id, am.cb, am.arg) = (id, cb, arg);
+            // SAFETY: live worker; the callback's argument (a boxed field, which never moves)
+            // lives until after the worker is destroyed (Inner::drop destroys the worker before
+            // fields drop).
+            let status = unsafe { sys::ucp_worker_set_am_recv_handler(worker.as_ptr(), &am) };
+            check(status, "ucp_worker_set_am_recv_handler")?;
+        }
         Ok(inner)
     }
 
@@ -197,6 +221,7 @@ impl Inner {
         for _ in 0..PROGRESS_BURST {
             // SAFETY: live worker, accessed under the lock (serialized mode).
             let n = unsafe { sys::ucp_worker_progress(self.worker.as_ptr()) };
+            self.serve_reads();
             if n == 0 {
                 break;
             }
@@ -214,7 +239,10 @@ impl Inner {
         // owner only calls progress(): those whose requests completed since the last pass.
         let moved = std::mem::take(&mut *self.moved.lock().unwrap_or_else(PoisonError::into_inner));
         for id in moved {
-            self.settle(id);
+            match self.answers.remove(&id) {
+                Some(answers) => self.finish_answers(answers),
+                None => self.settle(id),
+            }
         }
         self.sends.retain(|s| match s.outcome() {
             None => true,
@@ -265,10 +293,12 @@ impl Inner {
         let failed =
             std::mem::take(&mut *self.inbox.failed_eps.lock().unwrap_or_else(PoisonError::into_inner));
         for (ep, status) in failed {
-            if let Some(peer) = self.peers.values_mut().find(|p| p.ep.as_ptr() as usize == ep) {
+            if let Some((key, peer)) = self.peers.iter_mut().find(|(_, p)| p.ep.as_ptr() as usize == ep) {
                 let why = ucx_error(ErrorKind::Transfer, &format!("agent {} is gone", peer.name), status);
                 tracing::warn!("UCX endpoint failed: {why}");
                 peer.failed.get_or_insert(why);
+                // Its READs by active messages will get no more answers.
+                self.reads.fail_peer(*key, status);
             }
         }
     }
@@ -341,6 +371,9 @@ impl Inner {
         std::mem::forget(std::mem::take(&mut self.sends));
         std::mem::forget(std::mem::take(&mut self.peers));
         std::mem::forget(std::mem::take(&mut self.regs));
+        std::mem::forget(std::mem::take(&mut self.answers));
+        std::mem::forget(std::mem::replace(&mut self.reads, Reads::new(ptr::null_mut())));
+        std::mem::forget(std::mem::replace(&mut self.serve, Serve::new()));
         let empty = Inbox::new();
         std::mem::forget(std::mem::replace(&mut self.inbox, empty));
         std::mem::forget(Arc::clone(&self.context));
@@ -354,8 +387,11 @@ impl Drop for Inner {
             x.notify = None;
             x.released = true;
         }
+        self.reads.cancel_all();
         self.xfers.retain(|_, x| !x.is_terminal());
-        let drained = self.progress_for(TEARDOWN_BOUND, |s| s.xfers.is_empty() && s.sends.is_empty());
+        let drained = self.progress_for(TEARDOWN_BOUND, |s| {
+            s.xfers.is_empty() && s.sends.is_empty() && s.answers.is_empty()
+        });
         let closed = drained && {
             // Endpoints, each after its rkeys; then a bounded wait for the closes.
             self.dlists.clear();

@@ -12,10 +12,12 @@ use kvx_core::{
 };
 use kvx_ucx_sys as sys;
 
-use crate::status::{BACKEND, check, check_as, error};
+use crate::context::ReadPath;
+use crate::status::{BACKEND, check, check_as, error, load};
 use crate::wire::{AgentMetadata, RegionMetadata};
 
 use super::UcxAgent;
+use super::am_read::rma_lanes_are_tcp;
 use super::inbox::{Inbox, on_endpoint_error};
 use super::request::{PendingSend, Tracker};
 use super::state::{
@@ -168,10 +170,19 @@ impl TransferAgent for UcxAgent {
                 }
             }
         }
+        let am_reads = match inner.read_path {
+            ReadPath::Get => false,
+            ReadPath::ActiveMessages => true,
+            ReadPath::Auto => {
+                // SAFETY: a live endpoint of our worker, under the agent's lock.
+                let info = unsafe { load()?.endpoint_info(ep.as_ptr()) };
+                info.is_some_and(|info| rma_lanes_are_tcp(&info))
+            }
+        };
         let key = inner.next_id();
         inner.peers.insert(
             key,
-            Peer { name: name.clone(), ep, regions, inflight: 0, forgotten: false, failed: None },
+            Peer { name: name.clone(), ep, regions, inflight: 0, forgotten: false, am_reads, failed: None },
         );
         inner.peer_ids.insert(name.clone(), key);
         Ok(name)
@@ -290,8 +301,12 @@ impl TransferAgent for UcxAgent {
             inner.xfers.remove(&xfer.0);
         } else if let Some(x) = inner.xfers.get_mut(&xfer.0) {
             // UCX cannot cancel RMA: let it finish in the background, but send no notification.
+            // A READ by active messages takes no range that has not arrived yet.
             x.notify = None;
             x.released = true;
+            if x.op == XferOp::Read {
+                inner.reads.cancel(xfer.0);
+            }
         }
         Ok(())
     }
@@ -340,7 +355,13 @@ fn submit(inner: &mut Inner, op: XferOp, ops: Plan, notify: Option<&[u8]>) -> Re
     }
     let mut failure = None;
     tracker.begin();
-    for (laddr, memh, raddr, region, len) in &ops.descs {
+    if op == XferOp::Read && peer.am_reads {
+        let remote: Vec<u64> = ops.descs.iter().map(|d| d.2).collect();
+        let ranges = ops.descs.iter().map(|&(laddr, memh, _, _, len)| (laddr, len, memh)).collect();
+        failure = inner.post_am_read(id, &tracker, ops.peer, ranges, &remote).err();
+    }
+    let gets = if op == XferOp::Read && peer.am_reads { &[][..] } else { &ops.descs[..] };
+    for (laddr, memh, raddr, region, len) in gets {
         let mut param = tracker.param();
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = *memh;

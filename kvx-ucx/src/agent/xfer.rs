@@ -27,7 +27,7 @@ impl Stage {
     /// What the stage's requests do, for an error of one of them.
     fn what(&self) -> &'static str {
         match self {
-            Stage::Data => "a get or put of the transfer",
+            Stage::Data => "moving the transfer's data",
             Stage::Flush => "flushing the transfer's puts",
             _ => "sending the transfer's notification",
         }
@@ -81,6 +81,9 @@ impl Inner {
             xfer.stage = next;
         }
         xfer.send = None;
+        if xfer.op == XferOp::Read {
+            self.reads.finish(xfer.tracker.id());
+        }
         self.drop_refs(xfer);
     }
 
