@@ -165,8 +165,10 @@ fn a_target_refuses_to_answer_from_memory_it_does_not_have_registered() {
     target.drain_notifications(&mut notes).unwrap();
     assert!(notes.is_empty(), "a failed READ notified {notes:?}");
 
-    let kept_list =
-        r.agent.prep_dlist(&DlistOwner::Remote(target.name().clone()), &list(kept.region().addr, blocks)).unwrap();
+    let kept_list = r
+        .agent
+        .prep_dlist(&DlistOwner::Remote(target.name().clone()), &list(kept.region().addr, blocks))
+        .unwrap();
     let x = r.agent.post(XferOp::Read, r.local_list, &local, kept_list, &remote, None).unwrap();
     assert_eq!(wait_both(&r.agent, &target, x), XferState::Done);
     verify_reversed(&r.local, blocks as usize);
