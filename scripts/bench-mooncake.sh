@@ -7,6 +7,7 @@
 # connection reaches) and Mooncake's CPU seconds per GB. A by-hand benchmark, not part of
 # scripts/test.sh. Options go to scripts/bench_mooncake.py:
 #   --sizes 16K,64K,1M  --blocks 1000  --pool-blocks 2000  --rounds 5  --csv FILE
+#   --stream-batch N (the stream moves N blocks per writev/readv: a kvx TCP data path's bound)
 # Environment:
 #   KVX_MOONCAKE_VENV  the venv (default .venv-mooncake, gitignored): created on first use with
 #                      mooncake-transfer-engine 0.3.13, nvidia-cuda-runtime-cu12 and numpy

@@ -175,11 +175,11 @@ def cpu_seconds(pid):
     return total / 1e9
 
 
-def kvx_round(kvx, shape, csv_path):
+def kvx_round(kvx, shape, csv_path, stream_batch):
     """One `kvx bench` run of one timed round: (kvx GB/s, TCP stream GB/s)."""
     cmd = [kvx, "bench", "--backend", "ucx", "--transport", "tcp", "--sizes", str(shape.block_len),
            "--blocks", str(shape.reads), "--pool-blocks", str(shape.target_blocks), "--rounds", "1",
-           "--csv", csv_path]
+           "--stream-batch", str(stream_batch), "--csv", csv_path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
@@ -209,7 +209,7 @@ def drive(args):
                 mc.round(0)  # warm-up (connections, first touch); checked, not timed
                 kvx, stream, moon, moon_cpu = [], [], [], 0.0
                 for rnd in range(1, args.rounds + 1):
-                    k, s = kvx_round(args.kvx, shape, kvx_csv)
+                    k, s = kvx_round(args.kvx, shape, kvx_csv, args.stream_batch)
                     seconds, cpu = mc.round(rnd)
                     m = moved / seconds / 1e9
                     kvx.append(k)
@@ -248,6 +248,8 @@ def main():
     p.add_argument("--blocks", type=int, default=1000)
     p.add_argument("--pool-blocks", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--stream-batch", type=int, default=1,
+                   help="blocks per system call of kvx bench's TCP stream (writev/readv); 1: write/read per block")
     p.add_argument("--csv")
     p.add_argument("--log", default=os.devnull, help="where the Mooncake processes' logs go")
     p.add_argument("--role", choices=["target", "initiator"], help=argparse.SUPPRESS)

@@ -58,6 +58,14 @@ impl Transport {
         }
     }
 
+    /// The baseline's name in rows: `tcp-stream/N` for a stream of `N` blocks per system call.
+    fn baseline_label(self, stream_batch: u32) -> String {
+        match self {
+            Transport::Tcp if stream_batch > 1 => format!("{}/{stream_batch}", self.baseline()),
+            _ => self.baseline().to_owned(),
+        }
+    }
+
     fn parse(name: &str) -> Result<Transport> {
         Transport::from_str(name, false)
             .map_err(|e| Error::invalid_argument(format!("transport {name:?}: {e}")))
@@ -90,6 +98,10 @@ pub(crate) struct BenchArgs {
     /// Timed rounds per row, after one warm-up round.
     #[arg(long, default_value_t = 10)]
     rounds: usize,
+    /// Blocks per system call of the TCP stream baseline (`writev` / `readv`); 1 (one `write`
+    /// and one `read` per block) unless set. Its rows name the baseline `tcp-stream/N`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    stream_batch: u32,
     /// Writes the rows as CSV.
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -130,6 +142,7 @@ struct Row {
     transport: Transport,
     shape: Shape,
     gbps: f64,
+    baseline: String,
     baseline_gbps: f64,
     p50: Duration,
     p99: Duration,
@@ -150,7 +163,7 @@ impl Row {
             self.shape.block_len.to_string(),
             self.shape.reads.to_string(),
             format!("{:.3}", self.gbps),
-            self.transport.baseline().to_owned(),
+            self.baseline.clone(),
             format!("{:.3}", self.baseline_gbps),
             format!("{:.3}", self.ratio()),
             format!("{:.1}", micros(self.p50)),
@@ -202,10 +215,12 @@ enum Baseline {
 
 impl Baseline {
     /// The transport's baseline for `shape`: a TCP stream starts its sender process.
-    fn start(transport: Transport, shape: Shape) -> Result<Baseline> {
+    fn start(transport: Transport, shape: Shape, stream_batch: u32) -> Result<Baseline> {
         Ok(match transport {
             Transport::Shm => Baseline::Memcpy(xproc::Memcpy::new(shape)),
-            Transport::Tcp => Baseline::Tcp(TcpStreamBaseline::start(&[], shape)?),
+            Transport::Tcp => {
+                Baseline::Tcp(TcpStreamBaseline::start_batched(&[], shape, stream_batch as usize)?)
+            }
         })
     }
 
@@ -241,7 +256,7 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()
         .map_err(|e| e.context("--sizes, --blocks and --pool-blocks"))?;
     if args.reader_row {
-        return reader_row(args.backend, &args.transport, &shapes, args.rounds);
+        return reader_row(args.backend, &args.transport, &shapes, args.rounds, args.stream_batch);
     }
     if let Some(plot) = &args.plot {
         if plot.extension().and_then(|e| e.to_str()) != Some("svg") {
@@ -282,16 +297,16 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     for &(backend, transport) in &pairs {
         for &shape in &shapes {
             let what = format!("{} {} {}", backend.name(), transport.name(), size_text(shape.block_len));
-            let baseline = transport.baseline();
+            let baseline = transport.baseline_label(args.stream_batch);
             eprintln!(
                 "kvx bench: [{}/{total}] {what}: kvx READ and {baseline}, round by round",
                 rows.len() + 1
             );
             let measured = match backend {
                 Backend::Loopback => loopback_rounds(shape, args.rounds)?,
-                native => native_rounds(native, transport, shape, args.rounds)?,
+                native => native_rounds(native, transport, shape, args.rounds, args.stream_batch)?,
             };
-            let row = row(backend, transport, shape, &measured)?;
+            let row = row(backend, transport, shape, baseline, &measured)?;
             println!("{}", row.table_line());
             rows.push(row);
         }
@@ -311,7 +326,13 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) -> Result<Row> {
+fn row(
+    backend: Backend,
+    transport: Transport,
+    shape: Shape,
+    baseline: String,
+    measured: &Rounds,
+) -> Result<Row> {
     let gbps = |d: Duration| shape.read_len() as f64 / d.as_secs_f64() / 1e9;
     let mut times = measured.times.clone();
     times.sort_unstable();
@@ -327,6 +348,7 @@ fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) 
         transport,
         shape,
         gbps: gbps(p50),
+        baseline,
         baseline_gbps: gbps(base_p50),
         p50,
         p99,
@@ -340,10 +362,11 @@ fn row(backend: Backend, transport: Transport, shape: Shape, measured: &Rounds) 
 fn timed_rounds<A: TransferAgent>(
     reader: &Reader<A>,
     transport: Transport,
+    stream_batch: u32,
     rounds: usize,
     service: &mut dyn FnMut() -> Result<()>,
 ) -> Result<Rounds> {
-    let mut baseline = Baseline::start(transport, reader.shape())?;
+    let mut baseline = Baseline::start(transport, reader.shape(), stream_batch)?;
     let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0 };
     for round in 0..=rounds {
         let check = round == 0 || round == rounds;
@@ -375,7 +398,7 @@ fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
     target.register(pool.clone())?;
     let reader = Reader::open(fabric.agent(READER)?, &target.local_metadata()?, pool.region().addr, shape)?;
     let mut notes = Vec::new();
-    timed_rounds(&reader, Transport::Shm, rounds, &mut || {
+    timed_rounds(&reader, Transport::Shm, 1, rounds, &mut || {
         reader.agent.progress()?;
         target.progress()?;
         target.drain_notifications(&mut notes)
@@ -385,7 +408,13 @@ fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
 /// A native row: `kvx bench --reader-row` in a process with the transport's `UCX_TLS`, which
 /// reads from its own target process, runs the baseline between its READs, and prints the round
 /// times of both.
-fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: usize) -> Result<Rounds> {
+fn native_rounds(
+    backend: Backend,
+    transport: Transport,
+    shape: Shape,
+    rounds: usize,
+    stream_batch: u32,
+) -> Result<Rounds> {
     let args = [
         "bench".to_owned(),
         "--reader-row".to_owned(),
@@ -395,6 +424,7 @@ fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: u
         format!("--blocks={}", shape.reads),
         format!("--pool-blocks={}", shape.target_blocks),
         format!("--rounds={rounds}"),
+        format!("--stream-batch={stream_batch}"),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut child = SelfChild::spawn(&args, &[("UCX_TLS", transport.ucx_tls())])?;
@@ -415,13 +445,19 @@ fn native_rounds(backend: Backend, transport: Transport, shape: Shape, rounds: u
 
 /// The reader of one native row (`--reader-row`): prints its verified rounds, its READs' and
 /// its baseline's round times.
-fn reader_row(backend: Backend, transports: &[Transport], shapes: &[Shape], rounds: usize) -> Result<()> {
+fn reader_row(
+    backend: Backend,
+    transports: &[Transport],
+    shapes: &[Shape],
+    rounds: usize,
+    stream_batch: u32,
+) -> Result<()> {
     let ([transport], [shape]) = (transports, shapes) else {
         return Err(Error::invalid_argument("--reader-row takes one transport and one size"));
     };
     let spec = format!("{} {}", backend.name(), transport.name());
     let target = xproc::Target::start(&[], &spec, *shape)?;
-    let measured = native_reads(backend, *transport, &target, *shape, rounds)?;
+    let measured = native_reads(backend, *transport, &target, *shape, rounds, stream_batch)?;
     target.wait_done(READER)?;
     let times: Vec<String> =
         measured.times.iter().chain(&measured.baseline).map(|t| t.as_nanos().to_string()).collect();
@@ -436,20 +472,31 @@ fn native_reads(
     target: &xproc::Target,
     shape: Shape,
     rounds: usize,
+    stream_batch: u32,
 ) -> Result<Rounds> {
     match backend {
         #[cfg(feature = "ucx")]
         Backend::Ucx => {
             let agent = kvx_ucx::UcxAgent::with_config(READER, &kvx_ucx::UcxConfig::default())?;
-            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
+            read_from(
+                Reader::open(agent, &target.metadata, target.base, shape)?,
+                transport,
+                rounds,
+                stream_batch,
+            )
         }
         #[cfg(feature = "nixl")]
         Backend::Nixl => {
             let agent = kvx_nixl::NixlAgent::new(READER, &kvx_nixl::NixlConfig::default())?;
-            read_from(Reader::open(agent, &target.metadata, target.base, shape)?, transport, rounds)
+            read_from(
+                Reader::open(agent, &target.metadata, target.base, shape)?,
+                transport,
+                rounds,
+                stream_batch,
+            )
         }
         other => {
-            let _ = (transport, target, shape, rounds);
+            let _ = (transport, target, shape, rounds, stream_batch);
             Err(Error::new(ErrorKind::Unsupported, format!("no reader process for {}", other.name())))
         }
     }
@@ -457,8 +504,13 @@ fn native_reads(
 
 /// The timed rounds from a target in another process, then its [`xproc::DONE`].
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn read_from<A: TransferAgent>(reader: Reader<A>, transport: Transport, rounds: usize) -> Result<Rounds> {
-    let measured = timed_rounds(&reader, transport, rounds, &mut || Ok(()))?;
+fn read_from<A: TransferAgent>(
+    reader: Reader<A>,
+    transport: Transport,
+    rounds: usize,
+    stream_batch: u32,
+) -> Result<Rounds> {
+    let measured = timed_rounds(&reader, transport, stream_batch, rounds, &mut || Ok(()))?;
     reader.agent.notify(reader.peer(), xproc::DONE)?;
     Ok(measured)
 }
@@ -560,7 +612,12 @@ fn plot(path: &Path, rows: &[Row]) -> Result<()> {
         chart
             .draw_series(DashedLineSeries::new(base, 6, 4, color.stroke_width(1)))
             .map_err(|e| draw_error(&e))?
-            .label(format!("baseline: {} ({} {})", transport.baseline(), backend.name(), transport.name()))
+            .label(format!(
+                "baseline: {} ({} {})",
+                of_pair.first().map_or("", |r| r.baseline.as_str()),
+                backend.name(),
+                transport.name()
+            ))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(1)));
     }
     chart
@@ -580,6 +637,13 @@ fn io_error(path: &Path, e: std::io::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batched_stream_is_named_by_its_batch() {
+        assert_eq!(Transport::Tcp.baseline_label(1), "tcp-stream");
+        assert_eq!(Transport::Tcp.baseline_label(16), "tcp-stream/16");
+        assert_eq!(Transport::Shm.baseline_label(16), "memcpy");
+    }
 
     #[test]
     fn sizes_take_k_and_m_suffixes_and_refuse_the_rest() {

@@ -514,7 +514,12 @@ fn bench_writes_verified_rows(args: &[&str], rows: &[(&str, &str)]) {
     for (fields, &(backend, transport, size)) in csv_rows.iter().zip(&expected) {
         assert_eq!(fields.len(), 10, "{fields:?}");
         assert_eq!(fields[..4], [backend, transport, size, "16"], "{fields:?}");
-        let baseline = if transport == "tcp" { "tcp-stream" } else { "memcpy" };
+        let batch = args.iter().position(|a| *a == "--stream-batch").and_then(|i| args.get(i + 1));
+        let baseline = match (transport, batch) {
+            ("tcp", Some(batch)) => format!("tcp-stream/{batch}"),
+            ("tcp", None) => "tcp-stream".to_owned(),
+            _ => "memcpy".to_owned(),
+        };
         assert_eq!(fields[5], baseline, "{fields:?}");
         for at in [4, 6, 7, 8, 9] {
             let value: f64 = fields[at].parse().unwrap();
@@ -540,6 +545,20 @@ fn bench_runs_on(backend: &str) {
     bench_writes_verified_rows(
         &["--backend", backend, "--transport", "shm,tcp"],
         &[(backend, "shm"), (backend, "tcp")],
+    );
+}
+
+/// `--stream-batch`: the TCP stream moves 3 blocks per `writev` / `readv` (16 blocks: the last
+/// batch is short), its rows name it, and its bytes are checked like the READs'.
+#[cfg(feature = "ucx")]
+#[test]
+fn bench_with_a_batched_tcp_stream_names_it_and_checks_its_bytes() {
+    if !common::backend_available("bench_with_a_batched_tcp_stream", "ucx") {
+        return;
+    }
+    bench_writes_verified_rows(
+        &["--backend", "ucx", "--transport", "tcp", "--stream-batch", "3"],
+        &[("ucx", "tcp")],
     );
 }
 

@@ -7,8 +7,12 @@
 //! the sender writes the round's scattered blocks straight from its memory, one write per block,
 //! and the receiver reads each straight into its local slot: the time from request to last byte
 //! is what a READ over TCP could take at best with one stream and no framing.
+//!
+//! With a batch of `n` blocks ([`TcpStreamBaseline::start_batched`]) each system call moves up to
+//! `n` blocks instead (`writev` from their scattered places, `readv` into their slots): what a
+//! TCP data path of kvx's own could do with fewer system calls per block.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -19,6 +23,8 @@ use crate::xproc::{PROCESS_DEADLINE, SHAPE_ENV, Shape};
 
 /// Set in the child's environment: the child is a TCP sender.
 pub const SENDER_ENV: &str = "KVX_TCP_BASELINE_SENDER";
+/// Set in the child's environment: blocks per system call (1 unless set).
+const BATCH_ENV: &str = "KVX_TCP_BASELINE_BATCH";
 
 const PORT_LINE: &str = "KVX-TCP-BASELINE-PORT ";
 
@@ -26,10 +32,16 @@ const PORT_LINE: &str = "KVX-TCP-BASELINE-PORT ";
 /// returns how that went; otherwise returns `None` at once.
 pub fn serve_if_child() -> Option<Result<()>> {
     std::env::var_os(SENDER_ENV)?;
-    Some(Shape::from_env().and_then(send))
+    let batch = std::env::var(BATCH_ENV).map_or(Ok(1), |b| {
+        b.parse::<usize>()
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| Error::invalid_argument(format!("{BATCH_ENV}={b:?}")))
+    });
+    Some(Shape::from_env().and_then(|shape| send(shape, batch?)))
 }
 
-fn send(shape: Shape) -> Result<()> {
+fn send(shape: Shape, batch: usize) -> Result<()> {
     let mut src = vec![0u8; shape.target_len()];
     shape.fill_target(|offset, bytes| {
         src[offset..offset + bytes.len()].copy_from_slice(bytes);
@@ -51,9 +63,17 @@ fn send(shape: Shape) -> Result<()> {
     while stream.read_exact(&mut request).is_ok() {
         let round = usize::try_from(u64::from_le_bytes(request))
             .map_err(|_| Error::invalid_peer_data("round number past usize"))?;
-        for i in 0..shape.reads {
-            let s = shape.remote_block(i, round) * bl;
-            stream.write_all(&src[s..s + bl]).map_err(io("write"))?;
+        let blocks: Vec<usize> = (0..shape.reads).map(|i| shape.remote_block(i, round) * bl).collect();
+        for chunk in blocks.chunks(batch) {
+            let mut slices: Vec<IoSlice<'_>> = chunk.iter().map(|&s| IoSlice::new(&src[s..s + bl])).collect();
+            let mut slices = &mut slices[..];
+            while !slices.is_empty() {
+                let n = stream.write_vectored(slices).map_err(io("write"))?;
+                if n == 0 {
+                    return Err(io("write")(std::io::ErrorKind::WriteZero.into()));
+                }
+                IoSlice::advance_slices(&mut slices, n);
+            }
         }
     }
     Ok(())
@@ -66,20 +86,30 @@ pub struct TcpStreamBaseline {
     child: SelfChild,
     stream: TcpStream,
     shape: Shape,
+    batch: usize,
     dst: Vec<u8>,
 }
 
 impl TcpStreamBaseline {
     /// Starts the sender (this executable again, `args` selecting its entry point) and connects.
     pub fn start(args: &[&str], shape: Shape) -> Result<TcpStreamBaseline> {
-        let mut child = SelfChild::spawn(args, &[(SENDER_ENV, "1"), (SHAPE_ENV, &shape.to_env())])?;
+        Self::start_batched(args, shape, 1)
+    }
+
+    /// As [`start`](Self::start), with up to `batch` blocks per system call on both sides
+    /// (`writev`, `readv`); `batch` is at least 1.
+    pub fn start_batched(args: &[&str], shape: Shape, batch: usize) -> Result<TcpStreamBaseline> {
+        let batch = batch.max(1);
+        let env = [(SENDER_ENV, "1".to_owned()), (SHAPE_ENV, shape.to_env()), (BATCH_ENV, batch.to_string())];
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut child = SelfChild::spawn(args, &env)?;
         let port = child.wait_line(PORT_LINE, PROCESS_DEADLINE)?;
         let port: u16 =
             port.parse().map_err(|_| Error::invalid_peer_data(format!("sender port {port:?}")))?;
         let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
         stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
         stream.set_nodelay(true).map_err(io("set_nodelay"))?;
-        Ok(TcpStreamBaseline { child, stream, shape, dst: vec![0u8; shape.read_len()] })
+        Ok(TcpStreamBaseline { child, stream, shape, batch, dst: vec![0u8; shape.read_len()] })
     }
 
     /// Moves round `round`'s blocks into their slots; returns the time from request to last
@@ -89,9 +119,27 @@ impl TcpStreamBaseline {
         self.dst.fill(0);
         let start = Instant::now();
         self.stream.write_all(&(round as u64).to_le_bytes()).map_err(io("write"))?;
-        for i in 0..shape.reads {
-            let d = shape.local_slot(i) * bl;
-            self.stream.read_exact(&mut self.dst[d..d + bl]).map_err(io("read"))?;
+        let TcpStreamBaseline { stream, dst, batch, .. } = self;
+        // Each slot once, in the order the sender writes them.
+        let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_exact_mut(bl).map(Some).collect();
+        let order: Vec<usize> = (0..shape.reads).map(|i| shape.local_slot(i)).collect();
+        for chunk in order.chunks(*batch) {
+            let mut wanted = (chunk.iter())
+                .map(|&s| {
+                    let slot = slots.get_mut(s).and_then(Option::take);
+                    slot.map(IoSliceMut::new).ok_or_else(|| {
+                        Error::invalid_argument(format!("TCP baseline: slot {s} read twice or past the end"))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut wanted = &mut wanted[..];
+            while !wanted.is_empty() {
+                let n = stream.read_vectored(wanted).map_err(io("read"))?;
+                if n == 0 {
+                    return Err(io("read")(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                IoSliceMut::advance_slices(&mut wanted, n);
+            }
         }
         let elapsed = start.elapsed();
         if check {
