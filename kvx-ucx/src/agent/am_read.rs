@@ -21,7 +21,6 @@ use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::ffi::c_void;
 use std::hash::BuildHasher;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -33,6 +32,7 @@ use kvx_ucx_sys as sys;
 use crate::ReadPath;
 use crate::status::error;
 
+use super::inbox::Message;
 use super::request::Tracker;
 use super::state::Inner;
 
@@ -281,78 +281,30 @@ pub(super) struct Answers {
     _headers: Box<[[u8; HEADER_LEN]]>,
 }
 
-/// The handler of [`AM_READ_REQUEST`] (a target's): checks the message's shape and queues it.
-pub(super) unsafe extern "C" fn on_read_request(
-    arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the Box<Serve> registered with this handler, freed only after the
-        // worker (the only caller) is destroyed.
-        let serve = unsafe { &*arg.cast::<Serve>() };
-        // SAFETY: UCX passes a valid parameter struct for the duration of the call.
-        let Some(param) = (unsafe { param.as_ref() }) else { return serve.refuse("no parameters") };
-        if param.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-            return sys::UCS_ERR_UNSUPPORTED; // kvx sends requests eagerly; the sender learns it
-        }
-        if param.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 || param.reply_ep.is_null()
-        {
+am_handler! {
+    /// The handler of [`AM_READ_REQUEST`] (a target's): checks the message's shape and queues it.
+    pub(super) fn on_read_request(&Serve) |serve: &Serve, message: Message<'_>| {
+        // kvx sends requests eagerly; a rendezvous sender learns it from the status.
+        let Some(data) = message.eager_data() else { return sys::UCS_ERR_UNSUPPORTED };
+        if message.reply_ep.is_null() {
             return serve.refuse("no reply endpoint");
         }
-        // SAFETY: UCX guarantees `header_length` and `length` readable bytes (eager) during the call.
-        let (header, data) = unsafe { (bytes(header, header_length), bytes(data, length)) };
-        let Some(header) = Header::decode(header) else { return serve.refuse("bad header length") };
+        let Some(header) = Header::decode(message.header) else { return serve.refuse("bad header length") };
         let Some(ranges) = decode_ranges(&header, data) else { return serve.refuse("bad ranges") };
-        let request = Request { reply_ep: param.reply_ep as usize, header, ranges };
+        let request = Request { reply_ep: message.reply_ep as usize, header, ranges };
         serve.queue.lock().unwrap_or_else(PoisonError::into_inner).push(request);
         sys::UCS_OK
-    }));
-    result.unwrap_or(sys::UCS_OK)
+    }
 }
 
-/// The handler of [`AM_READ_DATA`] (a reader's): see [`Reads::accept`].
-pub(super) unsafe extern "C" fn on_read_data(
-    arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the Box<Reads> registered with this handler, freed only after the
-        // worker (the only caller) is destroyed.
-        let reads = unsafe { &*arg.cast::<Reads>() };
-        // SAFETY: as in `on_read_request`.
-        let recv_attr = unsafe { param.as_ref() }.map_or(0, |p| p.recv_attr);
-        let rndv = recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-        // SAFETY: UCX guarantees `header_length` readable bytes at `header` during the call.
-        let header = unsafe { bytes(header, header_length) };
-        match Header::decode(header) {
-            Some(header) => reads.accept(&header, data, length, rndv),
-            None => {
-                reads.refused.fetch_add(1, Ordering::Relaxed);
-                sys::UCS_OK
-            }
+am_handler! {
+    /// The handler of [`AM_READ_DATA`] (a reader's): see [`Reads::accept`].
+    pub(super) fn on_read_data(&Reads) |reads: &Reads, message: Message<'_>| match Header::decode(message.header) {
+        Some(header) => reads.accept(&header, message.data, message.length, message.rndv()),
+        None => {
+            reads.refused.fetch_add(1, Ordering::Relaxed);
+            sys::UCS_OK
         }
-    }));
-    result.unwrap_or(sys::UCS_OK)
-}
-
-/// `len` bytes at `ptr` (none when null or empty).
-///
-/// # Safety
-/// `len` bytes at `ptr` are readable for the returned lifetime.
-unsafe fn bytes<'a>(ptr: *const c_void, len: usize) -> &'a [u8] {
-    if len == 0 || ptr.is_null() {
-        &[]
-    } else {
-        // SAFETY: the caller's promise.
-        unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) }
     }
 }
 

@@ -52,45 +52,85 @@ impl Inbox {
     }
 }
 
-/// The active-message handler of [`AM_NOTIFY`]: header = sender's name, data = payload.
+/// What UCX passes an active-message handler, made safe to read: the header, the data (a pointer:
+/// a rendezvous descriptor when [`rndv`](Message::rndv), else `length` readable bytes during the
+/// call), the receive attributes and the reply endpoint (null unless the sender asked for one).
+pub(super) struct Message<'a> {
+    pub(super) header: &'a [u8],
+    pub(super) data: *mut c_void,
+    pub(super) length: usize,
+    pub(super) recv_attr: u64,
+    pub(super) reply_ep: sys::ucp_ep_h,
+}
+
+impl Message<'_> {
+    /// The data comes by rendezvous: `data` is a descriptor for `ucp_am_recv_data_nbx`.
+    pub(super) fn rndv(&self) -> bool {
+        self.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0
+    }
+
+    /// The data's bytes, unless it comes by rendezvous.
+    pub(super) fn eager_data(&self) -> Option<&[u8]> {
+        // SAFETY: not rendezvous, so UCX guarantees `length` readable bytes during the call,
+        // which the message's lifetime does not outlive.
+        (!self.rndv()).then(|| unsafe { bytes(self.data, self.length) })
+    }
+}
+
+/// The body of every active-message handler: `arg` as the `T` registered with it, and the message,
+/// to `handle`; a panic is caught (it must not unwind into C) and answers `UCS_OK`.
 ///
-/// [`AM_NOTIFY`]: super::AM_NOTIFY
-pub(super) unsafe extern "C" fn on_notification(
+/// # Safety
+/// As for `ucp_am_recv_callback_t`: `arg` is the live `T` registered with the handler, `header`
+/// holds `header_length` bytes, `param` is valid or null, all for the duration of the call.
+pub(super) unsafe fn on_message<T>(
     arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
+    (header, header_length): (*const c_void, usize),
+    (data, length): (*mut c_void, usize),
     param: *const sys::ucp_am_recv_param_t,
+    handle: impl FnOnce(&T, Message<'_>) -> sys::ucs_status_t,
 ) -> sys::ucs_status_t {
-    // A panic must not unwind into C: catch it, drop the message.
     let result = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the Box<Inbox> registered with this handler; it is freed only after the
-        // worker (the only caller) is destroyed.
-        let inbox = unsafe { &*arg.cast::<Inbox>() };
-        // SAFETY: UCX passes a valid parameter struct for the duration of the call.
-        let recv_attr = unsafe { param.as_ref() }.map_or(0, |p| p.recv_attr);
-        if recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        // SAFETY: the caller's promise: `arg` is a live `T`, freed only after the worker (the
+        // only caller) is destroyed.
+        let target = unsafe { &*arg.cast::<T>() };
+        // SAFETY: the caller's promise, for the duration of the call.
+        let (header, param) = unsafe { (bytes(header, header_length), param.as_ref()) };
+        let recv_attr = param.map_or(0, |p| p.recv_attr);
+        let reply_ep = match param {
+            Some(p) if recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 => p.reply_ep,
+            _ => std::ptr::null_mut(),
+        };
+        handle(target, Message { header, data, length, recv_attr, reply_ep })
+    }));
+    result.unwrap_or(sys::UCS_OK)
+}
+
+/// `len` bytes at `ptr` (none when null or empty).
+///
+/// # Safety
+/// `len` bytes at `ptr` are readable for the returned lifetime.
+unsafe fn bytes<'a>(ptr: *const c_void, len: usize) -> &'a [u8] {
+    if len == 0 || ptr.is_null() {
+        &[]
+    } else {
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) }
+    }
+}
+
+am_handler! {
+    /// The active-message handler of [`AM_NOTIFY`](super::AM_NOTIFY): header = sender's name,
+    /// data = payload.
+    pub(super) fn on_notification(&Inbox) |inbox: &Inbox, message: Message<'_>| match message.eager_data() {
+        Some(data) => inbox.accept(message.header, data),
+        None => {
             // kvx senders always use eager; a rendezvous message is not ours. The sender's
             // request completes with this status.
             inbox.reject("rendezvous message");
-            return sys::UCS_ERR_UNSUPPORTED;
+            sys::UCS_ERR_UNSUPPORTED
         }
-        let header = if header_length == 0 || header.is_null() {
-            &[][..]
-        } else {
-            // SAFETY: UCX guarantees `header_length` readable bytes at `header` during the call.
-            unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) }
-        };
-        let data = if length == 0 || data.is_null() {
-            &[][..]
-        } else {
-            // SAFETY: not rendezvous, so `data` holds `length` readable bytes during the call.
-            unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }
-        };
-        inbox.accept(header, data)
-    }));
-    result.unwrap_or(sys::UCS_OK)
+    }
 }
 
 /// The endpoints' error handler (`UCP_ERR_HANDLING_MODE_PEER`): UCX calls it from

@@ -27,6 +27,29 @@ use crate::context::{Context, ReadPath, UcxConfig};
 use crate::memory::{PoolMapping, UcxMemory};
 use crate::status::{BACKEND, error};
 
+/// Defines an `unsafe extern "C"` active-message handler (`ucp_am_recv_callback_t`) whose `arg` is
+/// the boxed `$target` registered with it and whose body is `$handle`, a
+/// `FnOnce(&$target, inbox::Message) -> ucs_status_t` run by [`inbox::on_message`].
+macro_rules! am_handler {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident(&$target:ty) $handle:expr) => {
+        $(#[$doc])*
+        $vis unsafe extern "C" fn $name(
+            arg: *mut ::std::ffi::c_void,
+            header: *const ::std::ffi::c_void,
+            header_length: usize,
+            data: *mut ::std::ffi::c_void,
+            length: usize,
+            param: *const ::kvx_ucx_sys::ucp_am_recv_param_t,
+        ) -> ::kvx_ucx_sys::ucs_status_t {
+            // SAFETY: UCX calls the handler as registered: `arg` is the live boxed target, the
+            // buffers and parameters are valid for the call.
+            unsafe {
+                super::inbox::on_message::<$target>(arg, (header, header_length), (data, length), param, $handle)
+            }
+        }
+    };
+}
+
 mod am_read;
 mod inbox;
 mod progress;
