@@ -239,42 +239,42 @@ macro_rules! native_backend_tests {
             /// the heads from the one prefill rank.
             #[test]
             fn prefill_tp1_decode_tp2() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 2), &[]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 2), &[], &[]);
             }
 
             /// `kvx prefill --tp 2` and `kvx decode --tp 1` of a hybrid model: the decode rank
             /// READs from both prefill ranks, the sliding-window group only its window.
             #[test]
             fn prefill_tp2_decode_tp1() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "32"]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "32"], &[]);
             }
 
             /// `kvx prefill --tp 2` and `kvx decode --tp 4` of a hybrid model: each decode rank
             /// READs a quarter of the heads, a slice of a prefill rank's half.
             #[test]
             fn prefill_tp2_decode_tp4() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 4), &["--window", "32"]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 4), &["--window", "32"], &[]);
             }
 
             /// `kvx prefill --tp 4` and `kvx decode --tp 2`: each decode rank gathers its heads
             /// from two prefill ranks.
             #[test]
             fn prefill_tp4_decode_tp2() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 2), &[]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 2), &[], &[]);
             }
 
             /// `kvx prefill --tp 1` and `kvx decode --tp 4` (4 KV heads): each decode rank READs
             /// one head out of the one prefill rank's blocks.
             #[test]
             fn prefill_tp1_decode_tp4() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 4), &[]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 4), &[], &[]);
             }
 
             /// `kvx prefill --tp 4` and `kvx decode --tp 1` of a hybrid model (4 KV heads): the
             /// one decode rank READs one head from each prefill rank, in both groups.
             #[test]
             fn prefill_tp4_decode_tp1() {
-                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 1), &["--window", "32"]);
+                super::prefill_and_decode_of_tp_sizes(BACKEND, (4, 1), &["--window", "32"], &[]);
             }
 
             #[test]
@@ -305,6 +305,15 @@ macro_rules! native_backend_tests {
 native_backend_tests!(ucx);
 #[cfg(feature = "nixl")]
 native_backend_tests!(nixl);
+
+/// Heterogeneous TP over UCX's TCP transport only: the decode ranks READ by active messages, the
+/// per-head slices of (1, 2) and the gathered heads of a hybrid model's (2, 1), every byte checked.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_and_decode_of_other_tp_sizes_over_tcp() {
+    prefill_and_decode_of_tp_sizes("ucx", (1, 2), &[], &[("UCX_TLS", "tcp")]);
+    prefill_and_decode_of_tp_sizes("ucx", (2, 1), &["--window", "32"], &[("UCX_TLS", "tcp")]);
+}
 
 /// `kvx prefill` and `kvx decode` over UCX's TCP transport only (both processes read `UCX_TLS`
 /// when their agents start): the transport a deployment without shared memory or RDMA gets.
@@ -412,14 +421,14 @@ fn prefill_and_decode_processes_with(backend: &str, env: &[(&str, &str)]) {
 /// finishes, every byte each decode rank READs is checked, nothing leaks on either side. Without
 /// the backend's library: a loud SKIP, or a failure with `KVX_REQUIRE_UCX=1` (`KVX_REQUIRE_NIXL=1`).
 #[cfg(any(feature = "ucx", feature = "nixl"))]
-fn prefill_and_decode_of_tp_sizes(backend: &str, (p, d): (u32, u32), extra: &[&str]) {
+fn prefill_and_decode_of_tp_sizes(backend: &str, (p, d): (u32, u32), extra: &[&str], env: &[(&str, &str)]) {
     if !common::backend_available(&format!("{backend}::prefill_tp{p}_decode_tp{d}"), backend) {
         return;
     }
     let (ps, ds) = (p.to_string(), d.to_string());
-    let (prefill, api, first) = launch_prefill(backend, &[&["--tp", &ps], extra].concat(), &[]);
+    let (prefill, api, first) = launch_prefill(backend, &[&["--tp", &ps], extra].concat(), env);
     assert!(first.contains(&format!("TP={p},")), "{first}");
-    let decode = wait(spawn_decode(backend, &api, 20, &[], &[&["--tp", &ds], extra].concat()));
+    let decode = wait(spawn_decode(backend, &api, 20, env, &[&["--tp", &ds], extra].concat()));
     assert!(text(&decode.stdout).contains(&format!("TP={d},")), "{}", text(&decode.stdout));
     check_pair(decode, prefill, 20);
 }
