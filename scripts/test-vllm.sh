@@ -59,6 +59,14 @@
 # the p50 explained. The last table has them for every config; a kvx config without its
 # attribution fails the run.
 #
+# Attention ISA (every config alike): every server runs with kvx-vllm/tools/probe on its PYTHONPATH,
+# whose sitecustomize.py wraps vLLM's choice of CPU attention ISA as KVX_VLLM_ATTN_ISA says: amx
+# (default) keeps vLLM's choice and, where it is amx, has each process ask Linux for the AMX
+# permission before its first forward; another ISA (vec) replaces amx; vllm changes nothing. Each
+# server must log the ISA it uses ("kvx test: CPU attention ISA"). vLLM 0.32 never asks for that
+# permission itself, and a decode server whose first forward computes one token (NixlConnector's
+# loads) dies of SIGILL in its AMX attention kernel (docs/VLLM.md, "AMX attention").
+#
 # kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
 # small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
@@ -83,6 +91,7 @@ READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
 LEASE_S="${KVX_VLLM_LEASE_S:-120}"
+ATTN_ISA="${KVX_VLLM_ATTN_ISA-amx}"
 ROUTER="${KVX_VLLM_ROUTER:-1}"
 ETCD_CONFIGS="${KVX_VLLM_ETCD_CONFIGS-kvx-nixl}"
 # Every port of the run (HTTP 8100 prefill, 8200 decode, 8300 router; side channels 5600 and
@@ -169,7 +178,8 @@ kvcfg() { # config role policy side_port
 
 start() { # config name http_port side_port role policy
     local cfg=$1 name=$2 port=$3 side=$4 role=$5 policy=$6
-    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg")
+    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg"
+        KVX_VLLM_ATTN_ISA="$ATTN_ISA" PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
     local tp=() nixl=0
     { [ "$cfg" = kvx-nixl ] || { [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_BACKEND" = nixl ]; }; } && nixl=1
     [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_HMA" = 0 ] && tp+=(--disable-hybrid-kv-cache-manager)
@@ -183,7 +193,6 @@ start() { # config name http_port side_port role policy
             env+=(VLLM_CPU_OMP_THREADS_BIND=0)
         fi
     fi
-    is_kvx "$cfg" || env+=(PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
     [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
     [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
@@ -353,6 +362,17 @@ hybrid_allocator_as_asked() { # config: both servers run vLLM's hybrid allocator
     return $ok
 }
 
+attn_isa_as_asked() { # config: both servers log their CPU attention ISA (KVX_VLLM_ATTN_ISA)
+    local name line ok=0
+    for name in prefill decode; do
+        line=$(grep -ho "kvx test: CPU attention ISA .*" "$OUT/$1-$name.log" | sort -u | tr '\n' ' ' || true)
+        echo "test-vllm: $1 $name: ${line:-no \"kvx test: CPU attention ISA\" line}"
+        [ -n "$line" ] || ok=1
+    done
+    [ $ok = 0 ] || echo "test-vllm: $1: a server did not log its attention ISA (KVX_VLLM_ATTN_ISA=$ATTN_ISA)" >&2
+    return $ok
+}
+
 status=0
 for cfg in $CONFIGS; do
     echo "=== $cfg"
@@ -371,6 +391,11 @@ for cfg in $CONFIGS; do
         continue
     fi
     echo "test-vllm: $cfg servers ready (prefill ${p_ready}s, decode ${d_ready}s; started together)"
+    if [ -n "$ATTN_ISA" ] && [ "$ATTN_ISA" != vllm ] && ! attn_isa_as_asked "$cfg"; then
+        echo "{\"label\":\"$cfg\",\"attn_isa\":false}" >>"$OUT/summary.jsonl"; stop_all
+        is_kvx "$cfg" && status=1
+        continue
+    fi
     if [ "$cfg" = kvx-hybrid ] && ! hybrid_allocator_as_asked "$cfg"; then
         echo "{\"label\":\"$cfg\",\"hybrid_allocator\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1
         continue
