@@ -59,13 +59,17 @@
 # the p50 explained. The last table has them for every config; a kvx config without its
 # attribution fails the run.
 #
-# Attention ISA (every config alike): every server runs with kvx-vllm/tools/probe on its PYTHONPATH,
-# whose sitecustomize.py wraps vLLM's choice of CPU attention ISA as KVX_VLLM_ATTN_ISA says: amx
-# (default) keeps vLLM's choice and, where it is amx, has each process ask Linux for the AMX
-# permission before its first forward; another ISA (vec) replaces amx; vllm changes nothing. Each
-# server must log the ISA it uses ("kvx test: CPU attention ISA"). vLLM 0.32 never asks for that
-# permission itself, and a decode server whose first forward computes one token (NixlConnector's
-# loads) dies of SIGILL in its AMX attention kernel (docs/VLLM.md, "AMX attention").
+# Attention ISA: vLLM 0.32 runs its AMX attention kernel without ever asking Linux for the AMX
+# permission, and a decode server whose first forward computes 1 to 4 tokens dies of SIGILL in it
+# (docs/VLLM.md, "AMX attention"). The warm-up request of every config is therefore 2 blocks + 1
+# token: both connectors load the two blocks and the decode server's first forward computes one
+# token. kvx's connector asks for the permission itself when it registers its KV caches; with
+# KVX_VLLM_ATTN_ISA=amx (default) each kvx server must log that it was granted ("kvx: AMX tile
+# permission", on a CPU with AMX). NixlConnector's servers, and kvx's with another
+# KVX_VLLM_ATTN_ISA, run with kvx-vllm/tools/probe on their PYTHONPATH, whose sitecustomize.py
+# wraps vLLM's choice of CPU attention ISA as KVX_VLLM_ATTN_ISA says: amx keeps vLLM's choice and,
+# where it is amx, asks for the permission before the first forward; another ISA (vec) replaces
+# amx; vllm changes nothing. Those servers must log the ISA they use ("kvx test: CPU attention ISA").
 #
 # kvx's servers run with kv_lease_duration KVX_VLLM_LEASE_S (default 120 s, not kvx's 30 s): on a
 # small, loaded machine vLLM's step loop can stall for tens of seconds (docs/VLLM.md, "Leases"),
@@ -178,9 +182,11 @@ kvcfg() { # config role policy side_port
 
 start() { # config name http_port side_port role policy
     local cfg=$1 name=$2 port=$3 side=$4 role=$5 policy=$6
-    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg"
-        KVX_VLLM_ATTN_ISA="$ATTN_ISA" PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
+    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg")
     local tp=() nixl=0
+    if sitecustomized "$cfg"; then
+        env+=(KVX_VLLM_ATTN_ISA="$ATTN_ISA" PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
+    fi
     { [ "$cfg" = kvx-nixl ] || { [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_BACKEND" = nixl ]; }; } && nixl=1
     [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_HMA" = 0 ] && tp+=(--disable-hybrid-kv-cache-manager)
     # kvx-hybrid with a prefill engine of two ranks: they share core 1 and the decode engine
@@ -362,11 +368,20 @@ hybrid_allocator_as_asked() { # config: both servers run vLLM's hybrid allocator
     return $ok
 }
 
-attn_isa_as_asked() { # config: both servers log their CPU attention ISA (KVX_VLLM_ATTN_ISA)
-    local name line ok=0
+sitecustomized() { # config: its servers run kvx-vllm/tools/probe/sitecustomize.py (see the top)
+    ! is_kvx "$1" || [ "$ATTN_ISA" != amx ]
+}
+
+attn_isa_as_asked() { # config: both servers log their CPU attention ISA (KVX_VLLM_ATTN_ISA) or,
+    # kvx's with amx, that the connector was granted the AMX permission (where the CPU has AMX)
+    local name line ok=0 want="kvx test: CPU attention ISA"
+    if ! sitecustomized "$1"; then
+        grep -qw amx_tile /proc/cpuinfo || return 0
+        want="kvx: AMX tile permission for vLLM's CPU attention asked: granted"
+    fi
     for name in prefill decode; do
-        line=$(grep -ho "kvx test: CPU attention ISA .*" "$OUT/$1-$name.log" | sort -u | tr '\n' ' ' || true)
-        echo "test-vllm: $1 $name: ${line:-no \"kvx test: CPU attention ISA\" line}"
+        line=$(grep -ho "$want.*" "$OUT/$1-$name.log" | sort -u | tr '\n' ' ' || true)
+        echo "test-vllm: $1 $name: ${line:-no \"$want\" line}"
         [ -n "$line" ] || ok=1
     done
     [ $ok = 0 ] || echo "test-vllm: $1: a server did not log its attention ISA (KVX_VLLM_ATTN_ISA=$ATTN_ISA)" >&2

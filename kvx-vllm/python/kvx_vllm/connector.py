@@ -245,6 +245,27 @@ def _move_to_kv_cores() -> None:
         os.sched_setaffinity(0, cores)
 
 
+def _ask_amx_permission() -> None:
+    """On a CPU with AMX, asks Linux for the AMX tile data permission for this worker process
+    (``torch.cpu._init_amx()``, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``) before its first forward.
+    vLLM 0.32 runs its AMX attention kernel whenever CPUID has AMX and never asks; a process gets
+    the permission only from oneDNN's first AMX GEMM, which vLLM's linear layers run for batches
+    of more than 4 tokens. kvx loads whole blocks, so a decode engine whose first request leaves 1
+    to 4 tokens to compute (a 129-token prompt in 128-token blocks) would otherwise die of SIGILL
+    in that kernel (docs/VLLM.md, "AMX attention")."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return
+    granted = torch.cpu._init_amx()
+    log = logger.info if granted else logger.warning
+    log("kvx: AMX tile permission for vLLM's CPU attention asked: %s", "granted" if granted else "refused")
+
+
 def _kv_groups(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> list[tuple[str, Optional[int]]]:
     """Each KV-cache group's kind and sliding window in tokens (``None``: full attention), in
     vLLM's group order (the order of ``remote_block_ids``). kvx moves full-attention groups (MLA
@@ -560,6 +581,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self._tensors.append(t)  # kept alive until shutdown: the agent has them registered
             layers.append((t.data_ptr(), t.numel() * t.element_size(), list(t.shape), t.element_size()))
         kind = self._worker.register_kv_caches(layers)
+        _ask_amx_permission()
         logger.info(
             "kvx: registered %d regions for %d layers as %s (shape %s, %s) with %s",
             len(layers), len(kv_caches), kind, layers[0][2] if layers else None,
