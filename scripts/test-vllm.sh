@@ -63,7 +63,7 @@
 # permission, and a decode server whose first forward computes 1 to 4 tokens dies of SIGILL in it
 # (docs/VLLM.md, "AMX attention"). The warm-up request of every config is therefore 2 blocks + 1
 # token: both connectors load the two blocks and the decode server's first forward computes one
-# token. kvx's connector asks for the permission itself when it registers its KV caches; with
+# token. kvx's connector asks for the permission itself before it starts its transfer agent; with
 # KVX_VLLM_ATTN_ISA=amx (default) each kvx server must log that it was granted ("kvx: AMX tile
 # permission", on a CPU with AMX). NixlConnector's servers, and kvx's with another
 # KVX_VLLM_ATTN_ISA, run with kvx-vllm/tools/probe on their PYTHONPATH, whose sitecustomize.py

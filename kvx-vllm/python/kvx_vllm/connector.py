@@ -252,7 +252,9 @@ def _ask_amx_permission() -> None:
     the permission only from oneDNN's first AMX GEMM, which vLLM's linear layers run for batches
     of more than 4 tokens. kvx loads whole blocks, so a decode engine whose first request leaves 1
     to 4 tokens to compute (a 129-token prompt in 128-token blocks) would otherwise die of SIGILL
-    in that kernel (docs/VLLM.md, "AMX attention")."""
+    in that kernel (docs/VLLM.md, "AMX attention"). Called before the transfer agent exists:
+    asked once NIXL's UCX threads had started, the first READ over kvx-nixl timed out (2 runs
+    of 2), and asked before, it did not."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -394,6 +396,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def _create_worker(self, extra: dict, cfg, vllm_config: "VllmConfig") -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        _ask_amx_permission()
         _move_to_kv_cores()
         native = _native(self._backend)
         model = vllm_config.model_config
@@ -581,7 +584,6 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self._tensors.append(t)  # kept alive until shutdown: the agent has them registered
             layers.append((t.data_ptr(), t.numel() * t.element_size(), list(t.shape), t.element_size()))
         kind = self._worker.register_kv_caches(layers)
-        _ask_amx_permission()
         logger.info(
             "kvx: registered %d regions for %d layers as %s (shape %s, %s) with %s",
             len(layers), len(kv_caches), kind, layers[0][2] if layers else None,
