@@ -253,8 +253,8 @@ def _ask_amx_permission() -> None:
     of more than 4 tokens. kvx loads whole blocks, so a decode engine whose first request leaves 1
     to 4 tokens to compute (a 129-token prompt in 128-token blocks) would otherwise die of SIGILL
     in that kernel (docs/VLLM.md, "AMX attention"). Called before the transfer agent exists:
-    asked once NIXL's UCX threads had started, the first READ over kvx-nixl timed out (2 runs
-    of 2), and asked before, it did not."""
+    asked once NIXL's UCX threads had started, the first READ over kvx-nixl timed out in 2 of 7
+    starts; asked before, in none of 14."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
