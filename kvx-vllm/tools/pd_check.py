@@ -239,10 +239,13 @@ def main():
     # template of the failure check (a router keeps them to itself); retried: NixlConnector's
     # first handshake can time out here. Two blocks and one token: the decode server's first
     # forward computes one token (the case that needs the AMX permission, docs/VLLM.md).
+    # One prompt for every attempt: a retry must not shift the prompts after it, which every
+    # config of a run must share for their outputs to be compared.
     template = None  # a real prefill response's kv_transfer_params (for the failure check)
+    warm_up = [rng.randrange(3, 2048) for _ in range(2 * a.block_size + 1)]
     for attempt in range(3):
         try:
-            template = c.proxy_steps([rng.randrange(3, 2048) for _ in range(2 * a.block_size + 1)])[3]
+            template = c.proxy_steps(warm_up)[3]
             break
         except Exception as e:  # noqa: BLE001
             print(json.dumps({"warmup_attempt": attempt, "err": repr(e)[:300]}), flush=True)
