@@ -115,30 +115,29 @@ impl TcpStreamBaseline {
     /// Moves round `round`'s blocks into their slots; returns the time from request to last
     /// byte. `check`: every byte is checked after (untimed).
     pub fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
-        let (shape, bl) = (self.shape, self.shape.block_len);
+        let (shape, bl, batch) = (self.shape, self.shape.block_len, self.batch);
         self.dst.fill(0);
-        let start = Instant::now();
-        self.stream.write_all(&(round as u64).to_le_bytes()).map_err(io("write"))?;
-        let TcpStreamBaseline { stream, dst, batch, .. } = self;
-        // Each slot once, in the order the sender writes them.
+        let TcpStreamBaseline { stream, dst, .. } = self;
+        // Each slot once, in the order the sender writes them; prepared before the clock starts.
         let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_exact_mut(bl).map(Some).collect();
-        let order: Vec<usize> = (0..shape.reads).map(|i| shape.local_slot(i)).collect();
-        for chunk in order.chunks(*batch) {
-            let mut wanted = (chunk.iter())
-                .map(|&s| {
-                    let slot = slots.get_mut(s).and_then(Option::take);
-                    slot.map(IoSliceMut::new).ok_or_else(|| {
-                        Error::invalid_argument(format!("TCP baseline: slot {s} read twice or past the end"))
-                    })
+        let mut wanted = (0..shape.reads)
+            .map(|i| {
+                let s = shape.local_slot(i);
+                let slot = slots.get_mut(s).and_then(Option::take);
+                slot.map(IoSliceMut::new).ok_or_else(|| {
+                    Error::invalid_argument(format!("TCP baseline: slot {s} read twice or past the end"))
                 })
-                .collect::<Result<Vec<_>>>()?;
-            let mut wanted = &mut wanted[..];
-            while !wanted.is_empty() {
-                let n = stream.read_vectored(wanted).map_err(io("read"))?;
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let start = Instant::now();
+        stream.write_all(&(round as u64).to_le_bytes()).map_err(io("write"))?;
+        for mut chunk in wanted.chunks_mut(batch) {
+            while !chunk.is_empty() {
+                let n = stream.read_vectored(chunk).map_err(io("read"))?;
                 if n == 0 {
                     return Err(io("read")(std::io::ErrorKind::UnexpectedEof.into()));
                 }
-                IoSliceMut::advance_slices(&mut wanted, n);
+                IoSliceMut::advance_slices(&mut chunk, n);
             }
         }
         let elapsed = start.elapsed();

@@ -35,6 +35,7 @@ use crate::status::error;
 use super::inbox::Message;
 use super::request::Tracker;
 use super::state::Inner;
+use super::xfer::Desc;
 
 /// Active-message id of a READ's request (reader to target).
 pub(super) const AM_READ_REQUEST: u32 = 0x6b77;
@@ -104,11 +105,12 @@ pub(super) fn decode_ranges(header: &Header, data: &[u8]) -> Option<Vec<(u64, u6
         .collect()
 }
 
-fn encode_ranges(ranges: &[(u64, usize, sys::ucp_mem_h)], remote: &[u64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(ranges.len() * RANGE_LEN);
-    for ((_, len, _), addr) in ranges.iter().zip(remote) {
+/// A request's data: the target's `(address, length)` of each range.
+fn encode_ranges(descs: &[Desc]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(descs.len() * RANGE_LEN);
+    for &(_, _, addr, _, len) in descs {
         out.extend_from_slice(&addr.to_le_bytes());
-        out.extend_from_slice(&(*len as u64).to_le_bytes());
+        out.extend_from_slice(&(len as u64).to_le_bytes());
     }
     out
 }
@@ -309,35 +311,31 @@ am_handler! {
 }
 
 impl Inner {
-    /// Posts READ `id` by active messages: registers its slots, then sends the requests.
-    /// `ranges` are (local address, length, local memory handle) and `remote` the target's
-    /// address of each. On an error the ranges not asked for are given up.
+    /// Posts READ `id` of the planned ranges `descs` from peer `peer` (endpoint `ep`) by active
+    /// messages: registers its slots, then sends the requests. On an error the ranges not asked
+    /// for are given up.
     pub(super) fn post_am_read(
         &self,
         id: u64,
         tracker: &Arc<Tracker>,
-        peer: u64,
-        ranges: Vec<(u64, usize, sys::ucp_mem_h)>,
-        remote: &[u64],
+        (peer, ep): (u64, sys::ucp_ep_h),
+        descs: &[Desc],
     ) -> Result<()> {
-        let ep =
-            self.peers.get(&peer).map(|p| p.ep).ok_or_else(|| error(ErrorKind::Backend, "peer vanished"))?;
         let nonce = self.reads.nonces.hash_one(id);
-        let count = ranges.len();
+        let count = descs.len();
         let mut messages = Vec::with_capacity(count.div_ceil(MAX_RANGES));
-        for (i, (chunk, addrs)) in ranges.chunks(MAX_RANGES).zip(remote.chunks(MAX_RANGES)).enumerate() {
+        for (i, chunk) in descs.chunks(MAX_RANGES).enumerate() {
             let index = u32::try_from(i * MAX_RANGES)
                 .map_err(|_| error(ErrorKind::InvalidArgument, "more than 2^32 ranges in one READ"))?;
             let word = chunk.len() as u32; // at most MAX_RANGES
-            messages
-                .push((Box::new(Header { id, nonce, index, word }.encode()), encode_ranges(chunk, addrs)));
+            messages.push((Box::new(Header { id, nonce, index, word }.encode()), encode_ranges(chunk)));
         }
         tracker.expect(count);
         let mut read = Read {
             nonce,
             peer,
             tracker: Arc::clone(tracker),
-            slots: ranges,
+            slots: descs.iter().map(|&(laddr, memh, _, _, len)| (laddr, len, memh)).collect(),
             taken: vec![false; count],
             _requests: Vec::new(),
         };
@@ -351,7 +349,7 @@ impl Inner {
                 // entry until the tracker is idle, past the send's completion.
                 let status_ptr = unsafe {
                     sys::ucp_am_send_nbx(
-                        ep.as_ptr(),
+                        ep,
                         AM_READ_REQUEST,
                         header.as_ptr().cast(),
                         header.len(),

@@ -355,13 +355,13 @@ fn submit(inner: &mut Inner, op: XferOp, ops: Plan, notify: Option<&[u8]>) -> Re
     }
     let mut failure = None;
     tracker.begin();
-    if op == XferOp::Read && peer.am_reads {
-        let remote: Vec<u64> = ops.descs.iter().map(|d| d.2).collect();
-        let ranges = ops.descs.iter().map(|&(laddr, memh, _, _, len)| (laddr, len, memh)).collect();
-        failure = inner.post_am_read(id, &tracker, ops.peer, ranges, &remote).err();
+    // A READ by active messages posts its requests; anything else one get or put per range.
+    let by_messages = op == XferOp::Read && peer.am_reads;
+    if by_messages {
+        failure = inner.post_am_read(id, &tracker, (ops.peer, peer.ep.as_ptr()), &ops.descs).err();
     }
-    let gets = if op == XferOp::Read && peer.am_reads { &[][..] } else { &ops.descs[..] };
-    for (laddr, memh, raddr, region, len) in gets {
+    let rma = if by_messages { &[][..] } else { &ops.descs[..] };
+    for (laddr, memh, raddr, region, len) in rma {
         let mut param = tracker.param();
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = *memh;

@@ -152,13 +152,16 @@ impl Xfer {
     }
 }
 
+/// A planned range: local address, local memory handle, remote address, remote region index,
+/// length.
+pub(super) type Desc = (u64, sys::ucp_mem_h, u64, usize, usize);
+
 /// A checked transfer mapped to UCX: every range resolved, nothing posted yet.
 pub(super) struct Plan {
     pub(super) peer: u64,
     /// Distinct local registrations used.
     pub(super) regs: Vec<u64>,
-    /// (local address, local memh, remote address, remote region index, length) per range.
-    pub(super) descs: Vec<(u64, sys::ucp_mem_h, u64, usize, usize)>,
+    pub(super) descs: Vec<Desc>,
 }
 
 /// Maps a post that passed kvx-core's checks to this agent's memory handles and rkeys: one get
