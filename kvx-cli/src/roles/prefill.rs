@@ -3,10 +3,12 @@
 use async_trait::async_trait;
 use clap::Args;
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use kvx_core::net::{NetConfig, Server, Service};
+use kvx_core::net::{Caller, NetConfig, Server, Service};
 use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
 use kvx_testkit::sim::SimEngine;
 
@@ -36,6 +38,11 @@ pub(crate) struct PrefillArgs {
     /// Port of the request API (0: any free port, printed on start).
     #[arg(long, default_value_t = 5600)]
     api_port: u16,
+    /// The address of the decode process (repeat for more): only a connection from it may end
+    /// this process with the request API's `Done` (with a key, only an authenticated one). Prompts
+    /// are taken from anyone who may connect.
+    #[arg(long = "api-client", default_values_t = [IpAddr::from([127, 0, 0, 1]), IpAddr::from(Ipv6Addr::LOCALHOST)])]
+    api_clients: Vec<IpAddr>,
     /// Port of rank 0's side channel; rank r serves on this port + r (0: free ports, printed on
     /// start). Give the ports a process had to restart it in its place.
     #[arg(long, default_value_t = 0)]
@@ -90,15 +97,37 @@ fn advertised_host<'a>(host: &'a str, advertise: Option<&'a str>) -> Result<(&'a
 type Pending = (ApiRequest, tokio::sync::oneshot::Sender<ApiReply>);
 
 /// The request API: hands each request to the engine loop and answers with what it replies.
+/// `Done` ends the process, so it is taken only from the configured clients' addresses (and, with
+/// a key, from an authenticated connection; every connection is one then); any other is refused
+/// and counted.
 struct Api {
     engine: mpsc::Sender<Pending>,
+    clients: Vec<IpAddr>,
+    refused_control: Arc<AtomicU64>,
+}
+
+impl Api {
+    fn may_control(&self, caller: &Caller) -> bool {
+        let ip = caller.peer.ip().to_canonical();
+        self.clients.iter().any(|c| c.to_canonical() == ip)
+    }
 }
 
 #[async_trait]
 impl Service for Api {
-    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+    async fn call(&self, caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>> {
         let request = serde_json::from_slice::<ApiRequest>(&request)
             .map_err(|e| Error::new(ErrorKind::Wire, format!("malformed API request: {e}")))?;
+        if matches!(request, ApiRequest::Done) && !self.may_control(caller) {
+            self.refused_control.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorKind::Unauthenticated,
+                format!(
+                    "Done is taken only from the decode process (--api-client), not from {}",
+                    caller.peer.ip()
+                ),
+            ));
+        }
         let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
         self.engine
             .send((request, reply_tx))
@@ -123,8 +152,10 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     let rt = runtime()?;
     let (tx, rx) = mpsc::channel::<Pending>();
     let api = NetConfig::with_key(key);
-    let server =
-        rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, Api { engine: tx }))?;
+    let refused_control = Arc::new(AtomicU64::new(0));
+    let service =
+        Api { engine: tx, clients: args.api_clients.clone(), refused_control: Arc::clone(&refused_control) };
+    let server = rt.block_on(Server::bind("request API", &args.host, args.api_port, &api, service))?;
     let handshakes = args.discovery.discovery.describe(engine.side_channel_port(), args.model.tp, advertised);
     let instance = format!("{:016x}", rand::random::<u64>());
     // The line a launcher waits for (the request API's endpoint comes last).
@@ -188,6 +219,10 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
                 }
             }
             println!("kvx prefill: served {served} requests");
+            let refused = refused_control.load(Ordering::Relaxed);
+            if refused > 0 {
+                println!("kvx prefill: refused {refused} Done from addresses other than --api-client");
+            }
             metrics.finish("prefill", &engine);
             return Ok(summary);
         }

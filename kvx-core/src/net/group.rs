@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
-use super::server::{Server, ServerStats, Service};
+use super::server::{Caller, Server, ServerStats, Service};
 use super::session::Connection;
 use super::{NetConfig, endpoint};
 use crate::auth::random_bytes;
@@ -43,7 +43,7 @@ struct Inbox {
 
 #[async_trait::async_trait]
 impl Service for Inbox {
-    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+    async fn call(&self, _caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>> {
         let check = |rank: u32| {
             if rank == 0 || rank >= self.world_size {
                 Err(Error::invalid_peer_data(format!("rank {rank} is not in a group of {}", self.world_size)))

@@ -6,10 +6,12 @@
 //!
 //! Every socket kvx serves or reads is bounded ([`ServeLimits`]): a frame's length is checked
 //! before anything is allocated (by servers for requests and by clients for replies, so neither a
-//! hostile client nor a hostile server can make kvx allocate what it claims), a server holds at
-//! most `max_connections` connections, answers one request per connection at a time (a peer that
-//! does not read its replies is dropped after `exchange_timeout`, nothing is queued for it),
-//! drops connections idle for `idle_timeout`, and backs off when `accept` fails (out of file
+//! hostile client nor a hostile server can make kvx allocate what it claims), a server shares its
+//! connection slots out by [`admission`] (a small budget with a short deadline for connections not
+//! proven yet, per-source budgets, the idlest evicted for a newcomer rather than the newcomer
+//! refused), answers one request per connection at a time (a peer that does not read its replies
+//! is dropped after `exchange_timeout`, nothing is queued for it), drops connections idle for
+//! `idle_timeout` or older than `max_lifetime`, and backs off when `accept` fails (out of file
 //! descriptors) instead of spinning. What it drops it counts ([`ServerStats`]) and logs.
 //!
 //! Why not ZeroMQ: kvx only ever talks to kvx, so ZMTP's interoperability buys nothing, while the
@@ -25,6 +27,7 @@ use std::time::Duration;
 
 use crate::auth::AuthKey;
 
+pub mod admission;
 pub mod frame;
 mod group;
 pub mod server;
@@ -32,12 +35,13 @@ pub mod session;
 mod side_channel;
 
 pub use group::TcpGroup;
-pub use server::{Server, ServerStats, Service};
+pub use server::{Caller, Server, ServerStats, Service};
 pub use session::Connection;
 pub use side_channel::{MetadataRequest, SideChannel, max_payload};
 
 /// What a kvx server or client accepts from a peer, and how long it waits. The defaults suit a
-/// side channel, a group and the `kvx` request API alike.
+/// side channel, a group and the `kvx` request API alike; [`admission`] says how the connection
+/// budgets are shared out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServeLimits {
     /// The largest frame read from a peer, in bytes: requests on a server, replies on a client.
@@ -46,15 +50,27 @@ pub struct ServeLimits {
     /// key per registered region, and the region addresses) takes kilobytes to a few hundred
     /// kilobytes, so this leaves ample headroom while bounding what a peer can make kvx hold.
     pub max_frame: usize,
-    /// The most connections a server holds at once. More are closed at once, and counted.
-    /// Default 256.
+    /// The most established connections (proven: authenticated with a key, a first request
+    /// answered without one) a server holds. A connection proven when they are all taken evicts
+    /// the idlest one. Default 512.
     pub max_connections: usize,
-    /// A connection on which no request starts for this long is closed. Default 60 s.
+    /// The most established connections from one source (IPv4 address, IPv6 /64). Default 128.
+    pub max_per_source: usize,
+    /// The most connections not proven yet. A newcomer when they are all taken evicts the oldest
+    /// of the source with the most. Default 64.
+    pub max_pending: usize,
+    /// A connection must prove itself (its proof of the key, or without a key its first request,
+    /// complete) within this of its accept. Default 5 s.
+    pub handshake_timeout: Duration,
+    /// An established connection on which no request starts for this long is closed. Default 60 s.
     pub idle_timeout: Duration,
     /// Once a request's first byte arrived, the rest must arrive within this, and its reply must
     /// be taken by the peer within this (each). A peer that does not read its replies is dropped.
     /// Default 10 s.
     pub exchange_timeout: Duration,
+    /// A connection is closed once it is this old, when it next waits for a request (the peer
+    /// connects again). Default 10 minutes.
+    pub max_lifetime: Duration,
     /// The longest pause after a failed `accept` (file descriptors exhausted, say): the pause
     /// starts at 1 ms and doubles up to this, so a server out of descriptors does not spin.
     /// Default 100 ms.
@@ -64,15 +80,28 @@ pub struct ServeLimits {
 impl ServeLimits {
     /// The default `max_frame`: 16 MiB.
     pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+
+    /// The budgets of the admission policy.
+    pub fn budgets(&self) -> admission::Budgets {
+        admission::Budgets {
+            max_pending: self.max_pending,
+            max_connections: self.max_connections,
+            max_per_source: self.max_per_source,
+        }
+    }
 }
 
 impl Default for ServeLimits {
     fn default() -> Self {
         ServeLimits {
             max_frame: Self::DEFAULT_MAX_FRAME,
-            max_connections: 256,
+            max_connections: 512,
+            max_per_source: 128,
+            max_pending: 64,
+            handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
             exchange_timeout: Duration::from_secs(10),
+            max_lifetime: Duration::from_secs(600),
             max_accept_backoff: Duration::from_millis(100),
         }
     }

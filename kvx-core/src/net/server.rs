@@ -2,13 +2,16 @@
 //! API all run on it.
 //!
 //! Each connection is its own task and holds one request at a time: it reads a frame (bounded by
-//! `max_frame`, within `idle_timeout` for its first byte and `exchange_timeout` for the rest),
-//! runs the session step and the [`Service`], writes the answer (within `exchange_timeout`), and
-//! only then reads the next frame. A peer that pipelines requests and never reads fills its own
-//! socket buffers and is dropped when its reply cannot be written; nothing is queued for it.
-//! Connections beyond `max_connections` are closed at once. A failed `accept` (out of file
-//! descriptors) pauses the accept loop 1 ms, doubling up to `max_accept_backoff`, so it does not
-//! spin. Every connection's end is counted in [`ServerStats`] by reason and logged.
+//! `max_frame`; its first byte within `handshake_timeout` of the accept while the connection is not
+//! proven, within `idle_timeout` after, and the rest within `exchange_timeout`), runs the session
+//! step and the [`Service`], writes the answer (within `exchange_timeout`), and only then reads the
+//! next frame. A peer that pipelines requests and never reads fills its own socket buffers and is
+//! dropped when its reply cannot be written; nothing is queued for it. Connection slots are shared
+//! out by the [`admission`](super::admission) policy: a newcomer evicts the oldest unproven
+//! connection, or on proving itself the idlest established one, instead of being refused. A
+//! connection older than `max_lifetime` is closed when it next waits. A failed `accept` (out of
+//! file descriptors) pauses the accept loop 1 ms, doubling up to `max_accept_backoff`, so it does
+//! not spin. Every connection's end is counted in [`ServerStats`] by reason and logged.
 
 use async_trait::async_trait;
 use std::fmt;
@@ -16,11 +19,12 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+use super::admission::{Gate, GateStats, Phase, Promotion, Ticket};
 use super::frame::{FrameError, read_frame, write_frame};
 use super::session::{Refusal, ServerSession, SessionReply, Step};
 use super::{NetConfig, ServeLimits, endpoint};
@@ -28,23 +32,36 @@ use crate::auth::{AuthKey, Purpose};
 use crate::error::{Error, ErrorKind, Result};
 use crate::wire;
 
+/// Who sent a request: what a [`Service`] may hold a request's sender to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// The connection, unique within the server for its lifetime: a service that binds state to
+    /// a connection (a rank that joined on it) checks later requests against this.
+    pub connection: u64,
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// Whether the connection proved the deployment's key (never, on a server without one).
+    pub authenticated: bool,
+}
+
 /// What a server does with each request.
 #[async_trait]
 pub trait Service: Send + Sync + 'static {
-    /// Answers one request. An error is sent to the client as a refusal and closes the
-    /// connection: `Unauthenticated` counts as such, `Wire`, `InvalidPeerData` and
+    /// Answers one request from `caller`. An error is sent to the client as a refusal and closes
+    /// the connection: `Unauthenticated` counts as such, `Wire`, `InvalidPeerData` and
     /// `Incompatible` as malformed, any other kind as rejected.
-    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>>;
+    async fn call(&self, caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>>;
 }
 
 /// A server's counters. Every accepted connection ends in exactly one of `closed`, `idle`,
-/// `slow`, `oversize`, `truncated`, `malformed`, `unauthenticated`, `rejected`, `io` and
-/// `shutdown`, or is still `active`.
+/// `slow`, `unproven`, `expired`, `evicted`, `full`, `oversize`, `truncated`, `malformed`,
+/// `unauthenticated`, `rejected`, `io` and `shutdown`, or is still `active`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerStats {
     /// Connections accepted and served.
     pub accepted: u64,
-    /// Connections closed at once because `max_connections` were open.
+    /// Connections closed at once, unserved: every unproven connection that could have made way
+    /// was being served.
     pub refused: u64,
     /// Failed `accept` calls (each followed by a pause).
     pub accept_errors: u64,
@@ -56,6 +73,15 @@ pub struct ServerStats {
     pub closed: u64,
     /// Connections dropped after `idle_timeout` without a request.
     pub idle: u64,
+    /// Connections dropped for not proving themselves within `handshake_timeout`.
+    pub unproven: u64,
+    /// Connections closed at `max_lifetime`.
+    pub expired: u64,
+    /// Connections evicted to make room for another.
+    pub evicted: u64,
+    /// Connections closed on proving themselves because every established connection that could
+    /// have made way was being served.
+    pub full: u64,
     /// Connections dropped because a request did not arrive, or a reply was not taken, within
     /// `exchange_timeout`.
     pub slow: u64,
@@ -80,6 +106,10 @@ pub struct ServerStats {
 enum End {
     Closed,
     Idle,
+    Unproven,
+    Expired,
+    Evicted,
+    Full,
     Slow,
     Oversize,
     Truncated,
@@ -95,6 +125,10 @@ impl End {
         let counter = match self {
             End::Closed => &mut s.closed,
             End::Idle => &mut s.idle,
+            End::Unproven => &mut s.unproven,
+            End::Expired => &mut s.expired,
+            End::Evicted => &mut s.evicted,
+            End::Full => &mut s.full,
             End::Slow => &mut s.slow,
             End::Oversize => &mut s.oversize,
             End::Truncated => &mut s.truncated,
@@ -135,6 +169,7 @@ struct Shared<S> {
     stats: watch::Sender<ServerStats>,
     shutdown: watch::Receiver<bool>,
     warnings: Warnings,
+    gate: Gate,
 }
 
 /// Warnings at most once a second per server, so that a flood of hostile connections does not
@@ -166,6 +201,7 @@ impl Warnings {
 pub struct Server {
     addr: SocketAddr,
     name: &'static str,
+    gate: Gate,
     stats: watch::Sender<ServerStats>,
     shutdown: watch::Sender<bool>,
     accept: JoinHandle<()>,
@@ -188,13 +224,14 @@ impl Server {
         config: &NetConfig,
         service: impl Service,
     ) -> Result<Server> {
-        let listener = TcpListener::bind((host, port)).await.map_err(|e| {
+        let listener = listen(host, port).await.map_err(|e| {
             Error::new(ErrorKind::Io, format!("binding {name} on {}: {e}", endpoint(host, port)))
                 .with_source(e)
         })?;
         let addr = listener.local_addr()?;
         let (stats, _) = watch::channel(ServerStats::default());
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let gate = Gate::new(config.limits.budgets());
         let shared = Arc::new(Shared {
             service,
             key: config.auth_key.clone(),
@@ -203,10 +240,11 @@ impl Server {
             stats: stats.clone(),
             shutdown: shutdown_rx,
             warnings: Warnings::default(),
+            gate: gate.clone(),
         });
         let accept = tokio::spawn(accept_loop(listener, shared));
         debug!(name, %addr, "serving");
-        Ok(Server { addr, name, stats, shutdown, accept })
+        Ok(Server { addr, name, gate, stats, shutdown, accept })
     }
 
     /// The bound address.
@@ -222,6 +260,11 @@ impl Server {
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
         *self.stats.borrow()
+    }
+
+    /// The connections its admission policy holds now, pending and established.
+    pub fn connections(&self) -> GateStats {
+        self.gate.stats()
     }
 
     /// Waits until the counters satisfy `done`, at most `timeout`; `Timeout` (with the counters)
@@ -268,21 +311,40 @@ async fn wait_for_stats(
     }
 }
 
+/// The backlog of a listening socket: room for a burst of connections while the accept loop
+/// works through a flood (the kernel caps it at `net.core.somaxconn`).
+const BACKLOG: u32 = 4096;
+
+/// Binds `host:port` (the first address it resolves to) with [`BACKLOG`].
+async fn listen(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(addr).and_then(|()| socket.listen(BACKLOG)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{host} resolves to no address"))))
+}
+
 async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) {
-    let permits = Arc::new(Semaphore::new(shared.limits.max_connections.min(Semaphore::MAX_PERMITS)));
     let min_backoff = Duration::from_millis(1);
     let mut backoff = min_backoff;
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 backoff = min_backoff;
-                let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+                let Some(ticket) = shared.gate.admit(peer) else {
                     drop(stream);
                     shared.stats.send_modify(|s| s.refused += 1);
-                    let max = shared.limits.max_connections;
-                    shared
-                        .warnings
-                        .warn(shared.name, format_args!("connection from {peer} refused: {max} open"));
+                    shared.warnings.warn(
+                        shared.name,
+                        format_args!(
+                            "connection from {peer} refused: every unproven connection is being served"
+                        ),
+                    );
                     continue;
                 };
                 shared.stats.send_modify(|s| {
@@ -291,7 +353,7 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                 });
                 let shared = Arc::clone(&shared);
                 tokio::spawn(async move {
-                    let end = serve_connection(stream, &shared).await;
+                    let end = serve_connection(stream, peer, ticket, &shared).await;
                     match end {
                         End::Closed | End::Shutdown => {
                             debug!(name = shared.name, %peer, ?end, "connection ended")
@@ -304,7 +366,6 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                         s.active -= 1;
                         end.count(s);
                     });
-                    drop(permit);
                 });
             }
             Err(e) => {
@@ -319,21 +380,67 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
     }
 }
 
-async fn serve_connection<S: Service>(mut stream: TcpStream, shared: &Shared<S>) -> End {
+/// Reads the next request frame, keeping the gate told of the connection's phase. Its first byte
+/// must come within `handshake_timeout` of the accept while the connection is not proven, within
+/// `idle_timeout` (and before `max_lifetime`) once it is; the rest within `exchange_timeout` (and,
+/// unproven, still before the handshake deadline).
+async fn next_frame(
+    stream: &mut TcpStream,
+    ticket: &mut Ticket,
+    proven: bool,
+    limits: &ServeLimits,
+    shutdown: &mut watch::Receiver<bool>,
+) -> std::result::Result<Vec<u8>, End> {
+    let (first, late) = if proven {
+        let left = limits.max_lifetime.saturating_sub(ticket.age());
+        if left < limits.idle_timeout { (left, End::Expired) } else { (limits.idle_timeout, End::Idle) }
+    } else {
+        (limits.handshake_timeout.saturating_sub(ticket.age()), End::Unproven)
+    };
+    let mut byte = [0u8; 1];
+    tokio::select! {
+        peeked = tokio::time::timeout(first, stream.peek(&mut byte)) => match peeked {
+            Err(_) => return Err(late),
+            Ok(Err(_)) => return Err(End::Io),
+            Ok(Ok(_)) => {}
+        },
+        _ = shutdown.wait_for(|stop| *stop) => return Err(End::Shutdown),
+        () = ticket.evicted() => return Err(End::Evicted),
+    }
+    ticket.set(Phase::Reading);
+    let rest = if proven {
+        limits.exchange_timeout
+    } else {
+        limits.exchange_timeout.min(limits.handshake_timeout.saturating_sub(ticket.age()))
+    };
+    let frame = tokio::select! {
+        frame = read_frame(stream, limits.max_frame, rest, rest) => frame,
+        _ = shutdown.wait_for(|stop| *stop) => return Err(End::Shutdown),
+        () = ticket.evicted() => return Err(End::Evicted),
+    };
+    frame.map_err(|e| match e {
+        FrameError::Idle | FrameError::Slow if !proven => End::Unproven,
+        e => End::of_frame(&e),
+    })
+}
+
+async fn serve_connection<S: Service>(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    mut ticket: Ticket,
+    shared: &Shared<S>,
+) -> End {
     let _ = stream.set_nodelay(true);
     let limits = &shared.limits;
     let mut session = ServerSession::new(shared.key.clone());
     let mut shutdown = shared.shutdown.clone();
+    let mut proven = false;
     loop {
-        let frame = tokio::select! {
-            frame = read_frame(&mut stream, limits.max_frame, limits.idle_timeout, limits.exchange_timeout) => frame,
-            _ = shutdown.wait_for(|stop| *stop) => return End::Shutdown,
-        };
-        let frame = match frame {
+        let frame = match next_frame(&mut stream, &mut ticket, proven, limits, &mut shutdown).await {
             Ok(f) => f,
-            Err(e) => {
-                debug!(name = shared.name, error = %e, "reading a request");
-                return End::of_frame(&e);
+            Err(end) => {
+                debug!(name = shared.name, ?end, "reading a request");
+                return end;
             }
         };
         let (reply, end) = match session.on_frame(&frame) {
@@ -341,30 +448,41 @@ async fn serve_connection<S: Service>(mut stream: TcpStream, shared: &Shared<S>)
             Step::Refuse(refusal, reason) => {
                 (SessionReply::Refused { refusal, reason }, Some(End::of_refusal(refusal)))
             }
-            Step::Call { body, tag_with } => match shared.service.call(body).await {
-                Ok(body) => {
-                    let tag = match (&shared.key, tag_with) {
-                        (Some(key), Some((c, s))) => {
-                            Some(key.tag(Purpose::HandshakeReply, &[&c, &s, &body]).to_vec())
-                        }
-                        _ => None,
-                    };
-                    (SessionReply::Reply { body, tag }, None)
+            Step::Call { body, tag_with } => {
+                if !proven {
+                    if ticket.promote() == Promotion::Full {
+                        return End::Full;
+                    }
+                    proven = true;
                 }
-                Err(e) => {
-                    let refusal = match e.kind() {
-                        ErrorKind::Unauthenticated => Refusal::Unauthenticated,
-                        ErrorKind::Wire | ErrorKind::InvalidPeerData | ErrorKind::Incompatible => {
-                            Refusal::Malformed
-                        }
-                        _ => Refusal::Rejected,
-                    };
-                    debug!(name = shared.name, error = %e, "request refused");
-                    let reason = e.message().to_owned();
-                    (SessionReply::Refused { refusal, reason }, Some(End::of_refusal(refusal)))
+                ticket.set(Phase::Busy);
+                let caller = Caller { connection: ticket.id(), peer, authenticated: shared.key.is_some() };
+                match shared.service.call(&caller, body).await {
+                    Ok(body) => {
+                        let tag = match (&shared.key, tag_with) {
+                            (Some(key), Some((c, s))) => {
+                                Some(key.tag(Purpose::HandshakeReply, &[&c, &s, &body]).to_vec())
+                            }
+                            _ => None,
+                        };
+                        (SessionReply::Reply { body, tag }, None)
+                    }
+                    Err(e) => {
+                        let refusal = match e.kind() {
+                            ErrorKind::Unauthenticated => Refusal::Unauthenticated,
+                            ErrorKind::Wire | ErrorKind::InvalidPeerData | ErrorKind::Incompatible => {
+                                Refusal::Malformed
+                            }
+                            _ => Refusal::Rejected,
+                        };
+                        debug!(name = shared.name, error = %e, "request refused");
+                        let reason = e.message().to_owned();
+                        (SessionReply::Refused { refusal, reason }, Some(End::of_refusal(refusal)))
+                    }
                 }
-            },
+            }
         };
+        ticket.set(Phase::Busy);
         let answered = matches!(reply, SessionReply::Reply { .. });
         let bytes = match wire::encode(&reply) {
             Ok(b) => b,
@@ -377,6 +495,7 @@ async fn serve_connection<S: Service>(mut stream: TcpStream, shared: &Shared<S>)
             debug!(name = shared.name, error = %e, "writing a reply");
             return End::of_frame(&e);
         }
+        ticket.set(Phase::Waiting);
         if answered {
             shared.stats.send_modify(|s| s.requests += 1);
         }

@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use super::server::{Server, ServerStats, Service};
+use super::server::{Caller, Server, ServerStats, Service};
 use super::session::Connection;
 use super::{NetConfig, endpoint};
 use crate::error::{Error, ErrorKind, Result};
@@ -34,7 +34,7 @@ struct Publisher {
 
 #[async_trait]
 impl Service for Publisher {
-    async fn call(&self, request: Vec<u8>) -> Result<Vec<u8>> {
+    async fn call(&self, _caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>> {
         wire::decode::<MetadataRequest>(&request)?;
         let slot = self.payload.read().map_err(|_| Error::new(ErrorKind::State, "payload lock poisoned"))?;
         slot.clone().ok_or_else(|| Error::new(ErrorKind::Handshake, "no metadata published yet"))
