@@ -210,8 +210,11 @@ const HISTOGRAMS: [HistogramDef; 5] = [
 type ServerCounter = fn(&ServerStats) -> u64;
 
 /// Why a side channel refused or dropped a connection: the label and the counter.
-const REFUSALS: [(&str, ServerCounter); 6] = [
-    ("limit", |s| s.refused),
+const REFUSALS: [(&str, ServerCounter); 9] = [
+    ("limit", |s| s.refused.saturating_add(s.full)),
+    ("evicted", |s| s.evicted),
+    ("unproven", |s| s.unproven),
+    ("expired", |s| s.expired),
     ("unauthenticated", |s| s.unauthenticated),
     ("malformed", |s| s.malformed),
     ("rejected", |s| s.rejected),
@@ -295,8 +298,9 @@ impl Metrics {
         );
         registry.register(
             "side_channel_refused",
-            "Side-channel connections refused or dropped, by reason: limit (max_connections open), \
-             unauthenticated, malformed, rejected, oversize (frame), timeout (idle or slow)",
+            "Side-channel connections refused or dropped, by reason: limit (no connection could make way), \
+             evicted (made way for another), unproven (no proof or first request within the handshake timeout), \
+             expired (max lifetime), unauthenticated, malformed, rejected, oversize (frame), timeout (idle or slow)",
             families.refused.clone(),
         );
         Metrics { registry: Arc::new(registry), families }

@@ -1,7 +1,10 @@
 //! The `/metrics` endpoint: a small HTTP/1.1 server (hyper) on the caller's tokio runtime, meant
-//! to be reachable from the network: at most [`MAX_CONNECTIONS`] at once (more are closed at
-//! once), each within [`HEADER_TIMEOUT`] for its request headers and [`CONNECTION_LIFETIME`] in
-//! all, headers bounded to [`MAX_BUF`] bytes. `GET /metrics` answers the registry in the
+//! to be reachable from the network. Its connections are admitted by kvx's
+//! [`admission`](crate::net::admission) policy with [`BUDGETS`]: a connection is established once
+//! its first request's headers are in (within [`HEADER_TIMEOUT`]), a newcomer evicts the oldest
+//! connection that has not sent one or, once it has, the idlest established one, so idle or
+//! half-sent connections cannot keep a scraper out. Each connection lasts [`CONNECTION_LIFETIME`]
+//! at most, headers bounded to [`MAX_BUF`] bytes. `GET /metrics` answers the registry in the
 //! OpenMetrics text format; other paths 404, other methods 405.
 
 use http_body_util::Full;
@@ -17,16 +20,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::net::admission::{Budgets, Gate, Phase, Promotion, Ticket};
 
 /// The content type of the answer: OpenMetrics text 1.0.0.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Connections served at once; more are closed at once.
-pub(super) const MAX_CONNECTIONS: usize = 16;
+/// The connection budgets: a few scrapers, each from its own address.
+pub const BUDGETS: Budgets = Budgets { max_pending: 32, max_connections: 16, max_per_source: 8 };
 /// A request's headers must arrive within this.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// A connection (kept alive across requests) is closed after this, gracefully.
@@ -118,7 +122,7 @@ async fn accept_loop(
     mut stop: watch::Receiver<bool>,
     scraped: Arc<watch::Sender<u64>>,
 ) {
-    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let gate = Gate::new(BUDGETS);
     let mut connections = JoinSet::new();
     // What each connection watches (the loop's own receiver is borrowed by its wait).
     let watch_stop = stop.clone();
@@ -128,12 +132,12 @@ async fn accept_loop(
             () = stopped(&mut stop) => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match Arc::clone(&limit).try_acquire_owned() {
-                    Ok(permit) => {
-                        let conn = connection(stream, Arc::clone(&registry), Arc::clone(&scraped), watch_stop.clone(), permit);
+                Ok((stream, peer)) => match gate.admit(peer) {
+                    Some(ticket) => {
+                        let conn = connection(stream, Arc::clone(&registry), Arc::clone(&scraped), watch_stop.clone(), ticket);
                         connections.spawn(conn);
                     }
-                    Err(_) => tracing::debug!(%peer, "metrics server: too many connections, closing one"),
+                    None => tracing::debug!(%peer, "metrics server: no room, closing a connection"),
                 },
                 Err(e) => {
                     tracing::warn!(error = %e, "metrics server: accept failed");
@@ -152,16 +156,23 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|&s| s).await;
 }
 
-/// Serves one connection until the client closes it, its lifetime ends or the server stops.
+/// Serves one connection until the client closes it, its lifetime ends, it is evicted or the
+/// server stops.
 async fn connection(
     stream: TcpStream,
     registry: Arc<Registry>,
     scraped: Arc<watch::Sender<u64>>,
     mut stop: watch::Receiver<bool>,
-    _permit: OwnedSemaphorePermit,
+    mut ticket: Ticket,
 ) {
+    let phases = ticket.handle();
     let service = service_fn(move |req| {
-        let response = respond(&req, &registry, &scraped);
+        // Established by its first complete request headers; the answer is written at once.
+        let response = match phases.promote() {
+            Promotion::Established => respond(&req, &registry, &scraped),
+            Promotion::Full => status(StatusCode::SERVICE_UNAVAILABLE),
+        };
+        phases.set(Phase::Waiting);
         async move { Ok::<_, Infallible>(response) }
     });
     let conn = http1::Builder::new()
@@ -179,6 +190,7 @@ async fn connection(
         }
         () = stopped(&mut stop) => {}
         () = tokio::time::sleep(CONNECTION_LIFETIME) => {}
+        () = ticket.evicted() => return,
     }
     conn.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(GRACE, conn).await;

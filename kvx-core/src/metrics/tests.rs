@@ -163,34 +163,34 @@ async fn the_server_answers_metrics_404_405_and_stops() {
 }
 
 #[tokio::test]
-async fn connections_beyond_the_limit_are_closed_at_once() {
+async fn idle_and_half_sent_connections_cannot_keep_a_scraper_out() {
     let metrics = Metrics::new();
     let server = serve("127.0.0.1", 0, metrics.registry()).await.unwrap();
     let addr = server.local_addr();
-    // Idle connections take every slot (each until its header timeout).
-    let mut idle = Vec::new();
-    for _ in 0..server::MAX_CONNECTIONS {
-        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
-    }
-    // The next is accepted and closed: it reads end of stream, not an answer. (The accept of the
-    // idle ones happens in order, so by the time this one is accepted every slot is taken.)
-    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
-    extra.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvx\r\n\r\n").await.unwrap();
-    let mut buf = Vec::new();
-    let n = tokio::time::timeout(Duration::from_secs(10), extra.read_to_end(&mut buf)).await;
-    assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "refused: {n:?} {:?}", String::from_utf8_lossy(&buf));
-    drop(idle);
-    // A slot frees once an idle connection's close is seen; then scrapes are answered again.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    // Twice every budget in idle connections and in half-sent requests, from the scraper's own
+    // address: each newcomer makes the oldest of them make way.
+    let total = 2 * (server::BUDGETS.max_pending + server::BUDGETS.max_connections);
+    let mut held = Vec::new();
+    for i in 0..total {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").await.unwrap();
-        let mut response = String::new();
-        let _ = s.read_to_string(&mut response).await;
-        if response.starts_with("HTTP/1.1 200") {
-            break;
+        if i % 2 == 0 {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kv").await.unwrap();
         }
-        assert!(std::time::Instant::now() < deadline, "no slot freed");
-        tokio::task::yield_now().await;
+        held.push(s);
     }
+    // Established connections that scraped once and stay open.
+    for _ in 0..server::BUDGETS.max_connections {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvx\r\n\r\n").await.unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200");
+        held.push(s);
+    }
+    for _ in 0..3 {
+        let (head, body) = http(addr, "GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(body.ends_with("# EOF\n"));
+    }
+    drop(held);
 }

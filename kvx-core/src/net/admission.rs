@@ -191,11 +191,12 @@ impl Admission {
         size: impl Fn(&Count) -> usize,
         age: impl Fn(&Entry) -> Instant,
     ) -> Option<u64> {
-        let rank = |e: &Entry| {
+        // Ties (the clock's resolution) go to the connection admitted first.
+        let rank = |id: u64, e: &Entry| {
             let n = self.sources.get(&e.source).map_or(0, &size);
-            (n, std::cmp::Reverse(age(e)))
+            (n, std::cmp::Reverse(age(e)), std::cmp::Reverse(id))
         };
-        self.entries.iter().filter(|(_, e)| candidate(e)).max_by_key(|(_, e)| rank(e)).map(|(&id, _)| id)
+        self.entries.iter().filter(|(_, e)| candidate(e)).max_by_key(|&(&id, e)| rank(id, e)).map(|(&id, _)| id)
     }
 
     fn evict(&mut self, id: u64) {
@@ -319,7 +320,7 @@ impl Ticket {
 
     /// Marks the connection proven (established), making room as the policy says.
     pub fn promote(&self) -> Promotion {
-        self.gate.lock().promote(self.id)
+        self.handle().promote()
     }
 
     /// Whether the connection has been promoted and is still held.
@@ -329,10 +330,13 @@ impl Ticket {
 
     /// Tells the gate what the connection is doing now.
     pub fn set(&self, phase: Phase) {
-        if let Some(e) = self.gate.lock().entries.get_mut(&self.id) {
-            e.phase = phase;
-            e.since = Instant::now();
-        }
+        self.handle().set(phase);
+    }
+
+    /// A handle that promotes the connection and sets its phase from elsewhere (an HTTP
+    /// service's request handler, say); it does nothing once the ticket is gone.
+    pub fn handle(&self) -> TicketHandle {
+        TicketHandle { gate: self.gate.clone(), id: self.id }
     }
 
     /// Returns when the connection is evicted (never, while it is not).
@@ -340,6 +344,32 @@ impl Ticket {
         if (&mut self.evicted).await.is_err() {
             // The sender went with the entry without a word: the ticket left the gate itself.
             std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Promotes a [`Ticket`]'s connection and sets its phase; see [`Ticket::handle`].
+#[derive(Debug, Clone)]
+pub struct TicketHandle {
+    gate: Gate,
+    id: u64,
+}
+
+impl TicketHandle {
+    /// As [`Ticket::promote`]; `Full` once the ticket is gone.
+    pub fn promote(&self) -> Promotion {
+        self.gate.lock().promote(self.id)
+    }
+
+    /// As [`Ticket::set`].
+    pub fn set(&self, phase: Phase) {
+        self.set_at(phase, Instant::now());
+    }
+
+    fn set_at(&self, phase: Phase, now: Instant) {
+        if let Some(e) = self.gate.lock().entries.get_mut(&self.id) {
+            e.phase = phase;
+            e.since = now;
         }
     }
 }
@@ -389,8 +419,9 @@ mod tests {
         let mut a = g.admit(peer("10.0.0.2", 1)).unwrap();
         let mut b = g.admit(peer("10.0.0.2", 2)).unwrap();
         assert_eq!((a.promote(), b.promote()), (Promotion::Established, Promotion::Established));
-        a.set(Phase::Waiting); // a was idle first
-        b.set(Phase::Waiting);
+        let t = Instant::now();
+        a.handle().set_at(Phase::Waiting, t); // a was idle first
+        b.handle().set_at(Phase::Waiting, t + Duration::from_millis(1));
         let c = g.admit(peer("10.0.0.3", 1)).unwrap();
         assert_eq!(c.promote(), Promotion::Established);
         assert!(is_evicted(&mut a) && !is_evicted(&mut b));

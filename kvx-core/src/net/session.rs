@@ -288,6 +288,24 @@ impl Connection {
         })
     }
 
+    /// Whether `e`, from [`request`](Self::request), says the server dropped the connection
+    /// without answering (closed, reset, cut mid-frame): what a server making room for a newcomer
+    /// does to a connection that has not been served. A request that is safe to repeat can be
+    /// sent again on a new connection.
+    pub fn dropped_unanswered(e: &Error) -> bool {
+        let frame = std::error::Error::source(e).and_then(|s| s.downcast_ref::<FrameError>());
+        match frame {
+            Some(FrameError::Closed | FrameError::Truncated { .. }) => true,
+            Some(FrameError::Io(io)) => matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            ),
+            _ => false,
+        }
+    }
+
     fn frame_error(&self, what: &str, e: FrameError) -> Error {
         let msg = match &e {
             FrameError::Closed => format!("{} closed the connection without a reply", self.peer),

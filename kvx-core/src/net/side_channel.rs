@@ -16,6 +16,10 @@ use crate::wire::{self, MessageKind, WireMessage};
 
 /// Room in a reply frame for the envelopes around a payload.
 const FRAME_HEADROOM: usize = 1024;
+/// The first pause before a fetch dropped unanswered is sent again; it doubles up to
+/// [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(1);
+const RETRY_MAX: Duration = Duration::from_millis(50);
 
 /// A client's request for the published payload: the body of the session request a
 /// [`SideChannel`] fetch sends (`wire::encode(&MetadataRequest {})`).
@@ -49,7 +53,8 @@ pub fn max_payload(config: &NetConfig) -> usize {
 
 /// A worker's side channel over kvx's bounded framing ([`super::server`]): serves the published
 /// payload to every peer that asks, and fetches peers' payloads, one connection per fetch, with
-/// the same limits and key. Needs a tokio runtime that keeps running (multi-threaded) to serve.
+/// the same limits and key; a fetch the server drops unanswered (evicted to make room) is sent
+/// again on a new connection until its timeout. Needs a tokio runtime that keeps running (multi-threaded) to serve.
 pub struct SideChannel {
     server: Server,
     payload: Slot,
@@ -118,9 +123,22 @@ impl MetadataExchange for SideChannel {
             )));
         };
         let (host, port) = (host.as_str(), *port);
+        let request = wire::encode(&MetadataRequest {})?;
+        // A server making room evicts connections that have not been served yet; a fetch is safe
+        // to repeat, so it connects again (after a short, growing pause) until its timeout.
         let fetch = async {
-            let mut conn = Connection::connect(host, port, &self.config).await?;
-            conn.request(wire::encode(&MetadataRequest {})?).await
+            let mut pause = RETRY_FIRST;
+            loop {
+                let mut conn = Connection::connect(host, port, &self.config).await?;
+                match conn.request(request.clone()).await {
+                    Err(e) if Connection::dropped_unanswered(&e) => {
+                        tracing::debug!(error = %e, "side channel dropped the fetch unanswered; again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(RETRY_MAX);
+                    }
+                    result => return result,
+                }
+            }
         };
         match tokio::time::timeout(timeout, fetch).await {
             Ok(result) => result,
