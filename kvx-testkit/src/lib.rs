@@ -5,6 +5,7 @@ pub mod baseline;
 pub mod child;
 pub mod conformance;
 pub mod etcd;
+pub mod flood;
 pub mod hostile;
 pub mod matrix;
 pub mod sim;

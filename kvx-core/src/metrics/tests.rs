@@ -188,7 +188,8 @@ async fn idle_and_half_sent_connections_cannot_keep_a_scraper_out() {
         held.push(s);
     }
     for _ in 0..3 {
-        let (head, body) = http(addr, "GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").await;
+        let (head, body) =
+            http(addr, "GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n").await;
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         assert!(body.ends_with("# EOF\n"));
     }

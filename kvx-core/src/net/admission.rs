@@ -27,7 +27,7 @@
 //! [`Gate`] is the shared, lockable policy; each connection holds a [`Ticket`] that tells the gate
 //! its phase, hears when it is evicted, and leaves the gate when dropped.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -106,32 +106,48 @@ struct Entry {
     evict: Option<oneshot::Sender<()>>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-struct Count {
-    pending: usize,
-    established: usize,
+impl Entry {
+    /// Where it stands in its source's queue of candidates to make way: pending ones by age,
+    /// established ones by idleness (ties go to the one admitted first).
+    fn key(&self, id: u64) -> (Instant, u64) {
+        (if self.proven { self.since } else { self.accepted }, id)
+    }
 }
 
-/// The policy's state: every connection's source, phase and age.
+/// One source's connections: counts, and the candidates to make way in order (those being
+/// served are in neither queue).
+#[derive(Debug, Default)]
+struct SourceState {
+    pending: usize,
+    established: usize,
+    pending_queue: BTreeSet<(Instant, u64)>,
+    idle_queue: BTreeSet<(Instant, u64)>,
+}
+
+impl SourceState {
+    fn queue(&mut self, proven: bool) -> &mut BTreeSet<(Instant, u64)> {
+        if proven { &mut self.idle_queue } else { &mut self.pending_queue }
+    }
+}
+
+/// The policy's state: every connection's source, phase and age. Each decision costs a pass
+/// over the sources and a few ordered-set operations, so that making way stays cheap however
+/// many connections a flood brings.
 #[derive(Debug)]
 struct Admission {
     budgets: Budgets,
     next: u64,
     entries: HashMap<u64, Entry>,
-    sources: HashMap<Source, Count>,
+    sources: HashMap<Source, SourceState>,
     pending: usize,
     established: usize,
     evicted: u64,
 }
 
 impl Admission {
-    fn count(&mut self, source: Source) -> &mut Count {
-        self.sources.entry(source).or_default()
-    }
-
     fn admit(&mut self, source: Source, now: Instant) -> Option<(u64, oneshot::Receiver<()>)> {
         if self.pending >= self.budgets.max_pending.max(1) {
-            let victim = self.pick(|e| !e.proven && e.phase != Phase::Busy, |c| c.pending, |e| e.accepted)?;
+            let victim = self.pick(None, false)?;
             self.evict(victim);
         }
         let (tx, rx) = oneshot::channel();
@@ -145,8 +161,10 @@ impl Admission {
             proven: false,
             evict: Some(tx),
         };
+        let state = self.sources.entry(source).or_default();
+        state.pending += 1;
+        state.pending_queue.insert(entry.key(id));
         self.entries.insert(id, entry);
-        self.count(source).pending += 1;
         self.pending += 1;
         Some((id, rx))
     }
@@ -157,46 +175,66 @@ impl Admission {
             return Promotion::Established;
         }
         let source = entry.source;
-        let evictable = |e: &Entry| e.proven && e.phase != Phase::Busy;
         let own = self.sources.get(&source).map_or(0, |c| c.established);
-        if own >= self.budgets.max_per_source.max(1) {
-            let Some(victim) =
-                self.pick(|e| evictable(e) && e.source == source, |c| c.established, |e| e.since)
-            else {
-                return Promotion::Full;
-            };
-            self.evict(victim);
+        let victim = if own >= self.budgets.max_per_source.max(1) {
+            Some(self.pick(Some(source), true))
         } else if self.established >= self.budgets.max_connections.max(1) {
-            let Some(victim) = self.pick(evictable, |c| c.established, |e| e.since) else {
-                return Promotion::Full;
-            };
-            self.evict(victim);
+            Some(self.pick(None, true))
+        } else {
+            None
+        };
+        match victim {
+            Some(Some(victim)) => self.evict(victim),
+            Some(None) => return Promotion::Full,
+            None => {}
         }
-        if let Some(entry) = self.entries.get_mut(&id) {
-            entry.proven = true;
+        let Some(entry) = self.entries.get_mut(&id) else { return Promotion::Full };
+        let (old, busy) = (entry.key(id), entry.phase == Phase::Busy);
+        entry.proven = true;
+        let new = entry.key(id);
+        if let Some(state) = self.sources.get_mut(&source) {
+            state.pending -= 1;
+            state.established += 1;
+            state.pending_queue.remove(&old);
+            if !busy {
+                state.idle_queue.insert(new);
+            }
         }
-        let count = self.count(source);
-        count.pending -= 1;
-        count.established += 1;
         self.pending -= 1;
         self.established += 1;
         Promotion::Established
     }
 
-    /// The candidate from the source with the largest `size`, the one with the earliest `age`
-    /// among them.
-    fn pick(
-        &self,
-        candidate: impl Fn(&Entry) -> bool,
-        size: impl Fn(&Count) -> usize,
-        age: impl Fn(&Entry) -> Instant,
-    ) -> Option<u64> {
-        // Ties (the clock's resolution) go to the connection admitted first.
-        let rank = |id: u64, e: &Entry| {
-            let n = self.sources.get(&e.source).map_or(0, &size);
-            (n, std::cmp::Reverse(age(e)), std::cmp::Reverse(id))
+    fn set(&mut self, id: u64, phase: Phase, now: Instant) {
+        let Some(entry) = self.entries.get_mut(&id) else { return };
+        let (old, was_busy) = (entry.key(id), entry.phase == Phase::Busy);
+        entry.phase = phase;
+        entry.since = now;
+        let (new, proven) = (entry.key(id), entry.proven);
+        if let Some(state) = self.sources.get_mut(&entry.source) {
+            let queue = state.queue(proven);
+            if !was_busy {
+                queue.remove(&old);
+            }
+            if phase != Phase::Busy {
+                queue.insert(new);
+            }
+        }
+    }
+
+    /// The candidate to make way: of `only` that source, or else of the source with the most
+    /// connections of the kind (pending, or established when `proven`) that has a candidate, the
+    /// first in its queue.
+    fn pick(&self, only: Option<Source>, proven: bool) -> Option<u64> {
+        fn queue(s: &SourceState, proven: bool) -> &BTreeSet<(Instant, u64)> {
+            if proven { &s.idle_queue } else { &s.pending_queue }
+        }
+        let size = |s: &SourceState| if proven { s.established } else { s.pending };
+        let state = match only {
+            Some(source) => self.sources.get(&source)?,
+            None => self.sources.values().filter(|s| !queue(s, proven).is_empty()).max_by_key(|s| size(s))?,
         };
-        self.entries.iter().filter(|(_, e)| candidate(e)).max_by_key(|&(&id, e)| rank(id, e)).map(|(&id, _)| id)
+        queue(state, proven).first().map(|&(_, id)| id)
     }
 
     fn evict(&mut self, id: u64) {
@@ -210,14 +248,16 @@ impl Admission {
 
     fn remove(&mut self, id: u64) -> Option<Entry> {
         let entry = self.entries.remove(&id)?;
-        let count = self.count(entry.source);
-        if entry.proven {
-            count.established -= 1;
-        } else {
-            count.pending -= 1;
-        }
-        if count.pending == 0 && count.established == 0 {
-            self.sources.remove(&entry.source);
+        if let Some(state) = self.sources.get_mut(&entry.source) {
+            state.queue(entry.proven).remove(&entry.key(id));
+            if entry.proven {
+                state.established -= 1;
+            } else {
+                state.pending -= 1;
+            }
+            if state.pending == 0 && state.established == 0 {
+                self.sources.remove(&entry.source);
+            }
         }
         if entry.proven {
             self.established -= 1;
@@ -367,10 +407,7 @@ impl TicketHandle {
     }
 
     fn set_at(&self, phase: Phase, now: Instant) {
-        if let Some(e) = self.gate.lock().entries.get_mut(&self.id) {
-            e.phase = phase;
-            e.since = now;
-        }
+        self.gate.lock().set(self.id, phase, now);
     }
 }
 

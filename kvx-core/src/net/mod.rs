@@ -57,7 +57,8 @@ pub struct ServeLimits {
     /// The most established connections from one source (IPv4 address, IPv6 /64). Default 128.
     pub max_per_source: usize,
     /// The most connections not proven yet. A newcomer when they are all taken evicts the oldest
-    /// of the source with the most. Default 64.
+    /// of the source with the most. Default 256: a peer's proof arrives well before 256 newer
+    /// connections could push it out, even when they come as fast as this host accepts them.
     pub max_pending: usize,
     /// A connection must prove itself (its proof of the key, or without a key its first request,
     /// complete) within this of its accept. Default 5 s.
@@ -97,7 +98,7 @@ impl Default for ServeLimits {
             max_frame: Self::DEFAULT_MAX_FRAME,
             max_connections: 512,
             max_per_source: 128,
-            max_pending: 64,
+            max_pending: 256,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
             exchange_timeout: Duration::from_secs(10),

@@ -141,6 +141,15 @@ impl End {
         *counter += 1;
     }
 
+    /// Whether the server dismissed the connection without a last word (a refusal it wrote must
+    /// reach the peer, so those close gracefully).
+    fn is_dismissal(self) -> bool {
+        matches!(
+            self,
+            End::Idle | End::Unproven | End::Expired | End::Evicted | End::Full | End::Slow | End::Oversize
+        )
+    }
+
     fn of_frame(e: &FrameError) -> End {
         match e {
             FrameError::Closed => End::Closed,
@@ -315,6 +324,9 @@ async fn wait_for_stats(
 /// works through a flood (the kernel caps it at `net.core.somaxconn`).
 const BACKLOG: u32 = 4096;
 
+/// Connections the accept loop takes before it lets the others run.
+const ACCEPTS_PER_TURN: u32 = 32;
+
 /// Binds `host:port` (the first address it resolves to) with [`BACKLOG`].
 async fn listen(host: &str, port: u16) -> std::io::Result<TcpListener> {
     let mut last = None;
@@ -332,11 +344,13 @@ async fn listen(host: &str, port: u16) -> std::io::Result<TcpListener> {
 async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) {
     let min_backoff = Duration::from_millis(1);
     let mut backoff = min_backoff;
+    let mut accepted_in_turn = 0;
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 backoff = min_backoff;
                 let Some(ticket) = shared.gate.admit(peer) else {
+                    let _ = stream.set_zero_linger();
                     drop(stream);
                     shared.stats.send_modify(|s| s.refused += 1);
                     shared.warnings.warn(
@@ -353,7 +367,14 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                 });
                 let shared = Arc::clone(&shared);
                 tokio::spawn(async move {
-                    let end = serve_connection(stream, peer, ticket, &shared).await;
+                    let mut stream = stream;
+                    let end = serve_connection(&mut stream, peer, ticket, &shared).await;
+                    if end.is_dismissal() {
+                        // Closed with a reset: a flood of dismissed connections leaves no
+                        // TIME_WAIT behind to use up the 4-tuples its peers connect on.
+                        let _ = stream.set_zero_linger();
+                    }
+                    drop(stream);
                     match end {
                         End::Closed | End::Shutdown => {
                             debug!(name = shared.name, %peer, ?end, "connection ended")
@@ -367,6 +388,15 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                         end.count(s);
                     });
                 });
+                // Let the connections just accepted read what they were sent before many more
+                // come: a peer whose request is already in proves itself ahead of a flood of
+                // newer connections (well within `max_pending` of them), while a backlog of
+                // connections still drains in few turns of the runtime.
+                accepted_in_turn += 1;
+                if accepted_in_turn == ACCEPTS_PER_TURN {
+                    accepted_in_turn = 0;
+                    tokio::task::yield_now().await;
+                }
             }
             Err(e) => {
                 // EMFILE, ENFILE, ENOBUFS, a connection reset before it was accepted: the
@@ -425,7 +455,7 @@ async fn next_frame(
 }
 
 async fn serve_connection<S: Service>(
-    mut stream: TcpStream,
+    stream: &mut TcpStream,
     peer: SocketAddr,
     mut ticket: Ticket,
     shared: &Shared<S>,
@@ -436,7 +466,7 @@ async fn serve_connection<S: Service>(
     let mut shutdown = shared.shutdown.clone();
     let mut proven = false;
     loop {
-        let frame = match next_frame(&mut stream, &mut ticket, proven, limits, &mut shutdown).await {
+        let frame = match next_frame(stream, &mut ticket, proven, limits, &mut shutdown).await {
             Ok(f) => f,
             Err(end) => {
                 debug!(name = shared.name, ?end, "reading a request");
@@ -491,7 +521,7 @@ async fn serve_connection<S: Service>(
                 return End::Rejected;
             }
         };
-        if let Err(e) = write_frame(&mut stream, &bytes, limits.exchange_timeout).await {
+        if let Err(e) = write_frame(stream, &bytes, limits.exchange_timeout).await {
             debug!(name = shared.name, error = %e, "writing a reply");
             return End::of_frame(&e);
         }
