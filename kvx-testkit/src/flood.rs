@@ -204,7 +204,7 @@ async fn connect(source: IpAddr, target: SocketAddr) -> std::io::Result<TcpStrea
 
 /// Plays `shape` on `stream` until the server drops it.
 async fn act(stream: &mut TcpStream, shape: &Shape, c: &Counters) {
-    let mut sink = vec![0u8; 64 << 10];
+    let mut sink = vec![0u8; 4 << 10];
     match shape {
         Shape::Idle => {}
         Shape::Stalled(bytes) => {

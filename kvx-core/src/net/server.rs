@@ -532,5 +532,8 @@ async fn serve_connection<S: Service>(
         if let Some(end) = end {
             return end;
         }
+        // One request per turn: a peer that always has its next request in gets served in turn
+        // with every other connection and the accept loop, not dozens of requests at a time.
+        tokio::task::yield_now().await;
     }
 }
