@@ -15,7 +15,7 @@ use super::{NetConfig, endpoint};
 use crate::auth::random_bytes;
 use crate::error::{Error, ErrorKind, Result};
 use crate::group::{GatherInbox, ParallelGroup};
-use crate::meta::Finished;
+use crate::meta::{Finished, RankReport};
 use crate::wire::{self, MessageKind, WireMessage};
 
 /// What a rank sends rank 0.
@@ -244,7 +244,7 @@ impl ParallelGroup for TcpGroup {
         self.world_size
     }
 
-    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<Finished>>> {
+    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<RankReport>>> {
         let mut end = self.end.lock().map_err(|_| Error::new(ErrorKind::State, "group lock poisoned"))?;
         match &mut *end {
             GroupEnd::Other(sender) => {
@@ -301,6 +301,11 @@ mod tests {
         Finished { sending: vec![RequestId::new(s)], ..Default::default() }
     }
 
+    /// `reports`, each as its rank's (rank 0's first, then 1, 2, ...).
+    fn ranked(reports: impl IntoIterator<Item = Finished>) -> Vec<RankReport> {
+        (0..).zip(reports).map(|(rank, finished)| RankReport { rank, finished }).collect()
+    }
+
     fn free_port() -> u16 {
         std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
     }
@@ -314,7 +319,7 @@ mod tests {
         let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
         assert_eq!(r1.gather_finished(rep("b")).unwrap(), None);
         let got = r0.gather_finished(rep("a")).unwrap().unwrap();
-        assert_eq!(got, vec![rep("a"), rep("b")]);
+        assert_eq!(got, ranked([rep("a"), rep("b")]));
         assert!(TcpGroup::join(2, 2, "127.0.0.1", port, Duration::from_secs(1)).is_err());
         assert_eq!(r0.port(), Some(port));
         assert_eq!(r1.stats(), None);
@@ -336,7 +341,7 @@ mod tests {
         assert_eq!(r1.gather_finished(rep("c")).unwrap(), None);
         let mut all = Vec::new();
         for _ in 0..2 {
-            all.extend(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].sending.clone());
+            all.extend(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished.sending.clone());
         }
         assert_eq!(all, vec![RequestId::new("a"), RequestId::new("b"), RequestId::new("c")]);
     }
@@ -351,8 +356,8 @@ mod tests {
         // The new process numbers its reports from 1 again: not taken for duplicates.
         let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
         assert_eq!(r1.gather_finished(rep("after")).unwrap(), None);
-        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("before"));
-        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("after"));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished, rep("before"));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished, rep("after"));
         // `Incompatible`, not the `Timeout` of a join retried until `T`: refused at once.
         let e = TcpGroup::join(1, 3, "127.0.0.1", port, T).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Incompatible, "{e}");
@@ -369,7 +374,7 @@ mod tests {
         }
         let r1 = TcpGroup::join_with(1, 2, "127.0.0.1", port, T, keyed("group-key-0123456")).unwrap();
         assert_eq!(r1.gather_finished(rep("x")).unwrap(), None);
-        assert_eq!(r0.gather_finished(rep("y")).unwrap().unwrap(), vec![rep("y"), rep("x")]);
+        assert_eq!(r0.gather_finished(rep("y")).unwrap().unwrap(), ranked([rep("y"), rep("x")]));
         assert_eq!(r0.stats().unwrap().unauthenticated, 2);
     }
 }
