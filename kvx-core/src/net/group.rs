@@ -271,9 +271,12 @@ impl Sender {
 /// A tensor-parallel group across processes: rank 0 serves on `host:port` (kvx's bounded server,
 /// [`super::server`]); the other ranks connect to it, authenticated when the config has a key,
 /// join, and send each step's report on the connection they joined on, which rank 0 acknowledges.
-/// Rank 0 takes a rank's reports only from the connection that last joined as it (see the
-/// [module](self)); a rank that reconnects joins again first. A report that is not acknowledged is
-/// kept and sent again (rank 0 drops the duplicate when the first copy did arrive); reports of
+/// Rank 0 takes a rank's reports only from the connection that last joined as it, with the epoch
+/// it joined with: reports from any other connection (a forger that never joined, or one the rank
+/// has since left) are refused with an error reply and counted ([`group_stats`](Self::group_stats)).
+/// A rank that reconnects joins again first. Without a key, whoever joins as a rank is taken for
+/// it: a group on a network that others can reach needs a key. A report that is not acknowledged
+/// is kept and sent again (rank 0 drops the duplicate when the first copy did arrive); reports of
 /// the steps in between are merged into the next one, never dropped. Owns a small tokio runtime.
 pub struct TcpGroup {
     rank: u32,
