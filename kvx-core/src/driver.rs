@@ -23,7 +23,7 @@ use crate::group::ParallelGroup;
 use crate::ids::EngineId;
 use crate::layout::LayerCache;
 use crate::meta::{ConnectorMetadata, Finished};
-use crate::worker::{ConnectorWorker, FinishedAggregator, WorkerCommand};
+use crate::worker::{AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, WorkerCommand};
 
 /// A fetch's result, with the peer (engine and rank) it is of.
 type HandshakeResult = ((EngineId, u32), Result<Vec<u8>>);
@@ -101,6 +101,13 @@ impl WorkerDriver {
         self
     }
 
+    /// The same driver keeping rank 0's partial reports within `limits` (default
+    /// [`AggregatorLimits::default`]).
+    pub fn with_aggregator_limits(mut self, limits: AggregatorLimits) -> Self {
+        self.aggregator = FinishedAggregator::with_limits(self.group.world_size(), limits);
+        self
+    }
+
     /// The same driver running its handshake fetches as `handshakes` says.
     pub fn with_handshakes(mut self, handshakes: Handshakes) -> Self {
         self.handshakes = handshakes;
@@ -138,7 +145,7 @@ impl WorkerDriver {
         let local = self.worker.get_finished(self.clock.now());
         self.dispatch();
         Ok(match self.group.gather_finished(local)? {
-            Some(reports) => self.aggregator.aggregate(reports),
+            Some(reports) => self.aggregator.aggregate(self.clock.now(), reports),
             None => Finished::default(),
         })
     }
@@ -158,6 +165,11 @@ impl WorkerDriver {
     /// Rank 0: the ids some but not all ranks have reported.
     pub fn num_partial_reports(&self) -> usize {
         self.aggregator.num_partial()
+    }
+
+    /// Rank 0: the aggregation's counters (partial ids, and those dropped by expiry or the cap).
+    pub fn aggregator_stats(&self) -> AggregatorStats {
+        self.aggregator.stats()
     }
 
     fn feed_handshakes(&mut self) {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tracing::warn;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::meta::Finished;
+use crate::meta::{Finished, RankReport};
 
 /// One engine's tensor-parallel group, as the connector workers see it.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
@@ -22,9 +22,11 @@ pub trait ParallelGroup: Send + Sync + fmt::Debug {
     /// The finished-ids collective, called by every rank once per step.
     ///
     /// Ranks other than 0 send `report` to rank 0 and get `None`. Rank 0 gets `Some` of its own
-    /// report and those of the other ranks, waiting a bounded time for one from each: reports that
-    /// arrive later are returned by a later call, never lost.
-    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<Finished>>>;
+    /// report (first, as rank 0's) and those of the other ranks, each with the rank that sent it,
+    /// waiting a bounded time for one from each: reports that arrive later are returned by a later
+    /// call, never lost. A rank's report is only ever returned as that rank's: the aggregation
+    /// counts each rank once per id ([`FinishedAggregator`](crate::FinishedAggregator)).
+    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<RankReport>>>;
 }
 
 /// The group of an engine with one rank.
@@ -40,8 +42,8 @@ impl ParallelGroup for SingleRank {
         1
     }
 
-    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<Finished>>> {
-        Ok(Some(vec![report]))
+    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<RankReport>>> {
+        Ok(Some(vec![RankReport { rank: 0, finished: report }]))
     }
 }
 
@@ -60,16 +62,17 @@ impl GatherInbox {
         GatherInbox { world_size, timeout, backlog: VecDeque::new() }
     }
 
-    /// Collects at most one report per other rank, waiting until `timeout` for missing ones.
-    /// `recv` waits for the next report until a deadline (`Ok(None)` when it passes).
+    /// Collects at most one report per other rank, waiting until `timeout` for missing ones, and
+    /// returns them with their ranks, rank 0's (`own`) first. `recv` waits for the next report
+    /// until a deadline (`Ok(None)` when it passes).
     pub(crate) fn gather(
         &mut self,
         own: Finished,
         mut recv: impl FnMut(Instant) -> Result<Option<(u32, Finished)>>,
-    ) -> Result<Vec<Finished>> {
+    ) -> Result<Vec<RankReport>> {
         let mut have = vec![false; self.world_size as usize];
         have[0] = true;
-        let mut out = vec![own];
+        let mut out = vec![RankReport { rank: 0, finished: own }];
         let mut keep = VecDeque::new();
         while let Some((rank, report)) = self.backlog.pop_front() {
             Self::place(&mut have, &mut out, &mut keep, rank, report);
@@ -91,7 +94,7 @@ impl GatherInbox {
 
     fn place(
         have: &mut [bool],
-        out: &mut Vec<Finished>,
+        out: &mut Vec<RankReport>,
         keep: &mut VecDeque<(u32, Finished)>,
         rank: u32,
         report: Finished,
@@ -99,7 +102,7 @@ impl GatherInbox {
         match have.get_mut(rank as usize) {
             Some(h) if !*h => {
                 *h = true;
-                out.push(report);
+                out.push(RankReport { rank, finished: report });
             }
             Some(_) => match keep.iter_mut().find(|(r, _)| *r == rank) {
                 Some((_, kept)) => kept.extend(report),
@@ -158,7 +161,7 @@ impl ParallelGroup for InProcessGroup {
         self.world_size
     }
 
-    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<Finished>>> {
+    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<RankReport>>> {
         let Some(inbox) = &self.inbox else {
             self.to_rank0
                 .send((self.rank, report))
@@ -187,6 +190,11 @@ mod tests {
         Finished { recving: vec![RequestId::new(id)], ..Default::default() }
     }
 
+    /// `reports`, each as its rank's (rank 0's first, then 1, 2, ...).
+    fn ranked(reports: impl IntoIterator<Item = Finished>) -> Vec<RankReport> {
+        (0..).zip(reports).map(|(rank, finished)| RankReport { rank, finished }).collect()
+    }
+
     #[test]
     fn rank0_gathers_one_report_per_rank_and_keeps_extras() {
         let g = InProcessGroup::new_group(3, Duration::from_secs(5));
@@ -194,10 +202,10 @@ mod tests {
         assert_eq!(g[1].gather_finished(report("b1")).unwrap(), None);
         assert_eq!(g[2].gather_finished(report("a2")).unwrap(), None);
         let got = g[0].gather_finished(report("a0")).unwrap().unwrap();
-        assert_eq!(got, vec![report("a0"), report("a1"), report("a2")]);
+        assert_eq!(got, ranked([report("a0"), report("a1"), report("a2")]));
         g[2].gather_finished(report("b2")).unwrap();
         let got = g[0].gather_finished(report("b0")).unwrap().unwrap();
-        assert_eq!(got, vec![report("b0"), report("b1"), report("b2")]);
+        assert_eq!(got, ranked([report("b0"), report("b1"), report("b2")]));
     }
 
     #[test]
@@ -210,16 +218,16 @@ mod tests {
         assert_eq!(inbox.backlog.len(), 1, "the rest merged into one entry");
         assert_eq!(inbox.backlog[0].1.recving.len(), 9_999);
         let next = inbox.gather(report("own2"), |_| Ok(None)).unwrap();
-        assert_eq!(next[1].recving.len(), 9_999, "nothing lost");
+        assert_eq!((next[1].rank, next[1].finished.recving.len()), (1, 9_999), "nothing lost");
     }
 
     #[test]
     fn rank0_gives_up_after_its_timeout_and_later_reports_arrive_next_time() {
         let g = InProcessGroup::new_group(2, Duration::from_millis(20));
         let got = g[0].gather_finished(report("x0")).unwrap().unwrap();
-        assert_eq!(got, vec![report("x0")]);
+        assert_eq!(got, ranked([report("x0")]));
         g[1].gather_finished(report("x1")).unwrap();
         let got = g[0].gather_finished(Finished::default()).unwrap().unwrap();
-        assert_eq!(got, vec![Finished::default(), report("x1")]);
+        assert_eq!(got, ranked([Finished::default(), report("x1")]));
     }
 }

@@ -48,8 +48,8 @@ pub use transfer::{
     RegionBlocks, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 pub use worker::{
-    ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples, WorkerCommand, WorkerConfig,
-    WorkerStats,
+    AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples,
+    WorkerCommand, WorkerConfig, WorkerStats,
 };
 
 /// mockall mocks of the three traits (feature `mock`).

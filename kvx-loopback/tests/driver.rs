@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
     Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, GroupBlocks, Handshakes,
-    HeldRequest, HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RecvRequest,
-    RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
+    HeldRequest, HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RankReport,
+    RecvRequest, RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
 };
 use kvx_loopback::Fabric;
 
@@ -101,7 +101,10 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     };
     // Rank 1 reports "a" in the first step, "b" in the second.
     let mut steps = vec![other(&["b"]), other(&["a"])];
-    group.expect_gather_finished().times(2).returning(move |own| Ok(Some(vec![own, steps.pop().unwrap()])));
+    group.expect_gather_finished().times(2).returning(move |own| {
+        let other = steps.pop().unwrap();
+        Ok(Some(vec![RankReport { rank: 0, finished: own }, RankReport { rank: 1, finished: other }]))
+    });
     let worker = ConnectorWorker::new(
         WorkerConfig { lease_duration: Duration::ZERO, ..WorkerConfig::new("prefill".into(), 0, 2, 4) },
         Arc::new(fabric.agent("prefill-0").unwrap()),

@@ -121,7 +121,7 @@ fn group_drops_zmtp_and_oversize_headers_and_keeps_gathering() {
         attack(port, &bytes);
         let name = format!("step-{step}");
         assert_eq!(r1.gather_finished(report(&name)).unwrap(), None);
-        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], report(&name));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished, report(&name));
     }
     let s = r0.stats().unwrap();
     assert_eq!((s.oversize, s.unproven), (3, 1), "{s:?}");

@@ -1,31 +1,41 @@
 //! [`TcpGroup`]: a tensor-parallel group across processes over kvx's bounded framing.
+//!
+//! Rank 0 serves; every other rank joins on a connection and reports on it. A report counts only
+//! from the connection that last joined as its rank (authenticated, when the group has a key):
+//! reports from any other connection (a forger that never joined, or one the rank has since left
+//! by joining again) are refused with an error reply and counted ([`GroupStats`]), as are reports
+//! whose epoch is not the one their rank joined with. Without a key, whoever joins as a rank is
+//! believed to be it: a group on a network that others can reach needs a key.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::server::{Caller, Server, ServerStats, Service};
 use super::session::Connection;
 use super::{NetConfig, endpoint};
 use crate::auth::random_bytes;
+use crate::clock::Every;
 use crate::error::{Error, ErrorKind, Result};
 use crate::group::{GatherInbox, ParallelGroup};
-use crate::meta::Finished;
+use crate::meta::{Finished, RankReport};
 use crate::wire::{self, MessageKind, WireMessage};
 
 /// What a rank sends rank 0.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum GroupMessage {
-    /// A rank joins (checks that rank 0 takes it, and authenticates the connection).
-    Join { rank: u32, world_size: u32 },
-    /// A rank's report. `seq` grows by one per new report of the rank's process (`epoch`, random
-    /// per join, so a restarted rank starts afresh); a report re-sent after a lost
-    /// acknowledgement carries its old `seq`, and rank 0 takes it as an empty report.
+    /// A rank joins on this connection: rank 0 checks that it takes the rank (and, with a key,
+    /// the connection is authenticated) and from now on takes the rank's reports from this
+    /// connection only. `epoch` is the rank's process's (random per process).
+    Join { rank: u32, world_size: u32, epoch: u64 },
+    /// A rank's report. `seq` grows by one per new report of the rank's process (`epoch`), so a
+    /// restarted rank starts afresh; a report re-sent after a lost acknowledgement carries its old
+    /// `seq`, and rank 0 takes it as an empty report.
     Report { rank: u32, epoch: u64, seq: u64, finished: Finished },
 }
 
@@ -33,52 +43,162 @@ impl WireMessage for GroupMessage {
     const KIND: MessageKind = MessageKind::GroupReport;
 }
 
+/// Rank 0's counters of what its ranks sent ([`TcpGroup::group_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Joins taken: each rank's first, and each re-join (a sender that reconnected, a restarted
+    /// rank).
+    pub joins: u64,
+    /// Joins that moved a rank to another connection (the rank's earlier connection is no longer
+    /// heard).
+    pub rejoins: u64,
+    /// Reports taken.
+    pub reports: u64,
+    /// Reports sent again after a lost acknowledgement: acknowledged and taken as empty.
+    pub duplicates: u64,
+    /// Joins refused: a rank outside the group, another world size, or (keyed) a connection that
+    /// is not authenticated.
+    pub refused_joins: u64,
+    /// Reports refused because their connection is not the one that joined as their rank: a
+    /// connection that never joined (a forger), or one its rank has since left.
+    pub refused_not_member: u64,
+    /// Reports refused, from the rank's own connection, whose epoch is not the one it joined with.
+    pub refused_epoch: u64,
+    /// Reports refused because rank 0 was behind (the rank sends them again).
+    pub refused_busy: u64,
+}
+
+/// A rank's membership: the connection that joined as it and its process's last report.
+#[derive(Debug)]
+struct Member {
+    connection: u64,
+    epoch: u64,
+    /// The last `seq` taken from `epoch` (0: none yet).
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct InboxState {
+    members: HashMap<u32, Member>,
+    stats: GroupStats,
+    log: Every,
+}
+
+/// How often refusals are logged at most.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
 /// Rank 0's service: checks each message and hands reports to the gather.
 struct Inbox {
     world_size: u32,
+    /// Whether the server has a key (then every caller is authenticated).
+    keyed: bool,
     reports: SyncSender<(u32, Finished)>,
-    /// The epoch and last `seq` taken from each rank.
-    last: Mutex<HashMap<u32, (u64, u64)>>,
+    state: Arc<Mutex<InboxState>>,
+}
+
+impl Inbox {
+    fn join(&self, caller: &Caller, rank: u32, world_size: u32, epoch: u64) -> Result<()> {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = &mut *guard;
+        let refused = if self.keyed && !caller.authenticated {
+            Some(Error::new(ErrorKind::Unauthenticated, "the group has a key; authenticate first"))
+        } else if rank == 0 || rank >= self.world_size {
+            Some(Error::invalid_peer_data(format!("rank {rank} is not in a group of {}", self.world_size)))
+        } else if world_size != self.world_size {
+            Some(Error::new(
+                ErrorKind::Incompatible,
+                format!("rank {rank} has world size {world_size}, rank 0 {}", self.world_size),
+            ))
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            state.stats.refused_joins += 1;
+            return Err(e);
+        }
+        state.stats.joins += 1;
+        match state.members.get_mut(&rank) {
+            Some(m) => {
+                if m.connection != caller.connection {
+                    debug!(rank, peer = %caller.peer, "rank joined again on another connection");
+                    m.connection = caller.connection;
+                    state.stats.rejoins += 1;
+                }
+                if m.epoch != epoch {
+                    // A new process: its reports are numbered afresh.
+                    *m = Member { connection: caller.connection, epoch, seq: 0 };
+                }
+            }
+            None => {
+                state.members.insert(rank, Member { connection: caller.connection, epoch, seq: 0 });
+            }
+        }
+        Ok(())
+    }
+
+    fn report(&self, caller: &Caller, rank: u32, epoch: u64, seq: u64, finished: Finished) -> Result<()> {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = &mut *guard;
+        let member = match state.members.get_mut(&rank) {
+            Some(m) if m.connection == caller.connection => m,
+            _ => {
+                state.stats.refused_not_member += 1;
+                Self::log_refusal(state, caller, rank, "its connection has not joined as the rank");
+                return Err(Error::new(
+                    ErrorKind::State,
+                    format!("rank {rank} has not joined on this connection"),
+                ));
+            }
+        };
+        if member.epoch != epoch {
+            state.stats.refused_epoch += 1;
+            Self::log_refusal(state, caller, rank, "its epoch is not the one the rank joined with");
+            return Err(Error::new(ErrorKind::State, format!("rank {rank} joined with another epoch")));
+        }
+        let seen = seq <= member.seq;
+        let finished = if seen { Finished::default() } else { finished };
+        match self.reports.try_send((rank, finished)) {
+            Ok(()) => {
+                if seen {
+                    state.stats.duplicates += 1;
+                } else {
+                    member.seq = seq;
+                    state.stats.reports += 1;
+                }
+                Ok(())
+            }
+            Err(TrySendError::Full(_)) => {
+                state.stats.refused_busy += 1;
+                Err(Error::new(ErrorKind::Timeout, "rank 0 is behind; report again"))
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                Err(Error::new(ErrorKind::State, "rank 0 has left the group"))
+            }
+        }
+    }
+
+    fn log_refusal(state: &mut InboxState, caller: &Caller, rank: u32, why: &str) {
+        if state.log.due(Instant::now()) {
+            let s = &state.stats;
+            warn!(
+                rank,
+                peer = %caller.peer,
+                why,
+                refused_not_member = s.refused_not_member,
+                refused_epoch = s.refused_epoch,
+                "rank 0 refused a report (totals so far; logged at most every 10 s)"
+            );
+        }
+    }
 }
 
 #[async_trait::async_trait]
 impl Service for Inbox {
-    async fn call(&self, _caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>> {
-        let check = |rank: u32| {
-            if rank == 0 || rank >= self.world_size {
-                Err(Error::invalid_peer_data(format!("rank {rank} is not in a group of {}", self.world_size)))
-            } else {
-                Ok(())
-            }
-        };
+    async fn call(&self, caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>> {
         match wire::decode::<GroupMessage>(&request)? {
-            GroupMessage::Join { rank, world_size } => {
-                check(rank)?;
-                if world_size != self.world_size {
-                    return Err(Error::new(
-                        ErrorKind::Incompatible,
-                        format!("rank {rank} has world size {world_size}, rank 0 {}", self.world_size),
-                    ));
-                }
-            }
+            GroupMessage::Join { rank, world_size, epoch } => self.join(caller, rank, world_size, epoch)?,
             GroupMessage::Report { rank, epoch, seq, finished } => {
-                check(rank)?;
-                let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-                let seen = last.get(&rank).is_some_and(|&(e, l)| e == epoch && seq <= l);
-                let finished = if seen { Finished::default() } else { finished };
-                match self.reports.try_send((rank, finished)) {
-                    Ok(()) => {
-                        if !seen {
-                            last.insert(rank, (epoch, seq));
-                        }
-                    }
-                    Err(TrySendError::Full(_)) => {
-                        return Err(Error::new(ErrorKind::Timeout, "rank 0 is behind; report again"));
-                    }
-                    Err(TrySendError::Disconnected(_)) => {
-                        return Err(Error::new(ErrorKind::State, "rank 0 has left the group"));
-                    }
-                }
+                self.report(caller, rank, epoch, seq, finished)?
             }
         }
         Ok(Vec::new())
@@ -86,13 +206,20 @@ impl Service for Inbox {
 }
 
 enum GroupEnd {
-    Rank0 { server: Server, reports: Receiver<(u32, Finished)>, inbox: GatherInbox },
+    Rank0 {
+        server: Server,
+        reports: Receiver<(u32, Finished)>,
+        inbox: GatherInbox,
+        state: Arc<Mutex<InboxState>>,
+    },
     Other(Box<Sender>),
 }
 
-/// A rank's link to rank 0: one connection, re-made when it breaks, and the report that rank 0
-/// has not acknowledged yet.
+/// A rank's link to rank 0: one connection, joined as the rank, re-made (and joined again) when it
+/// breaks, and the report that rank 0 has not acknowledged yet.
 struct Sender {
+    rank: u32,
+    world_size: u32,
     host: String,
     port: u16,
     config: NetConfig,
@@ -104,15 +231,27 @@ struct Sender {
 }
 
 impl Sender {
-    /// Sends `msg` on the connection (connecting first when there is none), re-connecting once if
-    /// a kept connection broke (rank 0 drops idle connections).
+    /// Joins as this rank on `conn`: rank 0 takes a rank's reports only from the connection
+    /// that last joined as it.
+    async fn join_on(&self, conn: &mut Connection) -> Result<()> {
+        let join = GroupMessage::Join { rank: self.rank, world_size: self.world_size, epoch: self.epoch };
+        conn.request(wire::encode(&join)?).await.map(drop)
+    }
+
+    /// Sends `msg` on the connection (connecting and joining first when there is none),
+    /// re-connecting once if a kept connection broke (rank 0 drops idle connections) or was
+    /// refused (rank 0 restarted, or another connection joined as this rank).
     async fn send(&mut self, msg: &GroupMessage) -> Result<()> {
         let body = wire::encode(msg)?;
         let reused = self.conn.is_some();
         for attempt in 0..2 {
             let mut conn = match self.conn.take() {
                 Some(c) => c,
-                None => Connection::connect(&self.host, self.port, &self.config).await?,
+                None => {
+                    let mut conn = Connection::connect(&self.host, self.port, &self.config).await?;
+                    self.join_on(&mut conn).await?;
+                    conn
+                }
             };
             match conn.request(body.clone()).await {
                 Ok(_) => {
@@ -120,7 +259,7 @@ impl Sender {
                     return Ok(());
                 }
                 Err(e) if attempt == 0 && reused && e.kind() == ErrorKind::Handshake => {
-                    tracing::debug!(error = %e, "connection to rank 0 broke; reconnecting");
+                    debug!(error = %e, "connection to rank 0 broke or was refused; reconnecting");
                 }
                 Err(e) => return Err(e),
             }
@@ -130,10 +269,15 @@ impl Sender {
 }
 
 /// A tensor-parallel group across processes: rank 0 serves on `host:port` (kvx's bounded server,
-/// [`super::server`]); the other ranks connect to it, authenticated when the config has a key, and
-/// send each step's report, which rank 0 acknowledges. A report that is not acknowledged is kept
-/// and sent again (rank 0 drops the duplicate when the first copy did arrive); reports of the
-/// steps in between are merged into the next one, never dropped. Owns a small tokio runtime.
+/// [`super::server`]); the other ranks connect to it, authenticated when the config has a key,
+/// join, and send each step's report on the connection they joined on, which rank 0 acknowledges.
+/// Rank 0 takes a rank's reports only from the connection that last joined as it, with the epoch
+/// it joined with: reports from any other connection (a forger that never joined, or one the rank
+/// has since left) are refused with an error reply and counted ([`group_stats`](Self::group_stats)).
+/// A rank that reconnects joins again first. Without a key, whoever joins as a rank is taken for
+/// it: a group on a network that others can reach needs a key. A report that is not acknowledged
+/// is kept and sent again (rank 0 drops the duplicate when the first copy did arrive); reports of
+/// the steps in between are merged into the next one, never dropped. Owns a small tokio runtime.
 pub struct TcpGroup {
     rank: u32,
     world_size: u32,
@@ -178,11 +322,20 @@ impl TcpGroup {
                 // Room for a few steps of every rank's reports; a rank whose report does not fit
                 // is told to send it again.
                 let (tx, reports) = mpsc::sync_channel(8 * world_size as usize);
-                let inbox = Inbox { world_size, reports: tx, last: Mutex::default() };
+                let state = Arc::new(Mutex::new(InboxState {
+                    members: HashMap::new(),
+                    stats: GroupStats::default(),
+                    log: Every::new(LOG_EVERY),
+                }));
+                let keyed = config.auth_key.is_some();
+                let inbox = Inbox { world_size, keyed, reports: tx, state: Arc::clone(&state) };
                 let server = Server::bind("group", host, port, &config, inbox).await?;
-                return Ok(GroupEnd::Rank0 { server, reports, inbox: GatherInbox::new(world_size, timeout) });
+                let inbox = GatherInbox::new(world_size, timeout);
+                return Ok(GroupEnd::Rank0 { server, reports, inbox, state });
             }
             let mut sender = Sender {
+                rank,
+                world_size,
                 host: host.to_owned(),
                 port,
                 config,
@@ -196,15 +349,17 @@ impl TcpGroup {
             let join = async {
                 // Rank 0 may start a moment after this rank: retry a refused connection.
                 let mut pause = Duration::from_millis(10);
-                loop {
+                let mut conn = loop {
                     match Connection::connect(host, port, &sender.config).await {
-                        Ok(conn) => break sender.conn = Some(conn),
-                        Err(e) => tracing::debug!(error = %e, "rank 0 not reachable yet"),
+                        Ok(conn) => break conn,
+                        Err(e) => debug!(error = %e, "rank 0 not reachable yet"),
                     }
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(200));
-                }
-                sender.send(&GroupMessage::Join { rank, world_size }).await
+                };
+                sender.join_on(&mut conn).await?;
+                sender.conn = Some(conn);
+                Ok::<_, Error>(())
             };
             match tokio::time::timeout(timeout, join).await {
                 Ok(Ok(())) => Ok(GroupEnd::Other(Box::new(sender))),
@@ -222,6 +377,14 @@ impl TcpGroup {
     pub fn stats(&self) -> Option<ServerStats> {
         match &*self.end.lock().unwrap_or_else(PoisonError::into_inner) {
             GroupEnd::Rank0 { server, .. } => Some(server.stats()),
+            GroupEnd::Other(_) => None,
+        }
+    }
+
+    /// Rank 0's counters of joins and reports, and of what it refused (`None` on other ranks).
+    pub fn group_stats(&self) -> Option<GroupStats> {
+        match &*self.end.lock().unwrap_or_else(PoisonError::into_inner) {
+            GroupEnd::Rank0 { state, .. } => Some(state.lock().unwrap_or_else(PoisonError::into_inner).stats),
             GroupEnd::Other(_) => None,
         }
     }
@@ -244,7 +407,7 @@ impl ParallelGroup for TcpGroup {
         self.world_size
     }
 
-    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<Finished>>> {
+    fn gather_finished(&self, report: Finished) -> Result<Option<Vec<RankReport>>> {
         let mut end = self.end.lock().map_err(|_| Error::new(ErrorKind::State, "group lock poisoned"))?;
         match &mut *end {
             GroupEnd::Other(sender) => {
@@ -296,9 +459,48 @@ mod tests {
     use super::*;
     use crate::RequestId;
     use crate::auth::AuthKey;
+    use crate::worker::{AggregatorLimits, FinishedAggregator};
 
     fn rep(s: &str) -> Finished {
         Finished { sending: vec![RequestId::new(s)], ..Default::default() }
+    }
+
+    /// `reports`, each as its rank's (rank 0's first, then 1, 2, ...).
+    fn ranked(reports: impl IntoIterator<Item = Finished>) -> Vec<RankReport> {
+        (0..).zip(reports).map(|(rank, finished)| RankReport { rank, finished }).collect()
+    }
+
+    /// A client speaking the group's protocol by hand: a forger, or a rank's connection.
+    struct Raw(Runtime);
+
+    impl Raw {
+        fn new() -> Self {
+            Raw(tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap())
+        }
+
+        fn connect(&self, port: u16, config: &NetConfig) -> Connection {
+            self.0.block_on(Connection::connect("127.0.0.1", port, config)).unwrap()
+        }
+
+        fn send(&self, conn: &mut Connection, msg: &GroupMessage) -> Result<()> {
+            self.0.block_on(conn.request(wire::encode(msg).unwrap())).map(drop)
+        }
+
+        /// `msg` on a new connection of its own, as a forger that never joined sends it.
+        fn forge(&self, port: u16, config: &NetConfig, msg: &GroupMessage) -> Result<()> {
+            self.send(&mut self.connect(port, config), msg)
+        }
+    }
+
+    fn report(rank: u32, epoch: u64, seq: u64, finished: Finished) -> GroupMessage {
+        GroupMessage::Report { rank, epoch, seq, finished }
+    }
+
+    /// This process's resident memory, in bytes.
+    fn vm_rss() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
     }
 
     fn free_port() -> u16 {
@@ -314,7 +516,7 @@ mod tests {
         let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
         assert_eq!(r1.gather_finished(rep("b")).unwrap(), None);
         let got = r0.gather_finished(rep("a")).unwrap().unwrap();
-        assert_eq!(got, vec![rep("a"), rep("b")]);
+        assert_eq!(got, ranked([rep("a"), rep("b")]));
         assert!(TcpGroup::join(2, 2, "127.0.0.1", port, Duration::from_secs(1)).is_err());
         assert_eq!(r0.port(), Some(port));
         assert_eq!(r1.stats(), None);
@@ -336,7 +538,7 @@ mod tests {
         assert_eq!(r1.gather_finished(rep("c")).unwrap(), None);
         let mut all = Vec::new();
         for _ in 0..2 {
-            all.extend(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].sending.clone());
+            all.extend(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished.sending.clone());
         }
         assert_eq!(all, vec![RequestId::new("a"), RequestId::new("b"), RequestId::new("c")]);
     }
@@ -351,8 +553,8 @@ mod tests {
         // The new process numbers its reports from 1 again: not taken for duplicates.
         let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
         assert_eq!(r1.gather_finished(rep("after")).unwrap(), None);
-        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("before"));
-        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1], rep("after"));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished, rep("before"));
+        assert_eq!(r0.gather_finished(Finished::default()).unwrap().unwrap()[1].finished, rep("after"));
         // `Incompatible`, not the `Timeout` of a join retried until `T`: refused at once.
         let e = TcpGroup::join(1, 3, "127.0.0.1", port, T).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Incompatible, "{e}");
@@ -368,8 +570,149 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
         }
         let r1 = TcpGroup::join_with(1, 2, "127.0.0.1", port, T, keyed("group-key-0123456")).unwrap();
+        // Forgers without the key, or with another, reach nothing: neither a join nor a report.
+        let raw = Raw::new();
+        for config in [keyed("other-key-01234567"), NetConfig::default()] {
+            for msg in
+                [GroupMessage::Join { rank: 1, world_size: 2, epoch: 1 }, report(1, 1, 1, rep("forged"))]
+            {
+                let e = raw.forge(port, &config, &msg).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
+            }
+        }
         assert_eq!(r1.gather_finished(rep("x")).unwrap(), None);
-        assert_eq!(r0.gather_finished(rep("y")).unwrap().unwrap(), vec![rep("y"), rep("x")]);
-        assert_eq!(r0.stats().unwrap().unauthenticated, 2);
+        assert_eq!(r0.gather_finished(rep("y")).unwrap().unwrap(), ranked([rep("y"), rep("x")]));
+        assert_eq!(r0.stats().unwrap().unauthenticated, 6);
+        let s = r0.group_stats().unwrap();
+        assert_eq!(s, GroupStats { joins: 1, reports: 1, ..Default::default() });
+    }
+
+    #[test]
+    fn reports_from_connections_that_did_not_join_as_their_rank_are_refused_and_counted() {
+        let port = free_port();
+        let r0 = TcpGroup::join(0, 2, "127.0.0.1", port, T).unwrap();
+        let raw = Raw::new();
+        let open = NetConfig::default();
+        // Before rank 1 joined: no connection is rank 1's.
+        let e = raw.forge(port, &open, &report(1, 1, 1, rep("x"))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+        assert!(e.to_string().contains("has not joined on this connection"), "{e}");
+        // After rank 1 joined on its own connection: forged reports on others, whatever their
+        // epoch (a new one, as a restarted rank's would be) and sequence number.
+        let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
+        for epoch in [0, 1, u64::MAX] {
+            assert!(raw.forge(port, &open, &report(1, epoch, 1_000, rep("x"))).is_err());
+        }
+        // Nor is a rank outside the group anyone's.
+        assert!(raw.forge(port, &open, &report(7, 1, 1, rep("x"))).is_err());
+        // Rank 0 finished "x" itself, rank 1 has not: no step reports it.
+        let mut agg = FinishedAggregator::new(2);
+        for step in 0..3 {
+            let own = rep(&format!("own-{step}"));
+            assert_eq!(r1.gather_finished(own.clone()).unwrap(), None);
+            let got = r0.gather_finished(rep("x")).unwrap().unwrap();
+            assert_eq!(got, ranked([rep("x"), own]));
+            assert!(agg.aggregate(Instant::now(), got).is_empty());
+        }
+        let s = r0.group_stats().unwrap();
+        assert_eq!((s.refused_not_member, s.reports, s.joins, s.rejoins), (5, 3, 1, 0), "{s:?}");
+    }
+
+    #[test]
+    fn a_rank_joining_again_moves_it_to_its_new_connection() {
+        let port = free_port();
+        let r0 = TcpGroup::join(0, 2, "127.0.0.1", port, T).unwrap();
+        let r1 = TcpGroup::join(1, 2, "127.0.0.1", port, T).unwrap();
+        let raw = Raw::new();
+        // Another connection joins as rank 1 (without a key, whoever joins as a rank is taken
+        // for it): its reports are heard, rank 1's first connection is not.
+        let mut c = raw.connect(port, &NetConfig::default());
+        raw.send(&mut c, &GroupMessage::Join { rank: 1, world_size: 2, epoch: 7 }).unwrap();
+        raw.send(&mut c, &report(1, 7, 1, rep("from-c"))).unwrap();
+        // The rank's own connection with another epoch than it joined with is refused.
+        let e = raw.send(&mut c, &report(1, 8, 2, rep("other-epoch"))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Handshake, "{e}");
+        // Rank 1's report is refused on its old connection; its sender connects again, joins
+        // first, and is heard.
+        assert_eq!(r1.gather_finished(rep("real")).unwrap(), None);
+        // c is no longer rank 1's.
+        let mut c = raw.connect(port, &NetConfig::default());
+        assert!(raw.send(&mut c, &report(1, 7, 2, rep("late"))).is_err());
+        let mut heard = Vec::new();
+        for _ in 0..2 {
+            let got = r0.gather_finished(Finished::default()).unwrap().unwrap();
+            heard.extend(got[1].finished.sending.iter().map(|i| i.as_str().to_owned()));
+        }
+        assert_eq!(heard, ["from-c", "real"]);
+        let s = r0.group_stats().unwrap();
+        let counts = (s.joins, s.rejoins, s.reports, s.refused_not_member, s.refused_epoch);
+        assert_eq!(counts, (3, 2, 2, 2, 1), "{s:?}");
+    }
+
+    #[test]
+    fn re_sent_reports_are_taken_once_and_a_new_epoch_is_heard() {
+        let port = free_port();
+        let r0 = TcpGroup::join(0, 2, "127.0.0.1", port, T).unwrap();
+        let raw = Raw::new();
+        let open = NetConfig::default();
+        let join = |epoch| GroupMessage::Join { rank: 1, world_size: 2, epoch };
+        let mut c = raw.connect(port, &open);
+        raw.send(&mut c, &join(5)).unwrap();
+        raw.send(&mut c, &report(1, 5, 1, rep("a"))).unwrap();
+        // The acknowledgement was lost: the same report again, on a new connection joined first.
+        let mut c = raw.connect(port, &open);
+        raw.send(&mut c, &join(5)).unwrap();
+        raw.send(&mut c, &report(1, 5, 1, rep("a"))).unwrap();
+        raw.send(&mut c, &report(1, 5, 2, rep("b"))).unwrap();
+        // The rank restarts: a new process, a new epoch, numbered from 1 again.
+        let mut c = raw.connect(port, &open);
+        raw.send(&mut c, &join(6)).unwrap();
+        raw.send(&mut c, &report(1, 6, 1, rep("c"))).unwrap();
+        let mut heard = Vec::new();
+        for _ in 0..4 {
+            let got = r0.gather_finished(Finished::default()).unwrap().unwrap();
+            heard.extend(got[1].finished.sending.iter().map(|i| i.as_str().to_owned()));
+        }
+        assert_eq!(heard, ["a", "b", "c"]);
+        let s = r0.group_stats().unwrap();
+        assert_eq!((s.joins, s.rejoins, s.reports, s.duplicates), (3, 2, 3, 1), "{s:?}");
+    }
+
+    #[test]
+    fn a_million_forged_ids_cost_bounded_memory() {
+        let port = free_port();
+        let r0 = TcpGroup::join(0, 2, "127.0.0.1", port, T).unwrap();
+        let raw = Raw::new();
+        let open = NetConfig::default();
+        const BATCH: usize = 100_000;
+        let ids = |k: usize| Finished {
+            sending: (k * BATCH..(k + 1) * BATCH).map(|i| RequestId::new(format!("forged-{i}"))).collect(),
+            ..Default::default()
+        };
+        let rss_before = vm_rss();
+        // Forgers that never joined: a million ids, all refused before the gather.
+        for k in 0..10 {
+            assert!(raw.forge(port, &open, &report(1, 1, k as u64 + 1, ids(k))).is_err());
+        }
+        // A connection that joined as rank 1 (without a key, taken for it): its million ids reach
+        // rank 0's aggregation, which keeps at most its cap of them.
+        let mut c = raw.connect(port, &open);
+        raw.send(&mut c, &GroupMessage::Join { rank: 1, world_size: 2, epoch: 9 }).unwrap();
+        let mut agg = FinishedAggregator::new(2);
+        for k in 0..10 {
+            raw.send(&mut c, &report(1, 9, k as u64 + 1, ids(k))).unwrap();
+            let got = r0.gather_finished(Finished::default()).unwrap().unwrap();
+            assert!(agg.aggregate(Instant::now(), got).is_empty());
+            assert!(agg.num_partial() <= AggregatorLimits::DEFAULT_MAX_PARTIAL);
+        }
+        let grown = vm_rss().saturating_sub(rss_before);
+        eprintln!("a million forged ids: resident memory grew by {} MiB", grown >> 20);
+        // About 80 MiB here (the reports in flight); 470 MiB with no cap on the partial ids.
+        assert!(grown < 256 << 20, "resident memory grew by {} MiB", grown >> 20);
+        let s = agg.stats();
+        let cap = AggregatorLimits::DEFAULT_MAX_PARTIAL;
+        assert_eq!((s.partial, s.evicted), (cap, 10 * BATCH as u64 - cap as u64), "{s:?}");
+        let g = r0.group_stats().unwrap();
+        assert_eq!((g.refused_not_member, g.reports), (10, 10), "{g:?}");
     }
 }

@@ -34,7 +34,7 @@ pub mod server;
 pub mod session;
 mod side_channel;
 
-pub use group::TcpGroup;
+pub use group::{GroupStats, TcpGroup};
 pub use server::{Caller, Server, ServerStats, Service};
 pub use session::Connection;
 pub use side_channel::{MetadataRequest, SideChannel, max_payload};

@@ -38,7 +38,7 @@ mod peers;
 mod samples;
 mod ttl;
 
-pub use aggregator::FinishedAggregator;
+pub use aggregator::{AggregatorLimits, AggregatorStats, FinishedAggregator};
 pub use samples::{Histogram, Samples};
 
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};

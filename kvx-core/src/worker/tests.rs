@@ -4,7 +4,7 @@ use super::*;
 use crate::auth::Nonce;
 use crate::ids::{AgentName, BlockId, GroupBlocks};
 use crate::memory::HostMemory;
-use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RecvRequest, ReplyTo};
+use crate::meta::{FailedRecv, Heartbeat, HeldRequest, RankReport, RecvRequest, ReplyTo};
 use crate::mock::MockTransferAgent;
 use crate::params::Endpoint;
 use crate::transfer::Capabilities;
@@ -854,12 +854,15 @@ fn rank0_reports_an_id_once_every_rank_has_it() {
             .map(|s| FailedRecv { request_id: RequestId::new(*s), error: link_down() })
             .collect(),
     };
-    let out = agg.aggregate([r(&["a", "b"], &["s"], &[]), r(&["a"], &[], &["b"])]);
+    let now = Instant::now();
+    let ranked =
+        |reports: [Finished; 2]| (0..).zip(reports).map(|(rank, finished)| RankReport { rank, finished });
+    let out = agg.aggregate(now, ranked([r(&["a", "b"], &["s"], &[]), r(&["a"], &[], &["b"])]));
     assert_eq!(out.recving, vec![RequestId::new("a")]);
     assert_eq!(out.failed_recving, vec![FailedRecv { request_id: "b".into(), error: link_down() }]);
     assert!(out.sending.is_empty());
     assert_eq!(agg.num_partial(), 1);
-    let out = agg.aggregate([r(&[], &[], &[]), r(&[], &["s"], &[])]);
+    let out = agg.aggregate(now, ranked([r(&[], &[], &[]), r(&[], &["s"], &[])]));
     assert_eq!(out.sending, vec![RequestId::new("s")]);
     assert_eq!(agg.num_partial(), 0);
 }
@@ -894,8 +897,11 @@ fn an_id_a_report_names_twice_counts_once_for_its_rank() {
         recving: vec![RequestId::new("r"), RequestId::new("r")],
         ..Default::default()
     };
-    assert!(agg.aggregate([twice("s")]).is_empty(), "one rank of two has reported");
-    let out = agg.aggregate([twice("s")]);
+    let now = Instant::now();
+    let rank = |rank| RankReport { rank, finished: twice("s") };
+    assert!(agg.aggregate(now, [rank(0)]).is_empty(), "one rank of two has reported");
+    assert!(agg.aggregate(now, [rank(0)]).is_empty(), "the same rank again");
+    let out = agg.aggregate(now, [rank(1)]);
     assert_eq!((out.sending, out.recving), (vec![RequestId::new("s")], vec![RequestId::new("r")]));
 }
 

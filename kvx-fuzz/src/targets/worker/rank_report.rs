@@ -16,7 +16,8 @@ use crate::targets::fixture::{PREFILL, must};
 pub fn rank_report_aggregate(data: &[u8]) {
     let Ok(report) = wire::decode::<RankReport>(data) else { return };
     let mut aggregator = FinishedAggregator::new(2);
-    let out = aggregator.aggregate([report.finished.clone(), report.finished.clone()]);
+    let ranks = [0, 1].map(|rank| RankReport { rank, finished: report.finished.clone() });
+    let out = aggregator.aggregate(std::time::Instant::now(), ranks);
     let reported: HashSet<&RequestId> = report
         .finished
         .sending
