@@ -256,8 +256,12 @@ impl Shared {
             .timeout(config.request_timeout)
             .build()
             .map_err(|e| Error::new(ErrorKind::Io, format!("router: HTTP client: {e}")))?;
-        let server =
-            Arc::new(ServerState::new(config.limits, config.max_body_bytes, config.request_timeout, &metrics));
+        let server = Arc::new(ServerState::new(
+            config.limits,
+            config.max_body_bytes,
+            config.request_timeout,
+            &metrics,
+        ));
         Ok(Arc::new(Self { config, client, prefill, decode, metrics, server }))
     }
 

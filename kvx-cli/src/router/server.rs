@@ -25,6 +25,7 @@
 //! `kvx_router_connections_dropped_total{reason}`.
 
 use axum::body::Body;
+use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderValue};
@@ -274,7 +275,8 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// What a connection's requests tell its task, which holds its ticket.
 #[derive(Debug)]
 enum Event {
-    /// A request's headers are complete: promote the connection (once) and say how it went.
+    /// A request's headers are complete: the connection reads its body; promote it (the first
+    /// time) and say how it went.
     Headers(oneshot::Sender<Promotion>),
     /// The connection's phase changed.
     Phase(Phase),
@@ -334,6 +336,12 @@ async fn connection(
             }
             Some(event) = inbox.recv() => match event {
                 Event::Headers(reply) => {
+                    if ticket.evicted().now_or_never().is_some() {
+                        state.count(Dropped::Evicted);
+                        return;
+                    }
+                    // Reading from now: its idleness counts from this request, not from its accept.
+                    ticket.set(Phase::Reading);
                     let promotion = ticket.promote();
                     match promotion {
                         Promotion::Established => proven = true,
@@ -378,7 +386,9 @@ impl Refusal {
             Refusal::Dropped(Dropped::BodyBudget) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "too many request bodies are being received")
             }
-            Refusal::Dropped(Dropped::BodyTooLarge) => (StatusCode::PAYLOAD_TOO_LARGE, "request body too large"),
+            Refusal::Dropped(Dropped::BodyTooLarge) => {
+                (StatusCode::PAYLOAD_TOO_LARGE, "request body too large")
+            }
             Refusal::Dropped(Dropped::BodyTimeout) => {
                 (StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time")
             }
@@ -411,7 +421,6 @@ async fn handle(
     if promotion.await != Ok(Promotion::Established) {
         return Ok(Refusal::Dropped(Dropped::Full).response(&events));
     }
-    let _ = events.send(Event::Phase(Phase::Reading));
     let (parts, body) = request.into_parts();
     let (body, charge) = match read_body(body, &parts.headers, &state).await {
         Ok(read) => read,
@@ -436,8 +445,8 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-/// Reads a request's body whole within `body_timeout`, at most `max_body_bytes`, drawing what it
-/// holds beyond [`FREE_BODY_BYTES`] from the shared budget.
+/// Reads a request's body whole within `body_timeout`, at most `max_body_bytes`, drawing what its
+/// buffer allocates beyond [`FREE_BODY_BYTES`] from the shared budget.
 async fn read_body(
     mut body: Incoming,
     headers: &HeaderMap,
@@ -463,9 +472,15 @@ async fn read_body(
         if len > max {
             return Err(Refusal::Dropped(Dropped::BodyTooLarge));
         }
-        let beyond = len.saturating_sub(FREE_BODY_BYTES) - whole.len().saturating_sub(FREE_BODY_BYTES);
-        if !charge.add(beyond) {
-            return Err(Refusal::Dropped(Dropped::BodyBudget));
+        // The budget counts what the buffer allocates, which grows by doubling up to the limit.
+        let held = whole.capacity();
+        if len > held {
+            let grown = len.max(held.saturating_mul(2)).min(max);
+            let beyond = grown.saturating_sub(FREE_BODY_BYTES) - held.saturating_sub(FREE_BODY_BYTES);
+            if !charge.add(beyond) {
+                return Err(Refusal::Dropped(Dropped::BodyBudget));
+            }
+            whole.reserve_exact(grown - whole.len());
         }
         whole.extend_from_slice(&data);
     }

@@ -19,6 +19,8 @@ use tokio::sync::{Mutex, Semaphore, mpsc};
 use super::upstream::Role;
 use super::{Config, Limits, Shared};
 
+mod floods;
+
 const LIMIT: Duration = Duration::from_secs(30);
 
 async fn within<F: Future>(what: &str, f: F) -> F::Output {
@@ -204,7 +206,7 @@ async fn router_with(
         limits,
     };
     let shared = Shared::new(config).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = super::bind("127.0.0.1", 0).await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     serve(listener, &shared, shared.app());
     (shared, url)
