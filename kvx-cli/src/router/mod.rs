@@ -37,6 +37,13 @@
 //! `--request-timeout` (the whole exchange, the streamed answer included), request bodies by
 //! `--max-body-bytes` (413 beyond), prefill and `/v1/models` answers by the same size.
 //!
+//! Its own clients are bounded as well ([`server`]): connection slots are shared out by kvx-core's
+//! admission policy (a newcomer evicts the oldest half-sent or the idlest connection rather than
+//! being refused), new connections must send their first request's headers within
+//! `--header-timeout`, kept-alive ones their next within `--idle-timeout`, bodies must arrive
+//! within `--body-timeout`, connections close after `--max-connection-lifetime`, and all bodies
+//! being buffered share `--max-buffered-body-bytes` (503 beyond).
+//!
 //! `GET /v1/models` is answered by a healthy server (decode first); `GET /health` answers 200 while
 //! at least one prefill and one decode server are healthy, 503 otherwise; `GET /metrics` serves
 //! the router's Prometheus metrics (also on `--metrics-port` when given): requests by route and

@@ -181,7 +181,7 @@ impl Drop for Crowd {
     }
 }
 
-const ZEROS: [u8; 1 << 20] = [0; 1 << 20];
+static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
 
 #[test]
 fn stalled_large_uploads_stay_within_the_body_budget() {
