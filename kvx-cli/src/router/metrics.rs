@@ -40,6 +40,11 @@ pub(crate) struct FailureLabels {
     pub(crate) reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReasonLabels {
+    pub(crate) reason: &'static str,
+}
+
 fn duration_histogram() -> Histogram {
     // 5 ms to about 160 s.
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
@@ -64,6 +69,13 @@ pub(crate) struct Metrics {
     pub(crate) healthy: Family<UpstreamLabels, Gauge>,
     /// Time from a client request's arrival to the last byte of its answer, by route.
     pub(crate) duration: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    /// Client connections dropped or refused by the router's own limits, by reason (see
+    /// `server::Dropped`).
+    pub(crate) connections_dropped: Family<ReasonLabels, Counter>,
+    /// Client connections open now.
+    pub(crate) open_connections: Gauge,
+    /// Bytes of request bodies drawn from the shared body budget now.
+    pub(crate) buffered_body_bytes: Gauge,
 }
 
 impl Metrics {
@@ -76,6 +88,9 @@ impl Metrics {
         let outstanding = Family::default();
         let healthy = Family::default();
         let duration = Family::new_with_constructor(duration_histogram as fn() -> Histogram);
+        let connections_dropped = Family::default();
+        let open_connections = Gauge::default();
+        let buffered_body_bytes = Gauge::default();
         registry.register("requests", "Client requests by route and outcome", requests.clone());
         registry.register("retries", "Attempts on a further server after one failed", retries.clone());
         registry.register(
@@ -100,7 +115,31 @@ impl Metrics {
             prometheus_client::registry::Unit::Seconds,
             duration.clone(),
         );
-        Self { registry, requests, retries, prefill_without_params, failures, outstanding, healthy, duration }
+        registry.register(
+            "connections_dropped",
+            "Client connections dropped or refused by the router's limits, by reason",
+            connections_dropped.clone(),
+        );
+        registry.register("open_connections", "Client connections open now", open_connections.clone());
+        registry.register_with_unit(
+            "buffered_body",
+            "Request body bytes drawn from the shared body budget now",
+            prometheus_client::registry::Unit::Bytes,
+            buffered_body_bytes.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            retries,
+            prefill_without_params,
+            failures,
+            outstanding,
+            healthy,
+            duration,
+            connections_dropped,
+            open_connections,
+            buffered_body_bytes,
+        }
     }
 
     /// The metrics in the OpenMetrics text format.

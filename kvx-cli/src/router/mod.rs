@@ -37,6 +37,13 @@
 //! `--request-timeout` (the whole exchange, the streamed answer included), request bodies by
 //! `--max-body-bytes` (413 beyond), prefill and `/v1/models` answers by the same size.
 //!
+//! Its own clients are bounded as well ([`server`]): connection slots are shared out by kvx-core's
+//! admission policy (a newcomer evicts the oldest half-sent or the idlest connection rather than
+//! being refused), new connections must send their first request's headers within
+//! `--header-timeout`, kept-alive ones their next within `--idle-timeout`, bodies must arrive
+//! within `--body-timeout`, connections close after `--max-connection-lifetime`, and all bodies
+//! being buffered share `--max-buffered-body-bytes` (503 beyond).
+//!
 //! `GET /v1/models` is answered by a healthy server (decode first); `GET /health` answers 200 while
 //! at least one prefill and one decode server are healthy, 503 otherwise; `GET /metrics` serves
 //! the router's Prometheus metrics (also on `--metrics-port` when given): requests by route and
@@ -54,6 +61,7 @@
 
 mod metrics;
 mod proxy;
+mod server;
 #[cfg(test)]
 mod tests;
 mod upstream;
@@ -62,12 +70,13 @@ use clap::Args;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 
 use kvx_core::{Error, ErrorKind, Result};
 
 pub(crate) use proxy::Shared;
+pub(crate) use server::Limits;
 
 /// `kvx router`'s options.
 #[derive(Debug, Args)]
@@ -109,6 +118,38 @@ pub(crate) struct RouterArgs {
     /// Largest request body, and largest prefill or `/v1/models` answer, in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body_bytes: usize,
+    /// Bytes of request bodies buffered at once, all clients together, beyond each body's first
+    /// 64 KiB: a body that finds them spent gets a 503 at once.
+    #[arg(long, default_value_t = 256 << 20)]
+    max_buffered_body_bytes: usize,
+    /// Seconds a request's body may take to arrive after its headers (408 and closed beyond).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    body_timeout: u64,
+    /// Seconds a new connection may take to send its first request's headers.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    header_timeout: u64,
+    /// Seconds a kept-alive connection may wait after an answer for its next request's headers.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout: u64,
+    /// Seconds after which a connection is closed, once its answer in progress is done.
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connection_lifetime: u64,
+    /// Client connections held at once (first request's headers complete); a newcomer evicts the
+    /// idlest one when they are all taken.
+    #[arg(long, default_value_t = 1024, value_parser = at_least_one())]
+    max_connections: usize,
+    /// Client connections held at once from one source (IPv4 address, IPv6 /64).
+    #[arg(long, default_value_t = 512, value_parser = at_least_one())]
+    max_connections_per_source: usize,
+    /// Client connections not done sending their first request's headers; a newcomer evicts the
+    /// oldest one when they are all taken.
+    #[arg(long, default_value_t = 128, value_parser = at_least_one())]
+    max_pending_connections: usize,
+}
+
+/// A count of at least 1.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 /// The router's settings, apart from where it listens.
@@ -123,6 +164,8 @@ pub(crate) struct Config {
     pub(crate) unhealthy_after: u32,
     pub(crate) retries: usize,
     pub(crate) max_body_bytes: usize,
+    /// The client connections' limits.
+    pub(crate) limits: Limits,
 }
 
 impl RouterArgs {
@@ -141,6 +184,16 @@ impl RouterArgs {
             unhealthy_after: self.unhealthy_after,
             retries: self.retries,
             max_body_bytes: self.max_body_bytes,
+            limits: Limits {
+                max_connections: self.max_connections,
+                max_per_source: self.max_connections_per_source,
+                max_pending: self.max_pending_connections,
+                header_timeout: Duration::from_secs(self.header_timeout),
+                idle_timeout: Duration::from_secs(self.idle_timeout),
+                body_timeout: Duration::from_secs(self.body_timeout),
+                max_lifetime: Duration::from_secs(self.max_connection_lifetime),
+                max_buffered_bytes: self.max_buffered_body_bytes,
+            },
         }
     }
 }
@@ -149,23 +202,34 @@ fn io_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Io, format!("router: {what}: {e}"))
 }
 
+/// The listen backlog: connections the kernel completes before the router accepts them. A flood of
+/// connects fills a short one (tokio's is 128), and then the kernel drops a legitimate client's
+/// SYN, which it sends again only a second later. The kernel caps it at `net.core.somaxconn`.
+const BACKLOG: u32 = 4096;
+
 async fn bind(host: &str, port: u16) -> Result<TcpListener> {
-    TcpListener::bind((host, port)).await.map_err(|e| io_error(&format!("cannot listen on {host}:{port}"), e))
+    let what = || format!("cannot listen on {host}:{port}");
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await.map_err(|e| io_error(&what(), e))? {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() };
+        let listener = socket.and_then(|socket| {
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)?;
+            socket.listen(BACKLOG)
+        });
+        match listener {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(match last {
+        Some(e) => io_error(&what(), e),
+        None => io_error(&what(), "no address"),
+    })
 }
 
 fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {
     listener.local_addr().map_err(|e| io_error("listener address", e))
-}
-
-/// Serves `app` on `listener` until `stop` turns true, then lets the requests in flight finish.
-async fn serve(listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>) -> Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            // An error means the sender is gone: stop as well.
-            let _ = stop.wait_for(|stopping| *stopping).await;
-        })
-        .await
-        .map_err(|e| io_error("serving", e))
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -202,8 +266,9 @@ pub(crate) fn run(args: &RouterArgs) -> Result<()> {
         }
         let (stop, stopped) = watch::channel(false);
         let health = tokio::spawn(shared.clone().health_loop());
-        let metrics_server = metrics.map(|l| serve(l, shared.metrics_app(), stopped.clone()));
-        let api_server = serve(api, shared.app(), stopped);
+        let metrics_server =
+            metrics.map(|l| server::serve(l, shared.metrics_app(), shared.server(), stopped.clone()));
+        let api_server = server::serve(api, shared.app(), shared.server(), stopped);
         let servers = async {
             match metrics_server {
                 Some(metrics_server) => tokio::try_join!(api_server, metrics_server).map(|_| ()),

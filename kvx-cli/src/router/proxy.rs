@@ -16,6 +16,7 @@ use kvx_core::{Error, ErrorKind, Result};
 
 use super::Config;
 use super::metrics::{self, Metrics, RequestLabels, RoleLabels, Timer};
+use super::server::ServerState;
 use super::upstream::{Failure, Lease, Pool, Role};
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -241,6 +242,7 @@ pub(crate) struct Shared {
     pub(crate) prefill: Arc<Pool>,
     pub(crate) decode: Arc<Pool>,
     metrics: Metrics,
+    server: Arc<ServerState>,
 }
 
 impl Shared {
@@ -254,7 +256,18 @@ impl Shared {
             .timeout(config.request_timeout)
             .build()
             .map_err(|e| Error::new(ErrorKind::Io, format!("router: HTTP client: {e}")))?;
-        Ok(Arc::new(Self { config, client, prefill, decode, metrics }))
+        let server = Arc::new(ServerState::new(
+            config.limits,
+            config.max_body_bytes,
+            config.request_timeout,
+            &metrics,
+        ));
+        Ok(Arc::new(Self { config, client, prefill, decode, metrics, server }))
+    }
+
+    /// What the router's servers (the API's and `--metrics-port`'s) share: limits, body budget.
+    pub(crate) fn server(&self) -> Arc<ServerState> {
+        self.server.clone()
     }
 
     /// The API: completions, models, health and metrics.

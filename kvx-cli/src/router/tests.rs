@@ -17,7 +17,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{Mutex, Semaphore, mpsc};
 
 use super::upstream::Role;
-use super::{Config, Shared};
+use super::{Config, Limits, Shared};
+
+mod floods;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -181,6 +183,16 @@ async fn closed_port() -> u16 {
 /// The router in front of `prefill` and `decode`, on 127.0.0.1:0; its health loop does not run
 /// (the tests check health when they mean to).
 async fn router(prefill: &[&str], decode: &[&str]) -> (Arc<Shared>, String) {
+    router_with(prefill, decode, Limits::default(), 1 << 20).await
+}
+
+/// [`router`] with `limits` and `max_body_bytes`.
+async fn router_with(
+    prefill: &[&str],
+    decode: &[&str],
+    limits: Limits,
+    max_body_bytes: usize,
+) -> (Arc<Shared>, String) {
     let config = Config {
         prefill: prefill.iter().map(|s| s.to_string()).collect(),
         decode: decode.iter().map(|s| s.to_string()).collect(),
@@ -190,14 +202,25 @@ async fn router(prefill: &[&str], decode: &[&str]) -> (Arc<Shared>, String) {
         health_timeout: LIMIT,
         unhealthy_after: 3,
         retries: 2,
-        max_body_bytes: 1 << 20,
+        max_body_bytes,
+        limits,
     };
     let shared = Shared::new(config).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = super::bind("127.0.0.1", 0).await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = shared.app();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    serve(listener, &shared, shared.app());
     (shared, url)
+}
+
+/// Serves `app` on `listener` with the router's server until the test's runtime ends.
+fn serve(listener: TcpListener, shared: &Shared, app: axum::Router) {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let server = super::server::serve(listener, app, shared.server(), stopped);
+    // The sender lives as long as the server: it is never told to stop.
+    tokio::spawn(async move {
+        let _stop = stop;
+        server.await
+    });
 }
 
 fn client() -> reqwest::Client {
@@ -609,8 +632,7 @@ async fn the_metrics_port_serves_the_same_metrics() {
     assert_eq!(complete(&url, json!({"model": "m", "prompt": "hi"})).await.status(), 200);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics_url = format!("http://{}", listener.local_addr().unwrap());
-    let app = router.metrics_app();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    serve(listener, &router, router.metrics_app());
     let text = metrics(&metrics_url).await;
     assert_eq!(metric(&text, r#"kvx_router_requests_total{route="completions",outcome="ok"}"#), 1.0);
     let outstanding = format!(r#"kvx_router_upstream_outstanding{{role="decode",upstream="{}"}}"#, d.url);
