@@ -228,7 +228,7 @@ fn group_under_floods(keyed: bool) {
         let deadline = started + Duration::from_secs(30);
         while Instant::now() < deadline {
             let gathered = r0.gather_finished(Finished::default()).map_err(|e| e.to_string())?.unwrap();
-            if gathered.iter().any(|f| f.sending.contains(&id)) {
+            if gathered.iter().any(|r| r.finished.sending.contains(&id)) {
                 return Ok(());
             }
         }

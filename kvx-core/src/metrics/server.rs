@@ -30,7 +30,7 @@ use crate::net::admission::{Budgets, Gate, Phase, Promotion, Ticket};
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The connection budgets: a few scrapers, each from its own address.
-pub const BUDGETS: Budgets = Budgets { max_pending: 32, max_connections: 16, max_per_source: 8 };
+pub(super) const BUDGETS: Budgets = Budgets { max_pending: 32, max_connections: 16, max_per_source: 8 };
 /// A request's headers must arrive within this.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// A connection (kept alive across requests) is closed after this, gracefully.
