@@ -740,7 +740,7 @@ fn a_forged_or_replayed_release_frees_no_hold() {
 
 #[test]
 fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
-    let config = WorkerConfig { max_early_releases: 64, ..config(0) };
+    let config = WorkerConfig { early_releases_per_sender: 64, ..config(0) };
     let (mut w, queue) = prefill_worker(config);
     let now = Instant::now();
     w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["real"]), ..Default::default() });
@@ -748,7 +748,7 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
         let flood: Vec<_> = (0..1000).map(|i| notif(&release(&format!("ghost-{round}-{i}")))).collect();
         queue.lock().unwrap().extend(flood);
         assert!(w.get_finished(now).is_empty());
-        assert!(w.holds.early_len() <= 64);
+        assert!(w.holds.early_len().0 <= 64);
     }
     assert_eq!(w.stats().stray_notifications, 20_000 - 64);
     // The real release still finds its hold, and the rest expire.
@@ -756,7 +756,37 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
     assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
     assert!(w.next_deadline().is_some());
     w.get_finished(now + w.config().early_release_ttl);
-    assert_eq!((w.holds.early_len(), w.stats().stray_notifications), (0, 20_000));
+    assert_eq!((w.holds.early_len(), w.stats().stray_notifications), ((0, 0), 20_000));
+    assert_eq!(w.stats().early_notifications_dropped, 20_000 - 64, "expired releases were not dropped");
+}
+
+#[test]
+fn a_flooding_sender_pushes_out_only_its_own_early_releases() {
+    let (mut w, inbox, sent) = answering_prefill(config(0));
+    let now = Instant::now();
+    let cap = w.config().early_releases_per_sender as u64;
+    // The decode worker's READ finished before the prefill worker saw the hold: its release,
+    // asking for an answer, comes early; then another sender floods releases for holds that
+    // never come.
+    let from = |agent: &str, n: Notification| Notification { from: agent.into(), ..n };
+    inbox.lock().unwrap().push(from("decode-agent", release_asking("real", 7)));
+    for chunk in 0..100 {
+        let flood = (0..1000).map(|i| from("mallory", notif(&release(&format!("ghost-{chunk}-{i}")))));
+        inbox.lock().unwrap().extend(flood);
+        assert!(w.get_finished(now).is_empty());
+        assert!(w.holds.early_len().0 <= cap + 1, "{:?}", w.holds.early_len());
+    }
+    assert_eq!(w.holds.early_len(), (cap + 1, 2), "the flood at its cap, the real release kept");
+    assert_eq!(w.stats().early_notifications_dropped, 100_000 - cap);
+    // The hold comes: the real release frees it and is answered "held", so its load completes.
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["real"]), ..Default::default() });
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
+    assert!(
+        matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(l)) if l.engine_id.as_str() == "decode")
+    );
+    w.handle_handshake(now, &"decode".into(), 0, Ok(decode_payload(7)));
+    assert_eq!(answers(&sent), [("real".to_owned(), true)]);
+    assert_eq!(w.holds.early_len(), (cap, 1));
 }
 
 #[test]
