@@ -796,25 +796,43 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
         r.mac = Some(r.offer().unwrap().tag(&key));
         r
     };
+    // An offer that names every field the MAC covers: what a prefill engine of 2 ranks, at its
+    // instance 1, hands out.
+    let offer = || {
+        signed(RecvRequest {
+            remote_instance: Some(crate::auth::HexBytes(1u64.to_le_bytes())),
+            remote_tp_size: Some(2),
+            ..recv("a", vec![1], vec![2, 3])
+        })
+    };
+    // Every field of the offer that steers the connection or what is read, edited after signing.
+    let edited = |edit: &dyn Fn(&mut RecvRequest)| {
+        let mut r = offer();
+        edit(&mut r);
+        r
+    };
     let cases = [
-        ("unsigned", recv("a", vec![1], vec![1])),
+        ("unsigned", RecvRequest { mac: None, ..offer() }),
         ("signed by another key", {
-            let mut r = recv("a", vec![1], vec![1]);
+            let mut r = offer();
             r.mac = Some(r.offer().unwrap().tag(&AuthKey::new("some other deployment").unwrap()));
             r
         }),
-        (
-            "another request's blocks",
-            RecvRequest { remote_block_ids: at(0, vec![5]), ..signed(recv("a", vec![1], vec![1])) },
-        ),
-        (
-            "another request's id",
-            RecvRequest { remote_request_id: Some("b".into()), ..signed(recv("a", vec![1], vec![1])) },
-        ),
-        ("another host", {
-            let r = signed(recv("a", vec![1], vec![1]));
-            RecvRequest { remote: RemoteCoordinates::at(r.remote.engine_id.clone(), "evil", 5600), ..r }
+        ("another engine", edited(&|r| r.remote.engine_id = "prefill-2".into())),
+        ("another host", edited(&|r| r.remote.endpoint = Some(Endpoint::new("evil", 5600)))),
+        ("another port", edited(&|r| r.remote.endpoint = Some(Endpoint::new("h", 5601)))),
+        ("found by id instead", edited(&|r| r.remote.endpoint = None)),
+        ("another TP size", edited(&|r| r.remote_tp_size = Some(4))),
+        ("no TP size", edited(&|r| r.remote_tp_size = None)),
+        ("another request's id", edited(&|r| r.remote_request_id = Some("b".into()))),
+        ("another request's blocks", edited(&|r| r.remote_block_ids = at(0, vec![5, 3]))),
+        ("the blocks at other positions", edited(&|r| r.remote_block_ids = at(1, vec![2, 3]))),
+        ("the blocks split into two groups", {
+            edited(&|r| r.remote_block_ids = vec![GroupBlocks::whole(vec![2]), GroupBlocks::whole(vec![3])])
         }),
+        ("another nonce", edited(&|r| r.nonce = Some(nonce_of("b")))),
+        ("another instance", edited(&|r| r.remote_instance = Some(crate::auth::HexBytes([2; 8])))),
+        ("no instance", edited(&|r| r.remote_instance = None)),
         ("notify-only, unsigned", recv("n", vec![], vec![1])),
     ];
     for (what, req) in cases {
@@ -832,12 +850,13 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
             "{what}: {}",
             f.failed_recving[0].error
         );
+        assert_eq!((w.poll_command(), posts.lock().unwrap().len()), (None, 0), "{what}: nothing sent");
     }
     let posts = Arc::new(Mutex::new(vec![]));
     let config = WorkerConfig { auth_key: Some(key.clone()), ..config(0) };
     let mut w = ConnectorWorker::new(config, Arc::new(agent(posts.clone(), |_| {}))).unwrap();
     w.register_kv_caches(&caches(&[None, None])).unwrap();
-    start_and_handshake(&mut w, Instant::now(), vec![signed(recv("a", vec![1], vec![2, 3]))]);
+    start_and_handshake(&mut w, Instant::now(), vec![offer()]);
     assert_eq!(posts.lock().unwrap().len(), 1, "a signed offer is read");
 }
 
