@@ -98,6 +98,7 @@ impl RecvRequest {
             groups: &self.remote_block_ids,
             nonce: self.nonce.as_ref()?,
             instance: self.remote_instance.as_ref(),
+            tp_size: self.remote_tp_size,
         })
     }
 }

@@ -49,7 +49,7 @@ pub struct TransferParams {
     pub remote_port: Option<u16>,
     /// The prefill engine's tensor-parallel size (vLLM's key). A decode engine of another size
     /// reads each rank's heads from the prefill ranks that hold them; absent: the decode
-    /// engine's own size. Checked against the prefill workers' handshakes.
+    /// engine's own size. Checked against the prefill workers' handshakes; under the offer's MAC.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_size: Option<u32>,
     /// kvx: the nonce of the prefill engine's hold. The notification that frees the hold must
@@ -231,8 +231,12 @@ impl TransferParams {
 }
 
 /// What a prefill engine offers a decode engine for one held request: what the MAC in
-/// [`TransferParams::kvx_offer_mac`] covers. Every field is length-prefixed in the MAC, so no two
-/// different offers share a tag.
+/// [`TransferParams::kvx_offer_mac`] covers. That is every field of the params that steers the
+/// decode engine's connection or what it reads: the engine, its side channel's host and port,
+/// its tensor-parallel size (which prefill ranks, so which ports, are handshaken), the request
+/// id, every group's first position and block ids, the hold's nonce and the engine's instance.
+/// The MAC's input starts with the layout's version ([`OFFER_VERSION`]), then every field, each
+/// length-prefixed (an absent one empty), so no two different offers share a tag.
 #[derive(Debug, Clone, Copy)]
 pub struct Offer<'a> {
     /// The prefill engine and its side channel.
@@ -245,7 +249,12 @@ pub struct Offer<'a> {
     pub nonce: &'a Nonce,
     /// The prefill engine's instance, when it names one.
     pub instance: Option<&'a InstanceId>,
+    /// The prefill engine's tensor-parallel size, when it names one (`tp_size`).
+    pub tp_size: Option<u32>,
 }
+
+/// The first part of an offer's MAC input: the version of the layout of the parts after it.
+pub const OFFER_VERSION: &[u8] = b"offer/2";
 
 impl Offer<'_> {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
@@ -261,23 +270,25 @@ impl Offer<'_> {
                     .flat_map(u32::to_le_bytes)
             })
             .collect();
-        // Without an endpoint, an empty host and an empty port: no 2-byte port is empty.
+        // Without an endpoint, an empty host and an empty port: no 2-byte port is empty. So are
+        // an absent instance (8 bytes) and TP size (4 bytes).
         let (host, port) = match &self.remote.endpoint {
             Some(e) => (e.host.as_bytes(), e.port.to_le_bytes().to_vec()),
             None => (&[][..], Vec::new()),
         };
-        let mut parts: Vec<&[u8]> = vec![
+        let instance = self.instance.map_or(&[][..], |i| i.as_bytes());
+        let tp_size = self.tp_size.map(u32::to_le_bytes);
+        f(&[
+            OFFER_VERSION,
             self.remote.engine_id.as_str().as_bytes(),
             host,
             &port,
             self.request_id.as_str().as_bytes(),
             &blocks,
             self.nonce.as_bytes(),
-        ];
-        if let Some(instance) = self.instance {
-            parts.push(instance.as_bytes());
-        }
-        f(&parts)
+            instance,
+            tp_size.as_ref().map_or(&[][..], |t| t.as_slice()),
+        ])
     }
 
     /// The offer's MAC under `key`.
@@ -499,8 +510,15 @@ mod tests {
         let remote = RemoteCoordinates::at("p", "h", 5600);
         let (id, nonce) = (RequestId::new("r1"), Nonce::parse(&"ab".repeat(16)).unwrap());
         let groups = [GroupBlocks::whole(vec![1, 2])];
-        let offer =
-            Offer { remote: &remote, request_id: &id, groups: &groups, nonce: &nonce, instance: None };
+        let instance = InstanceId::parse("0102030405060708").unwrap();
+        let offer = Offer {
+            remote: &remote,
+            request_id: &id,
+            groups: &groups,
+            nonce: &nonce,
+            instance: Some(&instance),
+            tp_size: Some(2),
+        };
         let mac = offer.tag(&key);
         offer.verify(&key, Some(&mac)).unwrap();
         let other_id = RequestId::new("r2");
@@ -508,6 +526,7 @@ mod tests {
         let by_id = RemoteCoordinates::by_id("p");
         let empty_host = RemoteCoordinates::at("p", "", 5600);
         let other_nonce = Nonce::parse(&"cd".repeat(16)).unwrap();
+        let other_instance = InstanceId::parse("0102030405060709").unwrap();
         for changed in [
             Offer { request_id: &other_id, ..offer },
             Offer { groups: &[GroupBlocks::whole(vec![1, 3])], ..offer },
@@ -519,6 +538,10 @@ mod tests {
             Offer { remote: &by_id, ..offer },
             Offer { remote: &empty_host, ..offer },
             Offer { nonce: &other_nonce, ..offer },
+            Offer { instance: Some(&other_instance), ..offer },
+            Offer { instance: None, ..offer },
+            Offer { tp_size: Some(4), ..offer },
+            Offer { tp_size: None, ..offer },
         ] {
             assert_eq!(changed.verify(&key, Some(&mac)).unwrap_err().kind(), ErrorKind::Unauthenticated);
         }

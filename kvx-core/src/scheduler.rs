@@ -235,6 +235,7 @@ impl ConnectorScheduler {
             groups: &groups,
             nonce: &nonce,
             instance: params.kvx_instance.as_ref(),
+            tp_size: params.tp_size,
         };
         offer.check(self.config.auth_key.as_ref(), params.kvx_offer_mac.as_ref()).ok()?;
         Some((remote, params.tp_size, HeldRequest { request_id, nonce }))
@@ -574,12 +575,14 @@ impl ConnectorScheduler {
             endpoint: self.config.side_channel.clone(),
         };
         let instance = self.config.instance.map(|i| crate::auth::HexBytes(i.to_le_bytes()));
+        let tp_size = Some(self.config.tp_size);
         let offer = Offer {
             remote: &remote,
             request_id,
             groups: &computed,
             nonce: &nonce,
             instance: instance.as_ref(),
+            tp_size,
         };
         let kvx_offer_mac = self.config.auth_key.as_ref().map(|key| offer.tag(key));
         let mut params = TransferParams::for_decode(computed, remote);
@@ -587,7 +590,7 @@ impl ConnectorScheduler {
         params.kvx_hold_nonce = Some(nonce);
         params.kvx_offer_mac = kvx_offer_mac;
         params.kvx_instance = instance;
-        params.tp_size = Some(self.config.tp_size);
+        params.tp_size = tp_size;
         FinishOutcome { delay_free, params: Some(params) }
     }
 
@@ -1029,6 +1032,8 @@ mod tests {
         let mut forged = r.clone();
         forged.remote_block_ids[0].ids[2] = 3;
         assert!(forged.offer().unwrap().verify(&key, forged.mac.as_ref()).is_err());
+        let other_tp = RecvRequest { remote_tp_size: Some(2), ..r };
+        assert!(other_tp.offer().unwrap().verify(&key, other_tp.mac.as_ref()).is_err(), "tp_size is covered");
     }
 
     #[test]
@@ -1098,14 +1103,18 @@ mod tests {
         let good = offered(&mut prefill, "p1");
         let mut forged = good.clone();
         forged.remote_host = Some("evil".into());
+        // Another TP size would renew other prefill ranks (other ports).
+        let other_tp = TransferParams { tp_size: Some(4), ..good.clone() };
         let mut s = keyed(sched().config).unwrap();
         s.on_new_request(&id("good"), Some(&good));
         s.on_new_request(&id("forged"), Some(&forged));
+        s.on_new_request(&id("other-tp"), Some(&other_tp));
         let t0 = Instant::now();
         s.build_connector_meta(t0);
         let beats = s.build_connector_meta(t0 + Duration::from_secs(5)).heartbeats;
         assert_eq!(beats.len(), 1);
         assert_eq!(beats[0].remote, RemoteCoordinates::at("prefill", "10.0.0.1", 5600));
+        assert_eq!((beats[0].remote_tp_size, beats[0].holds.len()), (Some(1), 1));
     }
 
     #[test]

@@ -497,6 +497,7 @@ impl Worker {
                 ("renewals_sent", st.renewals_sent),
                 ("notifications", st.notifications),
                 ("early_notifications", st.early_notifications),
+                ("early_notifications_dropped", st.early_notifications_dropped),
                 ("stray_notifications", st.stray_notifications),
                 ("rejected_notifications", st.rejected_notifications),
                 ("leases_renewed", st.leases_renewed),

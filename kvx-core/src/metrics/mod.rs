@@ -50,7 +50,7 @@ struct CounterDef {
     read: fn(&WorkerStats) -> u64,
 }
 
-const COUNTERS: [CounterDef; 17] = [
+const COUNTERS: [CounterDef; 18] = [
     CounterDef {
         name: "reads_posted",
         help: "READs posted to the transfer agent",
@@ -135,6 +135,12 @@ const COUNTERS: [CounterDef; 17] = [
         help: "Prefill side: releases that came before their hold",
         unit: None,
         read: |s| s.early_notifications,
+    },
+    CounterDef {
+        name: "notifications_early_dropped",
+        help: "Prefill side: releases that came before their hold and were dropped to keep the early releases bounded",
+        unit: None,
+        read: |s| s.early_notifications_dropped,
     },
     CounterDef {
         name: "notifications_stray",

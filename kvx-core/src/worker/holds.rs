@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::deadlines::Deadlines;
+use super::early::{Early, EarlyReleases};
 use super::ttl::{Key, TtlMap};
 use super::{ConnectorWorker, WorkerConfig, WorkerStats};
 use crate::auth::Nonce;
@@ -17,11 +18,6 @@ use crate::ids::{AgentName, RequestId};
 use crate::meta::{HeldRequest, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
 use crate::params::MAX_ID_LEN;
 use crate::tp::MAX_TP;
-
-/// At most this many releases of one hold are kept before the hold comes (the readers of one
-/// prefill rank: a decode engine up to this many times wider). All holds together keep at most
-/// `max_early_releases` releases.
-const MAX_EARLY_READERS: usize = 32;
 use crate::wire;
 
 #[derive(Debug)]
@@ -33,14 +29,6 @@ struct Hold {
     released: Vec<u32>,
 }
 
-/// A release that came before its hold: its reader, readers and whom to answer.
-#[derive(Debug)]
-struct Early {
-    reader: u32,
-    readers: u32,
-    reply_to: Option<ReplyTo>,
-}
-
 /// Held requests, releases that came before their hold, and holds that ended recently.
 #[derive(Debug)]
 pub(super) struct Holds {
@@ -48,9 +36,8 @@ pub(super) struct Holds {
     live: HashMap<RequestId, Hold>,
     /// When the live holds' leases run out.
     due: Deadlines<RequestId>,
-    /// Releases that arrived before their hold (at most `MAX_EARLY_READERS` a hold, at most
-    /// `max_early_releases` in all).
-    early: TtlMap<Vec<Early>>,
+    /// Releases that arrived before their hold, per sender.
+    early: EarlyReleases,
     /// Holds released or expired, and whether a "not held" answer went out for them: a late
     /// release is answered "not held" at once, once (whoever asks, whichever reader it names, so
     /// that replays and forged reader numbers cost no more handshakes; another late reader of
@@ -64,11 +51,12 @@ impl Holds {
             lease: config.lease_duration,
             live: HashMap::new(),
             due: Deadlines::default(),
-            early: TtlMap::weighted(config.max_early_releases, config.early_release_ttl, |e| e.len() as u64),
-            // Kept at least as long as an early release: a release that comes later than that is
-            // kept as early and never answered (the decode worker waits out its confirmation).
+            early: EarlyReleases::new(config),
+            // As many as early releases in all, kept at least as long as an early release: a
+            // release that comes later than that is kept as early and never answered (the decode
+            // worker waits out its confirmation).
             ended: TtlMap::new(
-                config.max_early_releases,
+                config.early_releases_per_sender.saturating_mul(config.max_early_senders),
                 config.lease_duration.max(config.early_release_ttl),
             ),
         }
@@ -86,8 +74,9 @@ impl Holds {
         self.live.values().map(|h| h.until).chain(self.early.next_deadline()).min()
     }
 
+    /// The early releases kept, and from how many senders.
     #[cfg(test)]
-    pub(super) fn early_len(&self) -> usize {
+    pub(super) fn early_len(&self) -> (u64, usize) {
         self.early.len()
     }
 
@@ -105,7 +94,7 @@ impl ConnectorWorker {
             Hold { until: now + self.holds.lease, nonce: held.nonce, readers: None, released: Vec::new() };
         self.holds.due.push(hold.until, held.request_id.clone());
         self.holds.live.insert(held.request_id.clone(), hold);
-        for early in self.holds.early.take(&key).unwrap_or_default() {
+        for early in self.holds.early.take(&key) {
             if self.holds.live.contains_key(&key.0) {
                 self.release_live(now, &key, early.reader, early.readers, early.reply_to);
             } else {
@@ -182,22 +171,9 @@ impl ConnectorWorker {
             None => {
                 self.stats.early_notifications += 1;
                 let early = Early { reader, readers, reply_to: release.reply_to };
-                if !self.holds.early.contains(&key) {
-                    self.stats.stray_notifications += self.holds.early.insert(now, key, vec![early]);
-                    return;
-                }
-                // A reader's second early release replaces its first (the first counts as
-                // stray), as does one past `MAX_EARLY_READERS` (itself stray).
-                let mut stray = 1;
-                let pushed_out = self.holds.early.update(&key, |list| {
-                    if let Some(e) = list.iter_mut().find(|e| e.reader == reader) {
-                        *e = early;
-                    } else if list.len() < MAX_EARLY_READERS {
-                        list.push(early);
-                        stray = 0;
-                    }
-                });
-                self.stats.stray_notifications += stray + pushed_out;
+                let kept = self.holds.early.insert(now, from, key, early);
+                self.stats.stray_notifications += kept.stray;
+                self.stats.early_notifications_dropped += kept.dropped;
             }
         }
     }

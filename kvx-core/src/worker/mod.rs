@@ -32,6 +32,7 @@ use crate::wire::{self, HandshakePayload, MessageKind};
 mod aggregator;
 mod close;
 mod deadlines;
+mod early;
 mod holds;
 mod loads;
 mod peers;
@@ -80,9 +81,15 @@ pub struct WorkerConfig {
     /// Decode side: how long to wait, after a READ completed, for the prefill engine's answer
     /// whether its hold was still alive. Without the answer the load fails.
     pub confirm_timeout: Duration,
-    /// Prefill side: at most this many releases that name no hold yet, and as many ended holds,
-    /// are remembered (the oldest go first).
-    pub max_early_releases: usize,
+    /// Prefill side: at most this many releases that name no hold yet are kept for each sender
+    /// (the agent the transport names as the notification's sender), its oldest pushed out first,
+    /// so one sender's flood pushes out only its own releases.
+    pub early_releases_per_sender: usize,
+    /// Prefill side: releases that name no hold yet are kept for at most this many senders; a new
+    /// sender evicts the sender that holds the most (of those, the one heard from least recently).
+    /// In all at most `early_releases_per_sender * max_early_senders` releases are kept, and as
+    /// many ended holds (to answer a late release "not held").
+    pub max_early_senders: usize,
     /// Prefill side: how long a release that names no hold yet is kept.
     pub early_release_ttl: Duration,
     /// The deployment's shared key. Decode side: params whose offer MAC does not verify under it
@@ -96,8 +103,8 @@ pub struct WorkerConfig {
 
 impl WorkerConfig {
     /// A configuration with the usual timeouts (5 s handshake, 30 s lease, 60 s transfer, 10 s
-    /// confirmation, early releases kept 30 s, at most 4096 of them), no side channel and no
-    /// key.
+    /// confirmation, early releases kept 30 s, at most 512 of each of at most 64 senders), no side
+    /// channel and no key.
     pub fn new(engine_id: EngineId, rank: u32, world_size: u32, block_size: u32) -> Self {
         WorkerConfig {
             engine_id,
@@ -111,7 +118,8 @@ impl WorkerConfig {
             lease_duration: Duration::from_secs(30),
             transfer_timeout: Duration::from_secs(60),
             confirm_timeout: Duration::from_secs(10),
-            max_early_releases: 4096,
+            early_releases_per_sender: 512,
+            max_early_senders: 64,
             early_release_ttl: Duration::from_secs(30),
             auth_key: None,
             instance: None,
@@ -179,6 +187,10 @@ pub struct WorkerStats {
     pub notifications: u64,
     /// Prefill side: releases that came before their hold (kept until it comes or they expire).
     pub early_notifications: u64,
+    /// Prefill side: releases that came before their hold and were dropped before it came to keep
+    /// what is kept bounded (pushed out of their sender's budget, with an evicted sender, or past
+    /// the readers of one hold). Each is also counted in `stray_notifications`.
+    pub early_notifications_dropped: u64,
     /// Notifications that did not decode, were duplicated, or never matched a hold or a load
     /// (expired or pushed out of a buffer).
     pub stray_notifications: u64,

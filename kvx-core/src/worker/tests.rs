@@ -740,7 +740,7 @@ fn a_forged_or_replayed_release_frees_no_hold() {
 
 #[test]
 fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
-    let config = WorkerConfig { max_early_releases: 64, ..config(0) };
+    let config = WorkerConfig { early_releases_per_sender: 64, ..config(0) };
     let (mut w, queue) = prefill_worker(config);
     let now = Instant::now();
     w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["real"]), ..Default::default() });
@@ -748,7 +748,7 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
         let flood: Vec<_> = (0..1000).map(|i| notif(&release(&format!("ghost-{round}-{i}")))).collect();
         queue.lock().unwrap().extend(flood);
         assert!(w.get_finished(now).is_empty());
-        assert!(w.holds.early_len() <= 64);
+        assert!(w.holds.early_len().0 <= 64);
     }
     assert_eq!(w.stats().stray_notifications, 20_000 - 64);
     // The real release still finds its hold, and the rest expire.
@@ -756,7 +756,37 @@ fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
     assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
     assert!(w.next_deadline().is_some());
     w.get_finished(now + w.config().early_release_ttl);
-    assert_eq!((w.holds.early_len(), w.stats().stray_notifications), (0, 20_000));
+    assert_eq!((w.holds.early_len(), w.stats().stray_notifications), ((0, 0), 20_000));
+    assert_eq!(w.stats().early_notifications_dropped, 20_000 - 64, "expired releases were not dropped");
+}
+
+#[test]
+fn a_flooding_sender_pushes_out_only_its_own_early_releases() {
+    let (mut w, inbox, sent) = answering_prefill(config(0));
+    let now = Instant::now();
+    let cap = w.config().early_releases_per_sender as u64;
+    // The decode worker's READ finished before the prefill worker saw the hold: its release,
+    // asking for an answer, comes early; then another sender floods releases for holds that
+    // never come.
+    let from = |agent: &str, n: Notification| Notification { from: agent.into(), ..n };
+    inbox.lock().unwrap().push(from("decode-agent", release_asking("real", 7)));
+    for chunk in 0..100 {
+        let flood = (0..1000).map(|i| from("mallory", notif(&release(&format!("ghost-{chunk}-{i}")))));
+        inbox.lock().unwrap().extend(flood);
+        assert!(w.get_finished(now).is_empty());
+        assert!(w.holds.early_len().0 <= cap + 1, "{:?}", w.holds.early_len());
+    }
+    assert_eq!(w.holds.early_len(), (cap + 1, 2), "the flood at its cap, the real release kept");
+    assert_eq!(w.stats().early_notifications_dropped, 100_000 - cap);
+    // The hold comes: the real release frees it and is answered "held", so its load completes.
+    w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["real"]), ..Default::default() });
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("real")]);
+    assert!(
+        matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(l)) if l.engine_id.as_str() == "decode")
+    );
+    w.handle_handshake(now, &"decode".into(), 0, Ok(decode_payload(7)));
+    assert_eq!(answers(&sent), [("real".to_owned(), true)]);
+    assert_eq!(w.holds.early_len(), (cap, 1));
 }
 
 #[test]
@@ -766,25 +796,43 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
         r.mac = Some(r.offer().unwrap().tag(&key));
         r
     };
+    // An offer that names every field the MAC covers: what a prefill engine of 2 ranks, at its
+    // instance 1, hands out.
+    let offer = || {
+        signed(RecvRequest {
+            remote_instance: Some(crate::auth::HexBytes(1u64.to_le_bytes())),
+            remote_tp_size: Some(2),
+            ..recv("a", vec![1], vec![2, 3])
+        })
+    };
+    // Every field of the offer that steers the connection or what is read, edited after signing.
+    let edited = |edit: &dyn Fn(&mut RecvRequest)| {
+        let mut r = offer();
+        edit(&mut r);
+        r
+    };
     let cases = [
-        ("unsigned", recv("a", vec![1], vec![1])),
+        ("unsigned", RecvRequest { mac: None, ..offer() }),
         ("signed by another key", {
-            let mut r = recv("a", vec![1], vec![1]);
+            let mut r = offer();
             r.mac = Some(r.offer().unwrap().tag(&AuthKey::new("some other deployment").unwrap()));
             r
         }),
-        (
-            "another request's blocks",
-            RecvRequest { remote_block_ids: at(0, vec![5]), ..signed(recv("a", vec![1], vec![1])) },
-        ),
-        (
-            "another request's id",
-            RecvRequest { remote_request_id: Some("b".into()), ..signed(recv("a", vec![1], vec![1])) },
-        ),
-        ("another host", {
-            let r = signed(recv("a", vec![1], vec![1]));
-            RecvRequest { remote: RemoteCoordinates::at(r.remote.engine_id.clone(), "evil", 5600), ..r }
+        ("another engine", edited(&|r| r.remote.engine_id = "prefill-2".into())),
+        ("another host", edited(&|r| r.remote.endpoint = Some(Endpoint::new("evil", 5600)))),
+        ("another port", edited(&|r| r.remote.endpoint = Some(Endpoint::new("h", 5601)))),
+        ("found by id instead", edited(&|r| r.remote.endpoint = None)),
+        ("another TP size", edited(&|r| r.remote_tp_size = Some(4))),
+        ("no TP size", edited(&|r| r.remote_tp_size = None)),
+        ("another request's id", edited(&|r| r.remote_request_id = Some("b".into()))),
+        ("another request's blocks", edited(&|r| r.remote_block_ids = at(0, vec![5, 3]))),
+        ("the blocks at other positions", edited(&|r| r.remote_block_ids = at(1, vec![2, 3]))),
+        ("the blocks split into two groups", {
+            edited(&|r| r.remote_block_ids = vec![GroupBlocks::whole(vec![2]), GroupBlocks::whole(vec![3])])
         }),
+        ("another nonce", edited(&|r| r.nonce = Some(nonce_of("b")))),
+        ("another instance", edited(&|r| r.remote_instance = Some(crate::auth::HexBytes([2; 8])))),
+        ("no instance", edited(&|r| r.remote_instance = None)),
         ("notify-only, unsigned", recv("n", vec![], vec![1])),
     ];
     for (what, req) in cases {
@@ -802,12 +850,13 @@ fn with_a_key_only_signed_offers_are_read_and_nothing_else_touches_the_network()
             "{what}: {}",
             f.failed_recving[0].error
         );
+        assert_eq!((w.poll_command(), posts.lock().unwrap().len()), (None, 0), "{what}: nothing sent");
     }
     let posts = Arc::new(Mutex::new(vec![]));
     let config = WorkerConfig { auth_key: Some(key.clone()), ..config(0) };
     let mut w = ConnectorWorker::new(config, Arc::new(agent(posts.clone(), |_| {}))).unwrap();
     w.register_kv_caches(&caches(&[None, None])).unwrap();
-    start_and_handshake(&mut w, Instant::now(), vec![signed(recv("a", vec![1], vec![2, 3]))]);
+    start_and_handshake(&mut w, Instant::now(), vec![offer()]);
     assert_eq!(posts.lock().unwrap().len(), 1, "a signed offer is read");
 }
 

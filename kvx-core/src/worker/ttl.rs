@@ -1,13 +1,11 @@
 //! A bounded map whose entries expire: the prefill worker's memory of releases and holds.
 //!
-//! - Early releases: a decode worker may finish its READ before the prefill worker has seen the
-//!   hold in its metadata, so a release that names no hold yet is kept until the hold arrives.
+//! - Early releases: each sender's releases that name no hold yet (see `early`).
 //! - Ended holds: a release that comes after its hold expired or was released is answered "not
 //!   held" at once (not kept as early).
 //!
-//! Anyone who can send notifications can also send releases for holds that will never exist: the
-//! map holds at most `capacity` entries (the oldest goes first) and each expires after `ttl`, so a
-//! flood costs bounded memory and time. Entries are keyed by request id and nonce together: a
+//! The map holds at most `capacity` entries (the oldest goes first) and each expires after `ttl`,
+//! so a flood costs bounded memory and time. Entries are keyed by request id and nonce together: a
 //! forged release for a real request id never displaces or matches the real one.
 
 use std::collections::{HashMap, VecDeque};
@@ -90,6 +88,16 @@ impl<V> TtlMap<V> {
     /// The value of `key`'s entry, if it is there.
     pub(super) fn get_mut(&mut self, key: &Key) -> Option<&mut V> {
         self.entries.get_mut(key).map(|(_, v)| v)
+    }
+
+    /// Whether the map has no entry.
+    pub(super) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The weight of the entries: how many notifications they stand for.
+    pub(super) fn weight(&self) -> u64 {
+        self.total
     }
 
     /// Whether `key` has an entry.

@@ -211,7 +211,7 @@ fn drive_schedulers(params: &TransferParams, src: &mut ByteSource<'_>) {
             let Ok(groups) = &groups else {
                 panic!("a prefill engine's own offer does not parse: {groups:?}")
             };
-            let offer = Offer { remote, request_id: &id, groups, nonce, instance };
+            let offer = Offer { remote, request_id: &id, groups, nonce, instance, tp_size: offered.tp_size };
             let verified = offer.verify(key, offered.kvx_offer_mac.as_ref());
             assert!(verified.is_ok(), "a prefill engine's own offer does not verify: {verified:?}");
         }

@@ -80,7 +80,13 @@ impl Session {
         let leases: Vec<Lease> = (0..3)
             .map(|_| [Lease::Held, Lease::Expired, Lease::OtherNonce, Lease::Missing][src.below(4)])
             .collect();
-        let small = |c: WorkerConfig| WorkerConfig { rank, world_size: world, max_early_releases: 8, ..c };
+        let small = |c: WorkerConfig| WorkerConfig {
+            rank,
+            world_size: world,
+            early_releases_per_sender: 8,
+            max_early_senders: 2,
+            ..c
+        };
         let fabric = Fabric::new();
         let mut prefill = Rank::new(&fabric, "prefill-agent", small(config(PREFILL)), PREFILL_BLOCKS);
         let decode = Rank::new(&fabric, "decode-agent", small(decode_config()), DECODE_BLOCKS);
@@ -178,7 +184,7 @@ impl Session {
         let p = self.prefill.worker.stats();
         let counted = p.notifications + p.stray_notifications + p.rejected_notifications;
         let buffered = self.model.releases_and_others.checked_sub(counted);
-        let cap = self.prefill.worker.config().max_early_releases as u64;
+        let cap = early_cap(self.prefill.worker.config());
         assert!(
             buffered.is_some_and(|b| b <= cap),
             "the prefill rank counted {counted} of {} releases and other notifications, {cap} may wait: {p:?}",
@@ -210,7 +216,7 @@ impl Session {
         }
         let d = self.decode.worker.stats();
         let counted = d.stray_notifications + d.rejected_notifications;
-        let cap = self.decode.worker.config().max_early_releases as u64;
+        let cap = early_cap(self.decode.worker.config());
         assert!(
             counted <= self.decode_strays + self.decode_maybe_strays && counted + cap >= self.decode_strays,
             "the decode rank counted {counted} stray, of {} to {} (and {cap} may wait): {d:?}",
@@ -325,4 +331,9 @@ impl Session {
         );
         assert_eq!(d.notifications, 0, "the decode rank released holds: {d:?}");
     }
+}
+
+/// The most releases a worker keeps before their holds come.
+fn early_cap(config: &WorkerConfig) -> u64 {
+    (config.early_releases_per_sender * config.max_early_senders) as u64
 }

@@ -209,15 +209,10 @@ fn fuzzed_metadata(
             leases.push([Lease::Held, Lease::Expired, Lease::OtherNonce, Lease::Missing][src.below(4)]);
             if src.below(4) == 3 {
                 // A second KV-cache group (a hybrid model): a block at a position the offer may
-                // or may not have; a valid MAC is taken again over the offer with both groups.
-                let valid =
-                    keyed && r.mac.is_some() && r.mac == r.offer().map(|offer| offer.tag(&auth_key()));
+                // or may not have.
                 r.local_block_ids.push(GroupBlocks::new(src.below(3) as u32, vec![offset + 1]));
-                let offered = vec![PREFILL_BLOCKS - 2, PREFILL_BLOCKS - 3];
-                r.remote_block_ids.push(GroupBlocks::new(src.below(2) as u32, offered));
-                if valid {
-                    r.mac = r.offer().map(|offer| offer.tag(&auth_key()));
-                }
+                let (first, offered) = (src.below(2) as u32, vec![PREFILL_BLOCKS - 2, PREFILL_BLOCKS - 3]);
+                reoffer(&mut r, keyed, |r| r.remote_block_ids.push(GroupBlocks::new(first, offered)));
             }
             r
         })
@@ -236,10 +231,21 @@ fn fuzzed_metadata(
     // own size; sometimes another, possibly impossible one.
     for r in &mut reqs_to_recv {
         if src.below(4) == 3 {
-            r.remote_tp_size = Some(u32::from(src.u8() % 9));
+            let tp_size = Some(u32::from(src.u8() % 9));
+            reoffer(r, keyed, |r| r.remote_tp_size = tp_size);
         }
     }
     ConnectorMetadata { reqs_to_recv, reqs_to_send, heartbeats: vec![] }
+}
+
+/// Changes the offer of `r` with `edit`, as the prefill engine would have offered it: a valid MAC
+/// is taken again over the changed offer (an invalid or missing one stays as it is).
+fn reoffer(r: &mut RecvRequest, keyed: bool, edit: impl FnOnce(&mut RecvRequest)) {
+    let valid = keyed && r.mac.is_some() && r.mac == r.offer().map(|offer| offer.tag(&auth_key()));
+    edit(r);
+    if valid {
+        r.mac = r.offer().map(|offer| offer.tag(&auth_key()));
+    }
 }
 
 /// Seeds: no choice (one valid load), each answer, and a few loads with one field changed.
