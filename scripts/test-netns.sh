@@ -167,7 +167,7 @@ transfer() {
     before=$(tx_bytes)
     # shellcheck disable=SC2046 # ucx_env's words
     start "$ns_a" "$backend-prefill" $(ucx_env a) -- prefill --backend "$backend" "$@" \
-        --api-port 5600 --timeout 100 "${both[@]}"
+        --api-port 5600 --api-client "$ip_b" --timeout 100 "${both[@]}"
     local prefill=$last
     # shellcheck disable=SC2046
     start "$ns_b" "$backend-decode" $(ucx_env b) -- decode --backend "$backend" --host "$ip_b" \
@@ -232,7 +232,7 @@ step "misconfiguration: prefill binds $ip_a but advertises 127.0.0.1"
 # Leases of 2 s: the holds the decode engine never reads expire soon after the refusals.
 # shellcheck disable=SC2046
 start "$ns_a" loop-prefill $(ucx_env a) -- prefill --backend ucx --host "$ip_a" --advertise-host 127.0.0.1 \
-    --api-port 5600 --lease 2 --timeout 60
+    --api-port 5600 --api-client "$ip_b" --lease 2 --timeout 60
 prefill=$last
 # shellcheck disable=SC2046
 start "$ns_b" loop-decode $(ucx_env b) -- decode --backend ucx --host "$ip_b" --prefill "tcp://$ip_a:5600" \

@@ -288,6 +288,11 @@ macro_rules! native_backend_tests {
             }
 
             #[test]
+            fn prefill_serves_decode_through_floods_of_every_port() {
+                super::prefill_serves_decode_through_floods_of_every_port(BACKEND);
+            }
+
+            #[test]
             fn bench() {
                 super::bench_runs_on(BACKEND);
             }
@@ -446,6 +451,84 @@ fn prefill_survives_hostile_bytes_on_every_port(backend: &str) {
     }
     let decode = run_decode(backend, &prefill.api, 10, &[]);
     check_pair(decode, prefill.child, 10);
+}
+
+/// A real `kvx prefill` with thousands of idle, stalled and trickling connections on every port
+/// (its request API and each rank's side channel), from another address and from the decode
+/// process's own: a `kvx decode` still finishes every request, within twice the time of an
+/// unflooded pair plus 2 s. A `Done` from an address that is not `--api-client` is refused and the
+/// process goes on.
+#[cfg(any(feature = "ucx", feature = "nixl"))]
+fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
+    use kvx_testkit::flood::{Flood, Shape, raise_open_files};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    use std::time::Instant;
+    const REQUESTS: usize = 10;
+    let attacker = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+    let own = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let floods: [(IpAddr, Shape, usize); 3] = [
+        (attacker, Shape::Idle, 1000),
+        (attacker, Shape::Trickle { bytes: vec![0, 0, 1, 0], pace: Duration::from_millis(500) }, 500),
+        (own, Shape::Stalled(vec![0, 0]), 256),
+    ];
+    let per_port: usize = floods.iter().map(|f| f.2).sum();
+    let want = (3 * per_port + 2048) as u64;
+    if raise_open_files(want) < want {
+        println!("SKIPPED: the floods need {want} open files, more than this machine allows");
+        return;
+    }
+    let prefill = start_prefill(backend, &[], &[]);
+    let started = Instant::now();
+    let decode = run_decode(backend, &prefill.api, REQUESTS, &[]);
+    let unloaded = started.elapsed();
+    check_pair(decode, prefill.child, REQUESTS);
+
+    let prefill = start_prefill(backend, &[], &[]);
+    // An anonymous Done from another address (127.0.0.3) is refused; the prefill process stays up.
+    let done = serde_json::to_vec(&"Done").unwrap();
+    let frame =
+        kvx_core::wire::encode(&kvx_core::net::session::SessionRequest::Request { body: done }).unwrap();
+    let api_port = prefill.ports[0];
+    {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let reply = rt.block_on(async {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)), 0)).unwrap();
+            let mut stream = s.connect(SocketAddr::from(([127, 0, 0, 1], api_port))).await.unwrap();
+            kvx_core::net::frame::write_frame(&mut stream, &frame, LIMIT).await.unwrap();
+            kvx_core::net::frame::read_frame(&mut stream, 1 << 20, LIMIT, LIMIT).await.unwrap()
+        });
+        let reply: kvx_core::net::session::SessionReply = kvx_core::wire::decode(&reply).unwrap();
+        assert!(
+            matches!(&reply, kvx_core::net::session::SessionReply::Refused { reason, .. } if reason.contains("--api-client")),
+            "{reply:?}"
+        );
+    }
+    let mut running = Vec::new();
+    for &port in &prefill.ports {
+        let target = SocketAddr::from(([127, 0, 0, 1], port));
+        for (source, shape, n) in &floods {
+            running.push(Flood::start(target, *source, shape.clone(), *n).unwrap());
+        }
+    }
+    for flood in &running {
+        assert!(flood.wait_connected(LIMIT), "{flood:?}");
+    }
+    let started = Instant::now();
+    let decode = run_decode(backend, &prefill.api, REQUESTS, &[]);
+    let loaded = started.elapsed();
+    let stats: Vec<_> = running.iter().map(Flood::stats).collect();
+    drop(running);
+    let prefill_out = wait(prefill.child);
+    println!(
+        "{backend}: unflooded pair {unloaded:.2?}, decode under the floods {loaded:.2?}; floods {stats:?}"
+    );
+    let (d, p) = (text(&decode.stdout), text(&prefill_out.stdout));
+    assert!(decode.status.success(), "decode:\n{d}\n{}", text(&decode.stderr));
+    assert!(prefill_out.status.success(), "prefill:\n{p}\n{}", text(&prefill_out.stderr));
+    assert!(d.contains(&format!("{REQUESTS} ({REQUESTS} finished, 0 failed)")), "{d}");
+    assert!(p.contains("refused 1 Done from addresses other than --api-client"), "{p}");
+    assert!(loaded <= 2 * unloaded + Duration::from_secs(2), "{loaded:?} against {unloaded:?} unflooded");
 }
 
 /// A prefill/decode pair with the same key (flag on one side, `KVX_AUTH_KEY` on the other)
