@@ -455,8 +455,8 @@ fn prefill_survives_hostile_bytes_on_every_port(backend: &str) {
 
 /// A real `kvx prefill` with thousands of idle, stalled and trickling connections on every port
 /// (its request API and each rank's side channel), from another address and from the decode
-/// process's own: a `kvx decode` still finishes every request, within twice the time of an
-/// unflooded pair plus 2 s. A `Done` from an address that is not `--api-client` is refused and the
+/// process's own: a `kvx decode` still finishes every request, the run within twice the time of an
+/// unflooded one plus 1 s per request. A `Done` from an address that is not `--api-client` is refused and the
 /// process goes on.
 #[cfg(any(feature = "ucx", feature = "nixl"))]
 fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
@@ -471,6 +471,9 @@ fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
         (attacker, Shape::Trickle { bytes: vec![0, 0, 1, 0], pace: Duration::from_millis(500) }, 500),
         (own, Shape::Stalled(vec![0, 0]), 256),
     ];
+    // One flooded pair at a time (the ucx and nixl tests would otherwise flood each other's CPU).
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let per_port: usize = floods.iter().map(|f| f.2).sum();
     let want = (3 * per_port + 2048) as u64;
     if raise_open_files(want) < want {
@@ -528,7 +531,10 @@ fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
     assert!(prefill_out.status.success(), "prefill:\n{p}\n{}", text(&prefill_out.stderr));
     assert!(d.contains(&format!("{REQUESTS} ({REQUESTS} finished, 0 failed)")), "{d}");
     assert!(p.contains("refused 1 Done from addresses other than --api-client"), "{p}");
-    assert!(loaded <= 2 * unloaded + Duration::from_secs(2), "{loaded:?} against {unloaded:?} unflooded");
+    // Each request within twice its unflooded time plus 1 s: the run within twice the unflooded
+    // run plus 1 s per request.
+    let bound = 2 * unloaded + Duration::from_secs(REQUESTS as u64);
+    assert!(loaded <= bound, "{loaded:?} against {unloaded:?} unflooded (bound {bound:?})");
 }
 
 /// A prefill/decode pair with the same key (flag on one side, `KVX_AUTH_KEY` on the other)
