@@ -70,7 +70,7 @@ use clap::Args;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use kvx_core::{Error, ErrorKind, Result};
@@ -202,30 +202,10 @@ fn io_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Io, format!("router: {what}: {e}"))
 }
 
-/// The listen backlog: connections the kernel completes before the router accepts them. A flood of
-/// connects fills a short one (tokio's is 128), and then the kernel drops a legitimate client's
-/// SYN, which it sends again only a second later. The kernel caps it at `net.core.somaxconn`.
-const BACKLOG: u32 = 4096;
-
 async fn bind(host: &str, port: u16) -> Result<TcpListener> {
-    let what = || format!("cannot listen on {host}:{port}");
-    let mut last = None;
-    for addr in tokio::net::lookup_host((host, port)).await.map_err(|e| io_error(&what(), e))? {
-        let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() };
-        let listener = socket.and_then(|socket| {
-            socket.set_reuseaddr(true)?;
-            socket.bind(addr)?;
-            socket.listen(BACKLOG)
-        });
-        match listener {
-            Ok(listener) => return Ok(listener),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(match last {
-        Some(e) => io_error(&what(), e),
-        None => io_error(&what(), "no address"),
-    })
+    kvx_core::net::listen(host, port)
+        .await
+        .map_err(|e| io_error(&format!("cannot listen on {host}:{port}"), e))
 }
 
 fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {

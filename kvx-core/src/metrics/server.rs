@@ -55,7 +55,7 @@ pub struct MetricsServer {
 /// Binds `host:port` (0: any free port, see [`MetricsServer::local_addr`]) and serves `registry`
 /// on the current tokio runtime.
 pub async fn serve(host: &str, port: u16, registry: Arc<Registry>) -> Result<MetricsServer> {
-    let listener = TcpListener::bind((host, port))
+    let listener = crate::net::listen(host, port)
         .await
         .map_err(|e| Error::new(ErrorKind::Io, format!("metrics server: binding {host}:{port}: {e}")))?;
     let addr = listener.local_addr()?;

@@ -128,6 +128,28 @@ impl NetConfig {
     }
 }
 
+/// The backlog of every socket kvx listens on: room for a burst of connections while the accept
+/// loop works through a flood. A short one (tokio's default is 1024, many servers' 128) fills under
+/// a flood of connects, and the kernel then drops a legitimate client's SYN, which it sends again
+/// only a second later. The kernel caps it at `net.core.somaxconn`.
+pub const BACKLOG: u32 = 4096;
+
+/// Binds `host:port` (the first address it resolves to that binds) and listens with [`BACKLOG`]:
+/// how kvx's servers, `/metrics` and `kvx router` listen.
+pub async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        let socket =
+            if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(addr).and_then(|()| socket.listen(BACKLOG)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{host} resolves to no address"))))
+}
+
 /// `host:port` (IPv6 hosts in brackets), as [`parse_endpoint`] reads it.
 pub fn endpoint(host: &str, port: u16) -> String {
     if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }

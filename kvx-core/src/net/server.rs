@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
@@ -233,7 +233,7 @@ impl Server {
         config: &NetConfig,
         service: impl Service,
     ) -> Result<Server> {
-        let listener = listen(host, port).await.map_err(|e| {
+        let listener = super::listen(host, port).await.map_err(|e| {
             Error::new(ErrorKind::Io, format!("binding {name} on {}: {e}", endpoint(host, port)))
                 .with_source(e)
         })?;
@@ -320,26 +320,8 @@ async fn wait_for_stats(
     }
 }
 
-/// The backlog of a listening socket: room for a burst of connections while the accept loop
-/// works through a flood (the kernel caps it at `net.core.somaxconn`).
-const BACKLOG: u32 = 4096;
-
 /// Connections the accept loop takes before it lets the others run.
 const ACCEPTS_PER_TURN: u32 = 32;
-
-/// Binds `host:port` (the first address it resolves to) with [`BACKLOG`].
-async fn listen(host: &str, port: u16) -> std::io::Result<TcpListener> {
-    let mut last = None;
-    for addr in tokio::net::lookup_host((host, port)).await? {
-        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
-        socket.set_reuseaddr(true)?;
-        match socket.bind(addr).and_then(|()| socket.listen(BACKLOG)) {
-            Ok(listener) => return Ok(listener),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{host} resolves to no address"))))
-}
 
 async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) {
     let min_backoff = Duration::from_millis(1);
