@@ -25,7 +25,6 @@
 //! `kvx_router_connections_dropped_total{reason}`.
 
 use axum::body::Body;
-use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use hyper::body::{Bytes, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderValue};
@@ -43,12 +42,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use kvx_core::net::admission::{Budgets, Gate, Phase, Promotion, Ticket};
+use kvx_core::net::admission::{Budgets, Gate, Phase, Promotion, Ticket, TicketHandle};
 
 use super::metrics::{Metrics, ReasonLabels};
 
@@ -272,16 +271,6 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|&s| s).await;
 }
 
-/// What a connection's requests tell its task, which holds its ticket.
-#[derive(Debug)]
-enum Event {
-    /// A request's headers are complete: the connection reads its body; promote it (the first
-    /// time) and say how it went.
-    Headers(oneshot::Sender<Promotion>),
-    /// The connection's phase changed.
-    Phase(Phase),
-}
-
 /// Counts an open connection while it lives.
 struct Open(Gauge);
 
@@ -303,10 +292,11 @@ async fn connection(
     state.open.inc();
     let _open = Open(state.open.clone());
     let limits = state.limits;
-    let (events, mut inbox) = mpsc::unbounded_channel();
+    // The requests promote the connection and tell the gate its phase themselves.
+    let phases = ticket.handle();
     let service = {
         let state = state.clone();
-        service_fn(move |request| handle(request, app.clone(), state.clone(), events.clone()))
+        service_fn(move |request| handle(request, app.clone(), state.clone(), phases.clone()))
     };
     let _ = stream.set_nodelay(true);
     let conn = http1::Builder::new()
@@ -318,42 +308,33 @@ async fn connection(
     let accepted = Instant::now();
     let handshake = accepted + limits.header_timeout;
     let expiry = accepted + limits.max_lifetime;
+    // Whether the handshake deadline is behind it (the connection was established by then).
     let mut proven = false;
     let mut closing: Option<Instant> = None;
     loop {
         tokio::select! {
-            ended = conn.as_mut() => {
-                if let Err(e) = ended {
-                    if e.is_timeout() {
-                        state.count(if proven { Dropped::IdleTimeout } else { Dropped::HeaderTimeout });
-                    }
-                }
-                return;
-            }
+            // An eviction first: a request that found its connection evicted answers and ends the
+            // connection, which then counts as evicted.
+            biased;
             () = ticket.evicted() => {
                 state.count(Dropped::Evicted);
                 return;
             }
-            Some(event) = inbox.recv() => match event {
-                Event::Headers(reply) => {
-                    if ticket.evicted().now_or_never().is_some() {
-                        state.count(Dropped::Evicted);
-                        return;
+            ended = conn.as_mut() => {
+                if let Err(e) = ended {
+                    if e.is_timeout() {
+                        let established = ticket.is_established();
+                        state.count(if established { Dropped::IdleTimeout } else { Dropped::HeaderTimeout });
                     }
-                    // Reading from now: its idleness counts from this request, not from its accept.
-                    ticket.set(Phase::Reading);
-                    let promotion = ticket.promote();
-                    match promotion {
-                        Promotion::Established => proven = true,
-                        Promotion::Full => state.count(Dropped::Full),
-                    }
-                    let _ = reply.send(promotion);
                 }
-                Event::Phase(phase) => ticket.set(phase),
-            },
-            () = tokio::time::sleep_until(handshake), if !proven => {
-                state.count(Dropped::HeaderTimeout);
                 return;
+            }
+            () = tokio::time::sleep_until(handshake), if !proven => {
+                if !ticket.is_established() {
+                    state.count(Dropped::HeaderTimeout);
+                    return;
+                }
+                proven = true;
             }
             () = tokio::time::sleep_until(expiry), if closing.is_none() => {
                 state.count(Dropped::Lifetime);
@@ -378,7 +359,7 @@ enum Refusal {
 }
 
 impl Refusal {
-    fn response(self, events: &mpsc::UnboundedSender<Event>) -> Response<Tracked> {
+    fn response(self, phases: &TicketHandle) -> Response<Tracked> {
         let (status, message) = match self {
             Refusal::Dropped(Dropped::Full) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "too many connections are being served")
@@ -405,7 +386,7 @@ impl Refusal {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        response.map(|body| Tracked { body, events: events.clone() })
+        response.map(|body| Tracked { body, phases: phases.clone() })
     }
 }
 
@@ -414,12 +395,18 @@ async fn handle(
     request: Request<Incoming>,
     mut app: axum::Router,
     state: Arc<ServerState>,
-    events: mpsc::UnboundedSender<Event>,
+    phases: TicketHandle,
 ) -> Result<Response<Tracked>, Infallible> {
-    let (reply, promotion) = oneshot::channel();
-    let _ = events.send(Event::Headers(reply));
-    if promotion.await != Ok(Promotion::Established) {
-        return Ok(Refusal::Dropped(Dropped::Full).response(&events));
+    // Reading from now: its idleness counts from this request, not from its accept.
+    phases.set(Phase::Reading);
+    match phases.promote() {
+        Promotion::Established => {}
+        Promotion::Full => {
+            state.count(Dropped::Full);
+            return Ok(Refusal::Dropped(Dropped::Full).response(&phases));
+        }
+        // Evicted (counted by its connection, which closes).
+        Promotion::Gone => return Ok(Refusal::Dropped(Dropped::Full).response(&phases)),
     }
     let (parts, body) = request.into_parts();
     let (body, charge) = match read_body(body, &parts.headers, &state).await {
@@ -428,16 +415,16 @@ async fn handle(
             if let Refusal::Dropped(why) = refusal {
                 state.count(why);
             }
-            return Ok(refusal.response(&events));
+            return Ok(refusal.response(&phases));
         }
     };
-    let _ = events.send(Event::Phase(Phase::Busy));
+    phases.set(Phase::Busy);
     let response = match app.call(Request::from_parts(parts, Body::from(body))).await {
         Ok(response) => response,
         Err(never) => match never {},
     };
     drop(charge);
-    Ok(response.map(|body| Tracked { body, events }))
+    Ok(response.map(|body| Tracked { body, phases }))
 }
 
 /// The request's `Content-Length`, when it has a valid one.
@@ -491,12 +478,12 @@ async fn read_body(
 /// then waits for its next request.
 struct Tracked {
     body: Body,
-    events: mpsc::UnboundedSender<Event>,
+    phases: TicketHandle,
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let _ = self.events.send(Event::Phase(Phase::Waiting));
+        self.phases.set(Phase::Waiting);
     }
 }
 

@@ -170,7 +170,7 @@ async fn connection(
         // Established by its first complete request headers; the answer is written at once.
         let response = match phases.promote() {
             Promotion::Established => respond(&req, &registry, &scraped),
-            Promotion::Full => status(StatusCode::SERVICE_UNAVAILABLE),
+            Promotion::Full | Promotion::Gone => status(StatusCode::SERVICE_UNAVAILABLE),
         };
         phases.set(Phase::Waiting);
         async move { Ok::<_, Infallible>(response) }

@@ -94,6 +94,8 @@ pub enum Promotion {
     Established,
     /// No room: every candidate to make way is being served. The caller closes the connection.
     Full,
+    /// The connection holds no place any more: it was evicted (its ticket hears so).
+    Gone,
 }
 
 #[derive(Debug)]
@@ -170,7 +172,7 @@ impl Admission {
     }
 
     fn promote(&mut self, id: u64) -> Promotion {
-        let Some(entry) = self.entries.get(&id) else { return Promotion::Full };
+        let Some(entry) = self.entries.get(&id) else { return Promotion::Gone };
         if entry.proven {
             return Promotion::Established;
         }
@@ -188,7 +190,7 @@ impl Admission {
             Some(None) => return Promotion::Full,
             None => {}
         }
-        let Some(entry) = self.entries.get_mut(&id) else { return Promotion::Full };
+        let Some(entry) = self.entries.get_mut(&id) else { return Promotion::Gone };
         let (old, busy) = (entry.key(id), entry.phase == Phase::Busy);
         entry.proven = true;
         let new = entry.key(id);
@@ -396,7 +398,7 @@ pub struct TicketHandle {
 }
 
 impl TicketHandle {
-    /// As [`Ticket::promote`]; `Full` once the ticket is gone.
+    /// As [`Ticket::promote`]; `Gone` once the ticket is gone.
     pub fn promote(&self) -> Promotion {
         self.gate.lock().promote(self.id)
     }

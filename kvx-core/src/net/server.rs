@@ -462,10 +462,11 @@ async fn serve_connection<S: Service>(
             }
             Step::Call { body, tag_with } => {
                 if !proven {
-                    if ticket.promote() == Promotion::Full {
-                        return End::Full;
+                    match ticket.promote() {
+                        Promotion::Established => proven = true,
+                        Promotion::Full => return End::Full,
+                        Promotion::Gone => return End::Evicted,
                     }
-                    proven = true;
                 }
                 ticket.set(Phase::Busy);
                 let caller = Caller { connection: ticket.id(), peer, authenticated: shared.key.is_some() };
