@@ -202,6 +202,27 @@ async fn connect(source: IpAddr, target: SocketAddr) -> std::io::Result<TcpStrea
     socket.connect(target).await
 }
 
+/// Sends `request` and reads (the start of) its answer; false when the server dropped the
+/// connection instead.
+async fn exchange(stream: &mut TcpStream, sink: &mut [u8], request: &[u8], c: &Counters) -> bool {
+    if stream.write_all(request).await.is_err() {
+        return false;
+    }
+    let answered = matches!(stream.read(sink).await, Ok(n) if n > 0);
+    if answered {
+        c.answers.fetch_add(1, Ordering::Relaxed);
+    }
+    answered
+}
+
+/// Waits `pace`; true when the server dropped the connection meanwhile.
+async fn closed_within(stream: &mut TcpStream, sink: &mut [u8], pace: Duration) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep(pace) => false,
+        n = stream.read(sink) => !matches!(n, Ok(n) if n > 0),
+    }
+}
+
 /// Plays `shape` on `stream` until the server drops it.
 async fn act(stream: &mut TcpStream, shape: &Shape, c: &Counters) {
     let mut sink = vec![0u8; 4 << 10];
@@ -214,43 +235,23 @@ async fn act(stream: &mut TcpStream, shape: &Shape, c: &Counters) {
         }
         Shape::Trickle { bytes, pace } => {
             for b in bytes {
-                if stream.write_all(&[*b]).await.is_err() {
-                    return;
-                }
-                let closed = tokio::select! {
-                    () = tokio::time::sleep(*pace) => false,
-                    n = stream.read(&mut sink) => !matches!(n, Ok(n) if n > 0),
-                };
-                if closed {
+                if stream.write_all(&[*b]).await.is_err() || closed_within(stream, &mut sink, *pace).await {
                     return;
                 }
             }
         }
-        Shape::Holding { bytes, pace } => loop {
-            if stream.write_all(bytes).await.is_err() {
-                return;
+        Shape::Holding { bytes, pace } => {
+            while exchange(stream, &mut sink, bytes, c).await {
+                if closed_within(stream, &mut sink, *pace).await {
+                    return;
+                }
             }
-            match stream.read(&mut sink).await {
-                Ok(n) if n > 0 => c.answers.fetch_add(1, Ordering::Relaxed),
-                _ => return,
-            };
-            let closed = tokio::select! {
-                () = tokio::time::sleep(*pace) => false,
-                n = stream.read(&mut sink) => !matches!(n, Ok(n) if n > 0),
-            };
-            if closed {
-                return;
-            }
-        },
-        Shape::Busy(bytes) => loop {
-            if stream.write_all(bytes).await.is_err() {
-                return;
-            }
-            match stream.read(&mut sink).await {
-                Ok(n) if n > 0 => c.answers.fetch_add(1, Ordering::Relaxed),
-                _ => return,
-            };
-        },
+            return;
+        }
+        Shape::Busy(bytes) => {
+            while exchange(stream, &mut sink, bytes, c).await {}
+            return;
+        }
     }
     // Hold the connection until the server drops it.
     while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
