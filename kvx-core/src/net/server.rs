@@ -455,6 +455,8 @@ async fn serve_connection<S: Service>(
                 return end;
             }
         };
+        // Served from here until its answer is written: never evicted meanwhile.
+        ticket.set(Phase::Busy);
         let (reply, end) = match session.on_frame(&frame) {
             Step::Send(reply) => (reply, None),
             Step::Refuse(refusal, reason) => {
@@ -468,7 +470,6 @@ async fn serve_connection<S: Service>(
                         Promotion::Gone => return End::Evicted,
                     }
                 }
-                ticket.set(Phase::Busy);
                 let caller = Caller { connection: ticket.id(), peer, authenticated: shared.key.is_some() };
                 match shared.service.call(&caller, body).await {
                     Ok(body) => {
@@ -495,7 +496,6 @@ async fn serve_connection<S: Service>(
                 }
             }
         };
-        ticket.set(Phase::Busy);
         let answered = matches!(reply, SessionReply::Reply { .. });
         let bytes = match wire::encode(&reply) {
             Ok(b) => b,
