@@ -329,20 +329,31 @@ async fn half_sent_requests_and_idle_connections_do_not_keep_health_out() {
     legit_while(&url, quiet, 10, &done).await;
     let lifetimes = within("the flood", watch).await.unwrap();
     let longest = lifetimes.iter().max().unwrap();
-    let (evicted, header, idle) = (
-        dropped(&url, "evicted").await,
-        dropped(&url, "header_timeout").await,
-        dropped(&url, "idle_timeout").await,
-    );
+    // Each flood connection was dropped by the router for one of these reasons. A client can see
+    // its close a moment before the router counts it (hyper closes the socket on its timer before
+    // it returns), so the counters are awaited, not read once.
+    let counted = async {
+        loop {
+            let counts = (
+                dropped(&url, "evicted").await,
+                dropped(&url, "header_timeout").await,
+                dropped(&url, "idle_timeout").await,
+                dropped(&url, "full").await,
+            );
+            if counts.0 + counts.1 + counts.2 + counts.3 >= (HALF_SENT + IDLE) as f64 {
+                break counts;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    let (evicted, header, idle, full) = within("every flood connection's drop counted", counted).await;
     println!(
         "flood 2: {HALF_SENT} half-sent requests and {IDLE} idle connections (pending budget {}, \
          established {}); the last closed {longest:?} after its connect; dropped: {evicted} evicted, \
-         {header} at the header timeout, {idle} at the idle timeout",
+         {header} at the header timeout, {idle} at the idle timeout, {full} with no room",
         limits.max_pending, limits.max_connections
     );
     assert!(*longest < limits.idle_timeout + Duration::from_secs(3), "a flood connection lived {longest:?}");
-    // Each flood connection was dropped by the router for one of these.
-    assert!(evicted + header + idle >= (HALF_SENT + IDLE) as f64);
     assert!(evicted >= 1.0, "{evicted} evicted");
 }
 
