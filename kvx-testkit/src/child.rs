@@ -3,7 +3,7 @@
 //! in another role that announces itself in lines on its stdout.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -35,18 +35,19 @@ pub fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
 #[derive(Debug)]
 pub struct SelfChild {
     child: Child,
+    stdin: Option<ChildStdin>,
     lines: Receiver<String>,
 }
 
 impl SelfChild {
     /// Starts this executable with `args` and `envs` added to this process's environment; its
-    /// stderr is this process's.
+    /// stderr is this process's, its stdin a pipe that [`close_stdin`](Self::close_stdin) closes.
     pub fn spawn(args: &[&str], envs: &[(&str, &str)]) -> Result<SelfChild> {
         let exe = std::env::current_exe().map_err(|e| io_error("current_exe", e))?;
         let mut child = Command::new(exe)
             .args(args)
             .envs(envs.iter().copied())
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -63,7 +64,13 @@ impl SelfChild {
                 }
             }
         });
-        Ok(SelfChild { child, lines })
+        let stdin = child.stdin.take();
+        Ok(SelfChild { child, stdin, lines })
+    }
+
+    /// Closes the child's stdin: a child that waits for its end goes on.
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
     }
 
     /// The rest of the next stdout line that contains `prefix` (other lines are skipped: libtest

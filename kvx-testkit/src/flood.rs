@@ -5,7 +5,8 @@
 //! on a runtime of its own: an attacker the server drops connects again at once, as a real flood
 //! does, until the flood is dropped. Every connection goes to a loopback address given by the
 //! caller, and the flood stops (its runtime shut down, its sockets closed) when dropped.
-//! [`Latencies`] collects the legitimate requests' outcomes for a report and a bound.
+//! [`ChildFlood`] runs one in a child process, with file descriptors of its own. [`Latencies`]
+//! collects the legitimate requests' outcomes for a report and a bound.
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -16,6 +17,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
+
+use crate::child::SelfChild;
+use kvx_core::{Error, ErrorKind, Result};
 
 /// What each attacker connection does.
 #[derive(Debug, Clone)]
@@ -43,6 +47,44 @@ impl Shape {
             Shape::Holding { .. } => "holding",
             Shape::Busy(_) => "busy",
         }
+    }
+}
+
+impl Shape {
+    /// The shape as one word, for [`ChildFlood`]: its name, then its bytes in hex and its pace in
+    /// milliseconds, separated by `/`.
+    fn to_word(&self) -> String {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        match self {
+            Shape::Idle => "idle".into(),
+            Shape::Stalled(b) => format!("stalled/{}", hex(b)),
+            Shape::Trickle { bytes, pace } => format!("trickle/{}/{}", hex(bytes), pace.as_millis()),
+            Shape::Holding { bytes, pace } => format!("holding/{}/{}", hex(bytes), pace.as_millis()),
+            Shape::Busy(b) => format!("busy/{}", hex(b)),
+        }
+    }
+
+    /// The shape [`to_word`](Self::to_word) wrote.
+    fn from_word(word: &str) -> Option<Shape> {
+        let mut parts = word.split('/');
+        let name = parts.next()?;
+        let bytes = match parts.next() {
+            Some(h) if h.len() % 2 == 0 => (0..h.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+                .collect::<Option<Vec<u8>>>()?,
+            Some(_) => return None,
+            None => Vec::new(),
+        };
+        let pace = parts.next().map(|ms| ms.parse().map(Duration::from_millis));
+        Some(match (name, pace) {
+            ("idle", None) => Shape::Idle,
+            ("stalled", None) => Shape::Stalled(bytes),
+            ("busy", None) => Shape::Busy(bytes),
+            ("trickle", Some(Ok(pace))) => Shape::Trickle { bytes, pace },
+            ("holding", Some(Ok(pace))) => Shape::Holding { bytes, pace },
+            _ => return None,
+        })
     }
 }
 
@@ -156,6 +198,76 @@ impl Drop for Flood {
             rt.shutdown_timeout(Duration::from_secs(5));
         }
     }
+}
+
+/// The environment variable that tells a [`ChildFlood`]'s child what to run.
+const CHILD_ENV: &str = "KVX_FLOOD_CHILD";
+
+/// A [`Flood`] in a child process: this test binary started again to run its test `entry`, which
+/// calls [`run_child_flood`]. The flood has file descriptors of its own there (a flood of 10,000
+/// connections and a server that holds them all need more than one process may open here), and
+/// the server's memory is measured without it. Killed on drop if still running.
+#[derive(Debug)]
+pub struct ChildFlood {
+    child: SelfChild,
+}
+
+impl ChildFlood {
+    /// Starts the child, running `connections` attackers of `shape` against `target` from `source`
+    /// (see [`Flood::start`]).
+    pub fn start(
+        entry: &str,
+        target: SocketAddr,
+        source: IpAddr,
+        shape: &Shape,
+        connections: usize,
+    ) -> Result<ChildFlood> {
+        let spec = format!("{target} {source} {connections} {}", shape.to_word());
+        let args = [entry, "--exact", "--nocapture", "--test-threads", "1"];
+        Ok(ChildFlood { child: SelfChild::spawn(&args, &[(CHILD_ENV, &spec)])? })
+    }
+
+    /// Waits until every attacker has connected (see [`Flood::wait_connected`]), at most `timeout`.
+    pub fn wait_connected(&mut self, timeout: Duration) -> Result<()> {
+        self.child.wait_line("FLOOD CONNECTED", timeout).map(drop)
+    }
+
+    /// Stops the flood (its connections closed, the child gone, within `timeout`) and says what
+    /// it did.
+    pub fn stop(mut self, timeout: Duration) -> Result<FloodStats> {
+        self.child.close_stdin();
+        let line = self.child.wait_line("FLOOD STATS", timeout)?;
+        let n: Vec<u64> = line.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+        let &[opened, dropped, failed_connects, answers] = n.as_slice() else {
+            return Err(Error::new(ErrorKind::Wire, format!("a flood's stats line {line:?}")));
+        };
+        self.child.wait_success(timeout)?;
+        Ok(FloodStats { opened, dropped, failed_connects, answers })
+    }
+}
+
+/// In a [`ChildFlood`]'s child (the test that [`ChildFlood::start`] named calls it): runs the
+/// flood, says when it is connected, and at the end of its stdin stops it and prints its stats. In
+/// any other process it returns at once.
+pub fn run_child_flood() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let words: Vec<&str> = spec.split_whitespace().collect();
+    let [target, source, connections, shape] = words.as_slice() else { panic!("a flood of {spec:?}") };
+    let (Ok(target), Ok(source), Ok(connections), Some(shape)) =
+        (target.parse(), source.parse(), connections.parse::<usize>(), Shape::from_word(shape))
+    else {
+        panic!("a flood of {spec:?}")
+    };
+    raise_open_files(connections as u64 + 1024);
+    let flood = Flood::start(target, source, shape, connections).unwrap_or_else(|e| panic!("{e}"));
+    if flood.wait_connected(Duration::from_secs(60)) {
+        println!("FLOOD CONNECTED");
+    }
+    // Until the parent closes its end.
+    let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+    let s = flood.stats();
+    drop(flood);
+    println!("FLOOD STATS {} {} {} {}", s.opened, s.dropped, s.failed_connects, s.answers);
 }
 
 /// The longest pause between failed connection attempts.
@@ -359,4 +471,29 @@ fn open_files() -> (u64, u64) {
         None => 0,
     };
     (field(3), field(4))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_go_to_a_child_as_one_word_and_back() {
+        let shapes = [
+            Shape::Idle,
+            Shape::Stalled(vec![0, 1, 0xfe]),
+            Shape::Trickle { bytes: vec![7; 3], pace: Duration::from_millis(500) },
+            Shape::Holding { bytes: vec![0xab], pace: Duration::from_secs(50) },
+            Shape::Busy(vec![]),
+        ];
+        for shape in shapes {
+            let word = shape.to_word();
+            assert!(!word.contains(char::is_whitespace), "{word}");
+            let back = Shape::from_word(&word).map(|s| s.to_word());
+            assert_eq!(back.as_deref(), Some(word.as_str()));
+        }
+        for bad in ["", "idle/00/5", "trickle/0", "stalled/zz", "holding/00/x", "other"] {
+            assert!(Shape::from_word(bad).is_none(), "{bad}");
+        }
+    }
 }

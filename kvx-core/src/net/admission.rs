@@ -24,10 +24,19 @@
 //! request. A peer that keeps one request at a time going (the one a connection allows) keeps its
 //! slot; one that holds a slot without using it loses it to the next peer that needs one.
 //!
+//! A connection dismissed for room (evicted, or finding every candidate served) is not closed but
+//! *parked* in the server's [`Lot`]: held open and never served, what it sends read and thrown
+//! away, until its peer closes it, it has waited `idle_timeout`, or the lot needs its place
+//! (`max_parked`, oldest first, or file descriptors to accept with). Closing it would only make its
+//! peer connect again at once: a flood larger than the budgets would then turn over as fast as
+//! the server accepts, fill the kernel's accept queue, and make every other peer's connect wait for
+//! a retransmitted SYN (a second or more). Parked, it costs a socket and a small task, and the
+//! accept queue stays empty for the peers that are served.
+//!
 //! [`Gate`] is the shared, lockable policy; each connection holds a [`Ticket`] that tells the gate
 //! its phase, hears when it is evicted, and leaves the gate when dropped.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -419,6 +428,97 @@ impl Drop for Ticket {
     }
 }
 
+/// Where a server keeps the connections it dismissed for room, open and unserved, so that their
+/// peers do not connect again at once (see the module's docs). Holds at most its capacity: a newcomer
+/// when it is full releases the oldest.
+#[derive(Clone)]
+pub struct Lot {
+    inner: Arc<Mutex<LotState>>,
+}
+
+struct LotState {
+    max: usize,
+    next: u64,
+    held: BTreeMap<u64, oneshot::Sender<()>>,
+}
+
+impl fmt::Debug for Lot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lot").field("held", &self.len()).finish()
+    }
+}
+
+impl Lot {
+    /// A lot holding at most `max` connections (none when 0: each is released as it comes).
+    pub fn new(max: usize) -> Self {
+        Lot { inner: Arc::new(Mutex::new(LotState { max, next: 0, held: BTreeMap::new() })) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LotState> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Parks one connection, releasing the oldest when the lot is full.
+    pub fn park(&self) -> Parked {
+        let (tx, released) = oneshot::channel();
+        let mut lot = self.lock();
+        let id = lot.next;
+        lot.next += 1;
+        lot.held.insert(id, tx);
+        while lot.held.len() > lot.max {
+            if let Some((_, oldest)) = lot.held.pop_first() {
+                let _ = oldest.send(());
+            }
+        }
+        Parked { lot: self.clone(), id, released }
+    }
+
+    /// Releases the `n` oldest connections (to free their file descriptors); returns how many
+    /// there were.
+    pub fn shed(&self, n: usize) -> usize {
+        let mut lot = self.lock();
+        let mut shed = 0;
+        while shed < n {
+            let Some((_, oldest)) = lot.held.pop_first() else { break };
+            let _ = oldest.send(());
+            shed += 1;
+        }
+        shed
+    }
+
+    /// The connections parked now.
+    pub fn len(&self) -> usize {
+        self.lock().held.len()
+    }
+
+    /// Whether none is parked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One connection's place in a [`Lot`]; dropping it gives the place up.
+#[derive(Debug)]
+pub struct Parked {
+    lot: Lot,
+    id: u64,
+    released: oneshot::Receiver<()>,
+}
+
+impl Parked {
+    /// Returns when the lot releases the connection (its place is needed).
+    pub async fn released(&mut self) {
+        // A closed channel is a release too: the lot no longer holds the sender.
+        let _ = (&mut self.released).await;
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.lot.lock().held.remove(&self.id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -496,6 +596,25 @@ mod tests {
         assert_ne!(Source::of(peer("2001:db8::1", 1)), Source::of(peer("2001:db8:0:1::1", 1)));
         assert_eq!(Source::of(peer("::ffff:10.1.2.3", 1)), Source::of(peer("10.1.2.3", 1)));
         assert_eq!(Source::of(peer("2001:db8::1", 1)).to_string(), "2001:db8::/64");
+    }
+
+    #[test]
+    fn a_full_lot_releases_its_oldest_and_sheds_oldest_first() {
+        let lot = Lot::new(2);
+        let mut a = lot.park();
+        let mut b = lot.park();
+        let mut c = lot.park();
+        let released = |p: &mut Parked| p.released.try_recv().is_ok();
+        assert!(released(&mut a) && !released(&mut b) && !released(&mut c));
+        assert_eq!(lot.len(), 2);
+        assert_eq!(lot.shed(5), 2);
+        assert!(released(&mut b) && released(&mut c) && lot.is_empty());
+        let d = lot.park();
+        drop(d);
+        assert!(lot.is_empty());
+        // A lot of none holds nothing.
+        let mut e = Lot::new(0).park();
+        assert!(released(&mut e));
     }
 
     #[test]

@@ -72,6 +72,12 @@ pub struct ServeLimits {
     /// A connection is closed once it is this old, when it next waits for a request (the peer
     /// connects again). Default 10 minutes.
     pub max_lifetime: Duration,
+    /// The most connections a server keeps parked: dismissed for room but held open, unserved,
+    /// so that their peers do not connect again at once (see [`admission`]). When it is full the
+    /// oldest is closed, and when `accept` runs out of file descriptors the oldest are closed to
+    /// make them. A parked connection is closed once its peer closes it, sends more than 64 KiB, or
+    /// has waited `idle_timeout`. Default 16,384 (a socket and about a kilobyte each).
+    pub max_parked: usize,
     /// The longest pause after a failed `accept` (file descriptors exhausted, say): the pause
     /// starts at 1 ms and doubles up to this, so a server out of descriptors does not spin.
     /// Default 100 ms.
@@ -103,6 +109,7 @@ impl Default for ServeLimits {
             idle_timeout: Duration::from_secs(60),
             exchange_timeout: Duration::from_secs(10),
             max_lifetime: Duration::from_secs(600),
+            max_parked: 16_384,
             max_accept_backoff: Duration::from_millis(100),
         }
     }

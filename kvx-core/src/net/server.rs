@@ -8,10 +8,12 @@
 //! next frame. A peer that pipelines requests and never reads fills its own socket buffers and is
 //! dropped when its reply cannot be written; nothing is queued for it. Connection slots are shared
 //! out by the [`admission`](super::admission) policy: a newcomer evicts the oldest unproven
-//! connection, or on proving itself the idlest established one, instead of being refused. A
-//! connection older than `max_lifetime` is closed when it next waits. A failed `accept` (out of
-//! file descriptors) pauses the accept loop 1 ms, doubling up to `max_accept_backoff`, so it does
-//! not spin. Every connection's end is counted in [`ServerStats`] by reason and logged.
+//! connection, or on proving itself the idlest established one, instead of being refused; the
+//! connection that makes way is parked in the server's [`Lot`], not closed. A connection older
+//! than `max_lifetime` is closed when it next waits. A failed `accept` (out of file descriptors)
+//! closes the oldest parked connections, or when there are none pauses the accept loop 1 ms,
+//! doubling up to `max_accept_backoff`, so it does not spin. Every connection's end is counted in
+//! [`ServerStats`] by reason and logged.
 
 use async_trait::async_trait;
 use std::fmt;
@@ -19,12 +21,13 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::admission::{Gate, GateStats, Phase, Promotion, Ticket};
+use super::admission::{Gate, GateStats, Lot, Phase, Promotion, Ticket};
 use super::frame::{FrameError, read_frame, write_frame};
 use super::session::{Refusal, ServerSession, SessionReply, Step};
 use super::{NetConfig, ServeLimits, endpoint};
@@ -53,20 +56,24 @@ pub trait Service: Send + Sync + 'static {
     async fn call(&self, caller: &Caller, request: Vec<u8>) -> Result<Vec<u8>>;
 }
 
-/// A server's counters. Every accepted connection ends in exactly one of `closed`, `idle`,
-/// `slow`, `unproven`, `expired`, `evicted`, `full`, `oversize`, `truncated`, `malformed`,
-/// `unauthenticated`, `rejected`, `io` and `shutdown`, or is still `active`.
+/// A server's counters. Every accepted connection is counted in exactly one of `refused`,
+/// `closed`, `idle`, `slow`, `unproven`, `expired`, `evicted`, `full`, `oversize`, `truncated`,
+/// `malformed`, `unauthenticated`, `rejected`, `io` and `shutdown` when it ends or is parked (for
+/// the first three), and in `active` while it is open.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerStats {
-    /// Connections accepted and served.
+    /// Connections accepted.
     pub accepted: u64,
-    /// Connections closed at once, unserved: every unproven connection that could have made way
+    /// Connections parked at once, unserved: every unproven connection that could have made way
     /// was being served.
     pub refused: u64,
-    /// Failed `accept` calls (each followed by a pause).
+    /// Failed `accept` calls (each followed by closing parked connections, or a pause).
     pub accept_errors: u64,
-    /// Connections open now.
+    /// Connections open now, parked ones included.
     pub active: u64,
+    /// Connections parked now: dismissed for room (`refused`, `evicted` or `full`) and held open,
+    /// unserved, until their peer closes them or the lot needs their place.
+    pub parked: u64,
     /// Requests answered.
     pub requests: u64,
     /// Connections the peer closed between requests.
@@ -77,9 +84,9 @@ pub struct ServerStats {
     pub unproven: u64,
     /// Connections closed at `max_lifetime`.
     pub expired: u64,
-    /// Connections evicted to make room for another.
+    /// Connections evicted (and parked) to make room for another.
     pub evicted: u64,
-    /// Connections closed on proving themselves because every established connection that could
+    /// Connections parked on proving themselves because every established connection that could
     /// have made way was being served.
     pub full: u64,
     /// Connections dropped because a request did not arrive, or a reply was not taken, within
@@ -104,6 +111,7 @@ pub struct ServerStats {
 /// How a connection ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum End {
+    Refused,
     Closed,
     Idle,
     Unproven,
@@ -123,6 +131,7 @@ enum End {
 impl End {
     fn count(self, s: &mut ServerStats) {
         let counter = match self {
+            End::Refused => &mut s.refused,
             End::Closed => &mut s.closed,
             End::Idle => &mut s.idle,
             End::Unproven => &mut s.unproven,
@@ -144,10 +153,13 @@ impl End {
     /// Whether the server dismissed the connection without a last word (a refusal it wrote must
     /// reach the peer, so those close gracefully).
     fn is_dismissal(self) -> bool {
-        matches!(
-            self,
-            End::Idle | End::Unproven | End::Expired | End::Evicted | End::Full | End::Slow | End::Oversize
-        )
+        self.is_for_room()
+            || matches!(self, End::Idle | End::Unproven | End::Expired | End::Slow | End::Oversize)
+    }
+
+    /// Whether the connection made way for another: it is parked, not closed.
+    fn is_for_room(self) -> bool {
+        matches!(self, End::Refused | End::Evicted | End::Full)
     }
 
     fn of_frame(e: &FrameError) -> End {
@@ -179,6 +191,7 @@ struct Shared<S> {
     shutdown: watch::Receiver<bool>,
     warnings: Warnings,
     gate: Gate,
+    lot: Lot,
 }
 
 /// Warnings at most once a second per server, so that a flood of hostile connections does not
@@ -250,6 +263,7 @@ impl Server {
             shutdown: shutdown_rx,
             warnings: Warnings::default(),
             gate: gate.clone(),
+            lot: Lot::new(config.limits.max_parked),
         });
         let accept = tokio::spawn(accept_loop(listener, shared));
         debug!(name, %addr, "serving");
@@ -331,18 +345,7 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
         match listener.accept().await {
             Ok((stream, peer)) => {
                 backoff = min_backoff;
-                let Some(ticket) = shared.gate.admit(peer) else {
-                    let _ = stream.set_zero_linger();
-                    drop(stream);
-                    shared.stats.send_modify(|s| s.refused += 1);
-                    shared.warnings.warn(
-                        shared.name,
-                        format_args!(
-                            "connection from {peer} refused: every unproven connection is being served"
-                        ),
-                    );
-                    continue;
-                };
+                let ticket = shared.gate.admit(peer);
                 shared.stats.send_modify(|s| {
                     s.accepted += 1;
                     s.active += 1;
@@ -350,7 +353,14 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                 let shared = Arc::clone(&shared);
                 tokio::spawn(async move {
                     let mut stream = stream;
-                    let end = serve_connection(&mut stream, peer, ticket, &shared).await;
+                    let end = match ticket {
+                        Some(ticket) => serve_connection(&mut stream, peer, ticket, &shared).await,
+                        None => End::Refused,
+                    };
+                    shared.stats.send_modify(|s| end.count(s));
+                    if end.is_for_room() {
+                        park(&mut stream, &shared).await;
+                    }
                     if end.is_dismissal() {
                         // Closed with a reset: a flood of dismissed connections leaves no
                         // TIME_WAIT behind to use up the 4-tuples its peers connect on.
@@ -365,10 +375,7 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
                             .warnings
                             .warn(shared.name, format_args!("connection from {peer} dropped: {end:?}")),
                     }
-                    shared.stats.send_modify(|s| {
-                        s.active -= 1;
-                        end.count(s);
-                    });
+                    shared.stats.send_modify(|s| s.active -= 1);
                 });
                 // Let the connections just accepted read what they were sent before many more
                 // come: a peer whose request is already in proves itself ahead of a flood of
@@ -382,14 +389,51 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
             }
             Err(e) => {
                 // EMFILE, ENFILE, ENOBUFS, a connection reset before it was accepted: the
-                // listener stays; pause so that a lasting condition does not spin this loop.
+                // listener stays. Parked connections give their descriptors back first; with
+                // none left, pause so that a lasting condition does not spin this loop.
                 shared.stats.send_modify(|s| s.accept_errors += 1);
-                shared.warnings.warn(shared.name, format_args!("accept failed ({e}); pausing {backoff:?}"));
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(shared.limits.max_accept_backoff.max(min_backoff));
+                let shed = shared.lot.shed(ACCEPTS_PER_TURN as usize);
+                let pause = if shed > 0 { min_backoff } else { backoff };
+                shared.warnings.warn(
+                    shared.name,
+                    format_args!("accept failed ({e}); closed {shed} parked connections, pausing {pause:?}"),
+                );
+                tokio::time::sleep(pause).await;
+                if shed == 0 {
+                    backoff = (backoff * 2).min(shared.limits.max_accept_backoff.max(min_backoff));
+                }
             }
         }
     }
+}
+
+/// The most a parked connection may send (it is read and thrown away) before it is closed.
+const MAX_PARKED_BYTES: usize = 64 << 10;
+
+/// Holds a connection that made way for another open and unserved (see [`Lot`]): what it sends is
+/// read and thrown away, and it is let go when its peer closes it, sends more than
+/// [`MAX_PARKED_BYTES`], has waited `idle_timeout`, the lot needs its place, or the server shuts
+/// down.
+async fn park<S: Service>(stream: &mut TcpStream, shared: &Shared<S>) {
+    let mut parked = shared.lot.park();
+    shared.stats.send_modify(|s| s.parked += 1);
+    let mut shutdown = shared.shutdown.clone();
+    let deadline = tokio::time::sleep(shared.limits.idle_timeout);
+    tokio::pin!(deadline);
+    let mut sink = [0u8; 512];
+    let mut left = MAX_PARKED_BYTES;
+    loop {
+        tokio::select! {
+            read = stream.read(&mut sink) => match read {
+                Ok(n) if n > 0 && n < left => left -= n,
+                _ => break,
+            },
+            () = &mut deadline => break,
+            () = parked.released() => break,
+            _ = shutdown.wait_for(|stop| *stop) => break,
+        }
+    }
+    shared.stats.send_modify(|s| s.parked -= 1);
 }
 
 /// Reads the next request frame, keeping the gate told of the connection's phase. Its first byte
