@@ -263,3 +263,36 @@ fn group_ranks_report_through_floods_of_their_port() {
 fn keyed_group_ranks_report_through_keyless_floods() {
     group_under_floods(true);
 }
+
+/// One scrape of `/metrics` at `addr` on a connection of its own: the answer's status line and
+/// the end of its body.
+fn scrape(addr: SocketAddr) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, T).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(T)).map_err(|e| e.to_string())?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvx\r\nConnection: close\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| e.to_string())?;
+    if answer.starts_with("HTTP/1.1 200") && answer.ends_with("# EOF\n") {
+        Ok(())
+    } else {
+        Err(format!("an answer of {} bytes: {:?}", answer.len(), answer.lines().next()))
+    }
+}
+
+#[test]
+fn metrics_are_scraped_through_floods_of_their_port() {
+    let rt = runtime(1);
+    let metrics = kvx_core::metrics::Metrics::new();
+    let server = rt.block_on(kvx_core::metrics::serve("127.0.0.1", 0, metrics.registry())).unwrap();
+    let target = server.local_addr();
+    let get = b"GET /metrics HTTP/1.1\r\nHost: kvx\r\n\r\n".to_vec();
+    let shapes = [
+        Shape::Idle,
+        Shape::Stalled(get[..20].to_vec()),
+        Shape::Trickle { bytes: get.clone(), pace: Duration::from_millis(500) },
+        Shape::Busy(get),
+    ];
+    run_cases("metrics", target, &shapes, || scrape(target), String::new);
+}

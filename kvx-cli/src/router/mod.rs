@@ -145,6 +145,10 @@ pub(crate) struct RouterArgs {
     /// oldest one when they are all taken.
     #[arg(long, default_value_t = 128, value_parser = at_least_one())]
     max_pending_connections: usize,
+    /// Connections held open but unserved at once, after they made way for others (so that a
+    /// flood does not reconnect as fast as the router accepts); the oldest is closed beyond.
+    #[arg(long, default_value_t = 16_384)]
+    max_parked_connections: usize,
 }
 
 /// A count of at least 1.
@@ -193,6 +197,7 @@ impl RouterArgs {
                 body_timeout: Duration::from_secs(self.body_timeout),
                 max_lifetime: Duration::from_secs(self.max_connection_lifetime),
                 max_buffered_bytes: self.max_buffered_body_bytes,
+                max_parked: self.max_parked_connections,
             },
         }
     }

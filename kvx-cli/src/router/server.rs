@@ -9,7 +9,10 @@
 //!   its first request's headers within `header_timeout` of its accept. Established ones are at
 //!   most `max_connections`, `max_per_source` from one source; a connection that proves itself
 //!   when they are taken evicts the idlest one (one being served is never evicted; with every
-//!   candidate served, it gets a 503 and is closed).
+//!   candidate served, it gets a 503 and is closed). A connection evicted or refused is parked (see
+//!   the policy), not closed, for at most `idle_timeout`: a flood larger than the budgets does
+//!   not turn over as fast as the router accepts, so the kernel's accept queue stays free for
+//!   the clients it serves.
 //! - **Timers**: a kept-alive connection is closed when its next request's headers are not
 //!   complete within `idle_timeout` of its last answer, a request whose body is not complete within
 //!   `body_timeout` of its headers gets a 408 and its connection is closed, and a connection older
@@ -47,7 +50,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use kvx_core::net::admission::{Budgets, Gate, Phase, Promotion, Ticket, TicketHandle};
+use kvx_core::net::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket, TicketHandle};
 
 use super::metrics::{Metrics, ReasonLabels};
 
@@ -78,6 +81,8 @@ pub(crate) struct Limits {
     pub(crate) max_lifetime: Duration,
     /// Bytes of request bodies buffered at once beyond each body's first [`FREE_BODY_BYTES`].
     pub(crate) max_buffered_bytes: usize,
+    /// The most connections parked at once (the oldest is closed beyond).
+    pub(crate) max_parked: usize,
 }
 
 impl Default for Limits {
@@ -91,6 +96,7 @@ impl Default for Limits {
             body_timeout: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(600),
             max_buffered_bytes: 256 << 20,
+            max_parked: 16_384,
         }
     }
 }
@@ -232,6 +238,7 @@ pub(crate) async fn serve(
     mut stop: watch::Receiver<bool>,
 ) -> kvx_core::Result<()> {
     let gate = Gate::new(state.limits.budgets());
+    let lot = Lot::new(state.limits.max_parked);
     let mut connections = JoinSet::new();
     let watch_stop = stop.clone();
     let mut backoff = Duration::ZERO;
@@ -239,19 +246,31 @@ pub(crate) async fn serve(
         tokio::select! {
             () = stopped(&mut stop) => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
+            accepted = listener.accept() => match accepted.and_then(|(s, peer)| Ok((Spare::of(s)?, peer))) {
+                Ok(((stream, spare), peer)) => {
                     backoff = Duration::ZERO;
-                    match gate.admit(peer) {
-                        Some(ticket) => {
-                            let conn = connection(stream, ticket, app.clone(), state.clone(), watch_stop.clone());
-                            connections.spawn(conn);
+                    let ticket = gate.admit(peer);
+                    let (app, state, stop, lot) = (app.clone(), state.clone(), watch_stop.clone(), lot.clone());
+                    connections.spawn(async move {
+                        let served = match ticket {
+                            Some(ticket) => connection(stream, ticket, app, state.clone(), stop).await,
+                            None => {
+                                state.count(Dropped::Refused);
+                                drop(stream);
+                                Served::MadeWay
+                            }
+                        };
+                        if served == Served::MadeWay {
+                            spare.park(&lot, state.limits.idle_timeout).await;
                         }
-                        None => state.count(Dropped::Refused),
-                    }
+                    });
                 }
                 Err(e) => {
-                    // Out of file descriptors, most likely: pause rather than spin.
+                    // Out of file descriptors, most likely: parked connections give theirs back
+                    // first; with none, pause rather than spin.
+                    if lot.shed(state.limits.max_pending.max(1)) > 0 {
+                        continue;
+                    }
                     backoff = (backoff * 2).clamp(Duration::from_millis(1), MAX_ACCEPT_BACKOFF);
                     if backoff == MAX_ACCEPT_BACKOFF {
                         eprintln!("kvx router: accept failed: {e}");
@@ -262,8 +281,18 @@ pub(crate) async fn serve(
         }
     }
     drop(listener);
+    lot.close();
     while connections.join_next().await.is_some() {}
     Ok(())
+}
+
+/// How a connection's service ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// It ended (the client, a timer, its lifetime, the router's stop): close it.
+    Ended,
+    /// It made way for another: park it.
+    MadeWay,
 }
 
 /// Returns once the server is stopped or its handle is gone.
@@ -288,7 +317,7 @@ async fn connection(
     app: axum::Router,
     state: Arc<ServerState>,
     mut stop: watch::Receiver<bool>,
-) {
+) -> Served {
     state.open.inc();
     let _open = Open(state.open.clone());
     let limits = state.limits;
@@ -318,7 +347,7 @@ async fn connection(
             biased;
             () = ticket.evicted() => {
                 state.count(Dropped::Evicted);
-                return;
+                return Served::MadeWay;
             }
             ended = conn.as_mut() => {
                 if let Err(e) = ended {
@@ -327,12 +356,12 @@ async fn connection(
                         state.count(if established { Dropped::IdleTimeout } else { Dropped::HeaderTimeout });
                     }
                 }
-                return;
+                return Served::Ended;
             }
             () = tokio::time::sleep_until(handshake), if !proven => {
                 if !ticket.is_established() {
                     state.count(Dropped::HeaderTimeout);
-                    return;
+                    return Served::Ended;
                 }
                 proven = true;
             }
@@ -345,7 +374,7 @@ async fn connection(
                 conn.as_mut().graceful_shutdown();
                 closing = Some(Instant::now() + state.grace);
             }
-            () = tokio::time::sleep_until(closing.unwrap_or(expiry)), if closing.is_some() => return,
+            () = tokio::time::sleep_until(closing.unwrap_or(expiry)), if closing.is_some() => return Served::Ended,
         }
     }
 }

@@ -3,8 +3,10 @@
 //! [`admission`](crate::net::admission) policy with [`BUDGETS`]: a connection is established once
 //! its first request's headers are in (within [`HEADER_TIMEOUT`]), a newcomer evicts the oldest
 //! connection that has not sent one or, once it has, the idlest established one, so idle or
-//! half-sent connections cannot keep a scraper out. Each connection lasts [`CONNECTION_LIFETIME`]
-//! at most, headers bounded to [`MAX_BUF`] bytes. `GET /metrics` answers the registry in the
+//! half-sent connections cannot keep a scraper out; the connection that makes way is parked (at
+//! most [`MAX_PARKED`], for [`CONNECTION_LIFETIME`]), not closed, so that a flood does not turn over
+//! as fast as the server accepts. Each connection lasts [`CONNECTION_LIFETIME`] at most, headers
+//! bounded to [`MAX_BUF`] bytes. `GET /metrics` answers the registry in the
 //! OpenMetrics text format; other paths 404, other methods 405.
 
 use http_body_util::Full;
@@ -24,16 +26,18 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::net::admission::{Budgets, Gate, Phase, Promotion, Ticket};
+use crate::net::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket};
 
 /// The content type of the answer: OpenMetrics text 1.0.0.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The connection budgets: a few scrapers, each from its own address.
 pub(super) const BUDGETS: Budgets = Budgets { max_pending: 32, max_connections: 16, max_per_source: 8 };
+/// The most connections parked at once (see [`admission`](crate::net::admission)).
+const MAX_PARKED: usize = 16_384;
 /// A request's headers must arrive within this.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-/// A connection (kept alive across requests) is closed after this, gracefully.
+/// A connection (kept alive across requests) is closed after this, gracefully; a parked one too.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 /// How long a response being written may take once the server closes its connection.
 const GRACE: Duration = Duration::from_secs(5);
@@ -123,6 +127,7 @@ async fn accept_loop(
     scraped: Arc<watch::Sender<u64>>,
 ) {
     let gate = Gate::new(BUDGETS);
+    let lot = Lot::new(MAX_PARKED);
     let mut connections = JoinSet::new();
     // What each connection watches (the loop's own receiver is borrowed by its wait).
     let watch_stop = stop.clone();
@@ -131,23 +136,47 @@ async fn accept_loop(
             // Stopped, or the server handle is gone.
             () = stopped(&mut stop) => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match gate.admit(peer) {
-                    Some(ticket) => {
-                        let conn = connection(stream, Arc::clone(&registry), Arc::clone(&scraped), watch_stop.clone(), ticket);
-                        connections.spawn(conn);
-                    }
-                    None => tracing::debug!(%peer, "metrics server: no room, closing a connection"),
-                },
+            accepted = listener.accept() => match accepted.and_then(|(s, peer)| Ok((Spare::of(s)?, peer))) {
+                Ok(((stream, spare), peer)) => {
+                    let (registry, scraped, stop, lot) =
+                        (Arc::clone(&registry), Arc::clone(&scraped), watch_stop.clone(), lot.clone());
+                    let ticket = gate.admit(peer);
+                    connections.spawn(async move {
+                        let served = match ticket {
+                            Some(ticket) => connection(stream, registry, scraped, stop, ticket).await,
+                            None => {
+                                tracing::debug!(%peer, "metrics server: no room, parking a connection");
+                                drop(stream);
+                                Served::MadeWay
+                            }
+                        };
+                        if served == Served::MadeWay {
+                            spare.park(&lot, CONNECTION_LIFETIME).await;
+                        }
+                    });
+                }
                 Err(e) => {
+                    // Out of descriptors, most likely: parked connections give theirs back first.
                     tracing::warn!(error = %e, "metrics server: accept failed");
-                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                    if lot.shed(BUDGETS.max_pending) == 0 {
+                        tokio::time::sleep(ACCEPT_PAUSE).await;
+                    }
                 }
             },
         }
     }
     drop(listener);
+    lot.close();
     while connections.join_next().await.is_some() {}
+}
+
+/// How a connection's service ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// It ended (the client, its lifetime, a timeout, the server's stop): close it.
+    Ended,
+    /// It made way for another: park it.
+    MadeWay,
 }
 
 /// Returns once the server is stopped or its handle is gone.
@@ -164,7 +193,7 @@ async fn connection(
     scraped: Arc<watch::Sender<u64>>,
     mut stop: watch::Receiver<bool>,
     mut ticket: Ticket,
-) {
+) -> Served {
     let phases = ticket.handle();
     let service = service_fn(move |req| {
         // Established by its first complete request headers; the answer is written at once.
@@ -186,14 +215,15 @@ async fn connection(
             if let Err(e) = ended {
                 tracing::debug!(error = %e, "metrics server: connection ended");
             }
-            return;
+            return Served::Ended;
         }
         () = stopped(&mut stop) => {}
         () = tokio::time::sleep(CONNECTION_LIFETIME) => {}
-        () = ticket.evicted() => return,
+        () = ticket.evicted() => return Served::MadeWay,
     }
     conn.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(GRACE, conn).await;
+    Served::Ended
 }
 
 fn respond(

@@ -41,6 +41,8 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
 /// The budgets of a [`Gate`].
@@ -473,6 +475,37 @@ impl Lot {
         Parked { lot: self.clone(), id, released }
     }
 
+    /// Holds `stream` parked (see the module's docs): what it sends is read and thrown away, and
+    /// this returns when its peer closes it, it sends more than [`MAX_PARKED_BYTES`], `limit`
+    /// passes, or the lot needs its place. The caller then closes it.
+    pub async fn hold(&self, stream: &mut TcpStream, limit: Duration) {
+        let mut parked = self.park();
+        let deadline = tokio::time::sleep(limit);
+        tokio::pin!(deadline);
+        let mut sink = [0u8; 512];
+        let mut left = MAX_PARKED_BYTES;
+        loop {
+            tokio::select! {
+                read = stream.read(&mut sink) => match read {
+                    Ok(n) if n > 0 && n < left => left -= n,
+                    _ => return,
+                },
+                () = &mut deadline => return,
+                () = parked.released() => return,
+            }
+        }
+    }
+
+    /// Releases every connection and parks no more (each later one is released at once): for a
+    /// server that stops.
+    pub fn close(&self) {
+        let mut lot = self.lock();
+        lot.max = 0;
+        while let Some((_, held)) = lot.held.pop_first() {
+            let _ = held.send(());
+        }
+    }
+
     /// Releases the `n` oldest connections (to free their file descriptors); returns how many
     /// there were.
     pub fn shed(&self, n: usize) -> usize {
@@ -494,6 +527,32 @@ impl Lot {
     /// Whether none is parked.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The most a parked connection may send (it is read and thrown away) before it is let go.
+pub const MAX_PARKED_BYTES: usize = 64 << 10;
+
+/// A second descriptor of a connection's socket, kept aside while an HTTP stack that owns the
+/// stream serves it, so that the connection can be parked once that stack lets go of it (closing
+/// its own descriptor then leaves the socket open).
+#[derive(Debug)]
+pub struct Spare(std::net::TcpStream);
+
+impl Spare {
+    /// `stream`, and its spare.
+    pub fn of(stream: TcpStream) -> std::io::Result<(TcpStream, Spare)> {
+        let std = stream.into_std()?;
+        let spare = std.try_clone()?;
+        Ok((TcpStream::from_std(std)?, Spare(spare)))
+    }
+
+    /// Parks the connection in `lot` for at most `limit` (see [`Lot::hold`]), then closes it with a
+    /// reset. Call it once the stack's own stream is gone.
+    pub async fn park(self, lot: &Lot, limit: Duration) {
+        let Ok(mut stream) = TcpStream::from_std(self.0) else { return };
+        lot.hold(&mut stream, limit).await;
+        let _ = stream.set_zero_linger();
     }
 }
 

@@ -21,7 +21,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
-use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -407,31 +406,14 @@ async fn accept_loop<S: Service>(listener: TcpListener, shared: Arc<Shared<S>>) 
     }
 }
 
-/// The most a parked connection may send (it is read and thrown away) before it is closed.
-const MAX_PARKED_BYTES: usize = 64 << 10;
-
-/// Holds a connection that made way for another open and unserved (see [`Lot`]): what it sends is
-/// read and thrown away, and it is let go when its peer closes it, sends more than
-/// [`MAX_PARKED_BYTES`], has waited `idle_timeout`, the lot needs its place, or the server shuts
-/// down.
+/// Holds a connection that made way for another open and unserved, counted as parked, until the
+/// lot lets it go (see [`Lot::hold`]) or the server shuts down.
 async fn park<S: Service>(stream: &mut TcpStream, shared: &Shared<S>) {
-    let mut parked = shared.lot.park();
     shared.stats.send_modify(|s| s.parked += 1);
     let mut shutdown = shared.shutdown.clone();
-    let deadline = tokio::time::sleep(shared.limits.idle_timeout);
-    tokio::pin!(deadline);
-    let mut sink = [0u8; 512];
-    let mut left = MAX_PARKED_BYTES;
-    loop {
-        tokio::select! {
-            read = stream.read(&mut sink) => match read {
-                Ok(n) if n > 0 && n < left => left -= n,
-                _ => break,
-            },
-            () = &mut deadline => break,
-            () = parked.released() => break,
-            _ = shutdown.wait_for(|stop| *stop) => break,
-        }
+    tokio::select! {
+        () = shared.lot.hold(stream, shared.limits.idle_timeout) => {}
+        _ = shutdown.wait_for(|stop| *stop) => {}
     }
     shared.stats.send_modify(|s| s.parked -= 1);
 }

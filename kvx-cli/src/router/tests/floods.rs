@@ -367,6 +367,9 @@ async fn connections_holding_slots_with_slow_or_repeated_requests_make_way() {
         max_pending: 64,
         header_timeout: Duration::from_secs(1),
         body_timeout: Duration::from_secs(2),
+        // Also how long an evicted connection stays parked: the flood's clients, which wait for
+        // an answer that a parked connection never gets, then see it closed and stop.
+        idle_timeout: Duration::from_secs(2),
         ..Limits::default()
     };
     let (p, d) = stubs().await;
@@ -434,5 +437,51 @@ async fn connections_holding_slots_with_slow_or_repeated_requests_make_way() {
         requests.load(Ordering::SeqCst),
         limits.max_connections
     );
-    assert!(evicted >= 20.0, "{evicted} evicted");
+    assert!(evicted >= 1.0, "{evicted} evicted");
+}
+
+/// Where [`ten_thousand_idle_or_half_sent_connections_do_not_keep_health_out`]'s floods run: in a
+/// child process of this binary (see [`ChildFlood`]); passes at once in a test run.
+#[test]
+fn flood() {
+    kvx_testkit::flood::run_child_flood();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_or_half_sent_connections_do_not_keep_health_out() {
+    use kvx_testkit::flood::{ChildFlood, Shape, raise_open_files};
+    const N: usize = 10_000;
+    // The router's ends of the flood's sockets, and slack (the flood has descriptors of its own).
+    let want = N as u64 + 4096;
+    let have = raise_open_files(want);
+    if have < want {
+        println!("SKIPPED: a flood of {N} needs {want} open files; the limit here is {have}");
+        return;
+    }
+    let (p, d) = stubs().await;
+    // The defaults: 128 pending, 1,024 established, 16,384 parked.
+    let (_router, url) = router_with(&[&p.url], &[&d.url], Limits::default(), 1 << 20).await;
+    let quiet = unloaded(&url).await;
+    let target: std::net::SocketAddr = addr(&url).parse().unwrap();
+    let half_sent = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-le".to_vec();
+    for shape in [Shape::Idle, Shape::Stalled(half_sent)] {
+        let source = [127, 0, 0, 2].into();
+        let mut flood = ChildFlood::start("router::tests::floods::flood", target, source, &shape, N).unwrap();
+        tokio::task::block_in_place(|| flood.wait_connected(LIMIT)).unwrap();
+        let before = status_kib("VmRSS:");
+        legit_while(&url, quiet, 20, &AtomicBool::new(true)).await;
+        let grown = status_kib("VmRSS:").saturating_sub(before);
+        let f = tokio::task::block_in_place(|| flood.stop(LIMIT)).unwrap();
+        let evicted = dropped(&url, "evicted").await;
+        println!(
+            "flood 4: {N} {} connections from another address: opened {} ({} dropped); router evicted {evicted} \
+             in all, RSS +{:.1} MiB",
+            shape.name(),
+            f.opened,
+            f.dropped,
+            mib(grown)
+        );
+        // Parked, not closed: the flood did not have to connect again and again.
+        assert!(f.opened < 2 * N as u64, "{f:?}");
+    }
 }
