@@ -225,9 +225,35 @@ fn prose_lines(doc: &str) -> Vec<&str> {
     lines
 }
 
-/// The code spans (between single backticks) of a line.
-fn code_spans(line: &str) -> impl Iterator<Item = &str> {
-    line.split('`').skip(1).step_by(2)
+/// The code spans (between single backticks) of a line or a paragraph.
+fn code_spans(text: &str) -> impl Iterator<Item = &str> {
+    text.split('`').skip(1).step_by(2)
+}
+
+/// A document's text in the units a code span cannot cross: each table row, each heading, and
+/// each paragraph (or list item) joined into one line.
+fn blocks(lines: &[&str]) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut paragraph = String::new();
+    for line in lines {
+        let trimmed = line.trim_start();
+        let numbered = trimmed
+            .split_once(". ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()));
+        let starts_item = trimmed.starts_with("- ") || numbered;
+        if trimmed.is_empty() || trimmed.starts_with('|') || trimmed.starts_with('#') || starts_item {
+            blocks.push(std::mem::take(&mut paragraph));
+        }
+        if trimmed.starts_with('|') || trimmed.starts_with('#') {
+            blocks.push(trimmed.to_string());
+        } else if !trimmed.is_empty() {
+            paragraph.push(' ');
+            paragraph.push_str(trimmed);
+        }
+    }
+    blocks.push(paragraph);
+    blocks.retain(|b| !b.is_empty());
+    blocks
 }
 
 /// The `a::b::c` paths in a code span.
@@ -319,8 +345,9 @@ fn code_pointers_in_the_contract_and_the_design_name_existing_code() {
     for doc in POINTER_DOCS {
         let text = read(&root.join(doc));
         let lines = prose_lines(&text);
+        let blocks = blocks(&lines);
         let mut seen = HashSet::new();
-        for (path, why) in (lines.iter().flat_map(|l| code_spans(l)).flat_map(paths_in))
+        for (path, why) in (blocks.iter().flat_map(|b| code_spans(b)).flat_map(paths_in))
             .filter(|p| seen.insert(p.to_string()))
             .map(|p| (p, source.check_path(p)))
         {
@@ -492,6 +519,12 @@ fn the_extraction_finds_what_the_docs_write() {
         "| x | `a_b_c_d` | `one_two_three_four`, `x::five_six_seven_eight` |",
     ];
     assert_eq!(test_names(&table), ["one_two_three_four", "five_six_seven_eight"]);
+    let paragraph =
+        ["A `TcpGroup`'s rank 0 and", "`kvx_core::net::admission` across", "1 line,", "", "- `a::b`"];
+    assert_eq!(
+        blocks(&paragraph),
+        [" A `TcpGroup`'s rank 0 and `kvx_core::net::admission` across 1 line,", " - `a::b`"]
+    );
     assert_eq!(
         slug("Posting: descriptors named once, coalesced"),
         "posting-descriptors-named-once-coalesced"
