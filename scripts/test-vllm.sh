@@ -5,7 +5,7 @@
 #   scripts/test-vllm.sh            # proof (kvx over UCX and over NIXL) + comparison table
 #   KVX_VLLM_CONFIGS="kvx-ucx" scripts/test-vllm.sh      # a subset
 #   KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl nixl-noprog" KVX_VLLM_RESTART=0 KVX_VLLM_LENS=130,256,512,1024 \
-#       scripts/test-vllm.sh        # README's latency attribution: 20 P/D requests per config, all READ
+#       scripts/test-vllm.sh        # docs/PERFORMANCE.md's latency attribution: 20 P/D requests per config, all READ
 #
 # Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
 # kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY), kvx-hybrid (kvx over UCX

@@ -77,6 +77,6 @@ step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl, through kv
 # .venv-nixl's). Fails on any mismatch or failed check.
 # kvx's two backends and the hybrid (sliding-window) model, one trial per prompt length (about
 # 12 minutes with vLLM installed); `scripts/test-vllm.sh` alone also runs the NixlConnector
-# baselines of the README's table.
+# baselines of docs/PERFORMANCE.md's table.
 env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl kvx-hybrid" \
     KVX_VLLM_TRIALS=1 KVX_VLLM_HYBRID_TRIALS=1 scripts/test-vllm.sh

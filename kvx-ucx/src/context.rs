@@ -60,7 +60,7 @@ impl UcxConfig {
     /// Nothing else is set: socket buffers (`UCX_TCP_SNDBUF`/`RCVBUF`), other segment sizes and
     /// a target without a progress thread were measured against a plain TCP stream in the same
     /// run, and none moved kvx-ucx's share of it (about half at 64 KiB and 1 MiB blocks) beyond
-    /// the run-to-run noise; the README's performance section has the figures and why.
+    /// the run-to-run noise; docs/PERFORMANCE.md has the figures and why.
     pub const ENV_DEFAULTS: [(&'static str, &'static str); 2] =
         [("UCX_TCP_TX_SEG_SIZE", "256K"), ("UCX_TCP_RX_SEG_SIZE", "512K")];
 
