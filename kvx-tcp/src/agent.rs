@@ -208,14 +208,23 @@ impl TcpAgent {
 }
 
 /// Cuts `pieces` into chunks of at most `max_bytes` bytes and [`MAX_RANGES`] pieces, cutting
-/// pieces longer than a chunk.
+/// pieces longer than a chunk; a piece that continues the one before it on both sides joins it
+/// (what `post` names block by block travels as ranges).
 pub(crate) fn chunk(pieces: impl Iterator<Item = Piece>, max_bytes: u64) -> Vec<Vec<Piece>> {
     let mut chunks = Vec::new();
     let (mut current, mut bytes): (Vec<Piece>, u64) = (Vec::new(), 0);
     for mut piece in pieces {
         while piece.len > 0 {
             let take = piece.len.min(max_bytes - bytes);
-            current.push(Piece { len: take, ..piece });
+            match current.last_mut() {
+                Some(last)
+                    if last.local.checked_add(last.len) == Some(piece.local)
+                        && last.remote.checked_add(last.len) == Some(piece.remote) =>
+                {
+                    last.len += take
+                }
+                _ => current.push(Piece { len: take, ..piece }),
+            }
             bytes += take;
             piece = Piece { local: piece.local + take, remote: piece.remote + take, len: piece.len - take };
             if bytes == max_bytes || current.len() == MAX_RANGES {
@@ -479,6 +488,9 @@ mod tests {
         let chunks = chunk([piece(0, 10), piece(100, 25), piece(200, 3)].into_iter(), 16);
         let lens: Vec<Vec<u64>> = chunks.iter().map(|c| c.iter().map(|p| p.len).collect()).collect();
         assert_eq!(lens, [vec![10, 6], vec![16], vec![3, 3]]);
+        let joined = chunk([piece(0, 8), piece(8, 8), piece(24, 8), piece(32, 8)].into_iter(), 12);
+        let lens: Vec<Vec<u64>> = joined.iter().map(|c| c.iter().map(|p| p.len).collect()).collect();
+        assert_eq!(lens, [vec![12], vec![4, 8], vec![8]], "contiguous pieces join, up to a chunk");
         assert_eq!(chunks[1][0], Piece { local: 106, remote: 0x10_0000 + 106, len: 16 });
         let many = chunk((0..MAX_RANGES as u64 + 1).map(|i| piece(i * 8, 4)), 1 << 20);
         assert_eq!(many.iter().map(Vec::len).collect::<Vec<_>>(), [MAX_RANGES, 1]);

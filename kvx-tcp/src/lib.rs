@@ -20,3 +20,6 @@ pub const BACKEND: &str = "tcp";
 /// The most ranges one request names; a transfer's ranges are cut into chunks of at most this
 /// many (and at most [`TcpConfig::chunk_bytes`] bytes).
 pub const MAX_RANGES: usize = frame::MAX_RANGES;
+
+#[cfg(test)]
+mod tests;

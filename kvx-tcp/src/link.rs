@@ -190,16 +190,16 @@ async fn run(inner: Arc<Inner>, peer: Arc<Peer>, link: Arc<Link>, mut rx: mpsc::
                 Arc::clone(&peer),
                 r,
                 Arc::clone(&fifo),
-                link.dead.subscribe(),
+                Arc::clone(&link),
             ));
             let why = write_requests(&inner, w, &mut rx, &fifo, link.dead.subscribe()).await;
-            let _ = link.dead.send(true);
+            link.dead.send_replace(true);
             let _ = reader.await;
             why
         }
         Err(e) => e,
     };
-    let _ = link.dead.send(true);
+    link.dead.send_replace(true);
     rx.close();
     while let Ok(cmd) = rx.try_recv() {
         cmd.fail(&inner, &why);
@@ -299,8 +299,9 @@ async fn read_answers(
     peer: Arc<Peer>,
     mut r: OwnedReadHalf,
     fifo: Arc<Mutex<Fifo>>,
-    mut dead: watch::Receiver<bool>,
+    link: Arc<Link>,
 ) {
+    let mut dead = link.dead.subscribe();
     let failure = tokio::select! {
         e = take_answers(&inner, &mut r, &fifo) => Some(e),
         _ = dead.wait_for(|d| *d) => None,
@@ -318,6 +319,8 @@ async fn read_answers(
         f.closed = Some(why.clone());
         std::mem::take(&mut f.waiting)
     };
+    // The writer stops, and the peer's next request opens a connection in this one's place.
+    link.dead.send_replace(true);
     for expect in waiting {
         inner.chunk_event(expect.xfer, expect.chunk, Event::Answered, Err(why.clone()));
     }
