@@ -443,7 +443,7 @@ impl TransferAgent for TcpAgent {
         let peer = peer.ok_or_else(|| err(ErrorKind::NotFound, format!("agent {agent} is not loaded")))?;
         // Opens a connection if none is (the notification then waits for it).
         peer.link(&self.inner, peer.spread(0));
-        peer.notify(msg.to_vec())
+        peer.notify(&self.inner, msg.to_vec())
     }
 
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,9 @@ pub(crate) struct Inner {
     /// Signalled whenever a transfer settles (dropping the agent waits for them).
     settled: Condvar,
     inbox: Mutex<Vec<Notification>>,
+    /// Notifications handed to a connection and not written yet (dropping the agent waits for
+    /// them too: `notify` returns before the bytes leave).
+    unsent: AtomicUsize,
     pub(crate) stats: Counters,
     nonces: RandomState,
 }
@@ -182,6 +185,7 @@ impl Inner {
             state: Mutex::default(),
             settled: Condvar::new(),
             inbox: Mutex::default(),
+            unsent: AtomicUsize::new(0),
             stats: Counters::default(),
             nonces: RandomState::new(),
         }
@@ -223,7 +227,7 @@ impl Inner {
         if x.unsettled == 0 {
             if matches!(x.stage, Stage::Pending) {
                 if let Some(msg) = x.notify.take() {
-                    if let Err(e) = x.peer.notify(msg) {
+                    if let Err(e) = x.peer.notify(self, msg) {
                         x.stage = Stage::Failed(e.context("data in place, notification failed"));
                     }
                 }
@@ -286,16 +290,29 @@ impl Inner {
         Ok(())
     }
 
-    /// Waits at most `limit` for every transfer in flight to settle.
+    /// A notification was handed to a connection.
+    pub(crate) fn notification_queued(&self) {
+        self.unsent.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A notification handed to a connection was written, or will never be.
+    pub(crate) fn notification_gone(&self) {
+        self.unsent.fetch_sub(1, Ordering::AcqRel);
+        self.settled.notify_all();
+    }
+
+    /// Waits at most `limit` for every transfer in flight to settle and every notification
+    /// handed to a connection to be written.
     pub(crate) fn wait_settled(&self, limit: Duration) {
         let deadline = Instant::now() + limit;
         let Ok(mut st) = self.state() else { return };
-        while st.xfers.values().any(|x| x.unsettled > 0) {
+        while st.xfers.values().any(|x| x.unsettled > 0) || self.unsent.load(Ordering::Acquire) > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
             }
-            st = match self.settled.wait_timeout(st, left) {
+            // Notifications are counted outside the lock: look again at least every 10 ms.
+            st = match self.settled.wait_timeout(st, left.min(Duration::from_millis(10))) {
                 Ok((st, _)) => st,
                 Err(_) => return,
             };

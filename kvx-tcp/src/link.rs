@@ -91,9 +91,15 @@ impl Expect {
 impl Command {
     /// Fails a command that never reached the wire: both events of its chunk.
     fn fail(self, inner: &Inner, why: &Error) {
-        if let Command::Request { expect, .. } = self {
-            for event in [Event::Sent, Event::Answered] {
-                inner.chunk_event(expect.xfer, expect.chunk, event, Err(why.clone()));
+        match self {
+            Command::Request { expect, .. } => {
+                for event in [Event::Sent, Event::Answered] {
+                    inner.chunk_event(expect.xfer, expect.chunk, event, Err(why.clone()));
+                }
+            }
+            Command::Notify(_) => {
+                tracing::debug!("kvx-tcp: a notification is lost: {why}");
+                inner.notification_gone();
             }
         }
     }
@@ -156,7 +162,7 @@ impl Peer {
     }
 
     /// Sends a notification on the next connection in turn.
-    pub(crate) fn notify(&self, msg: Vec<u8>) -> Result<()> {
+    pub(crate) fn notify(&self, inner: &Inner, msg: Vec<u8>) -> Result<()> {
         let header = Header { meta_len: msg.len() as u32, ..Header::new(Kind::Notify, 0, 0, 0, 0) };
         let mut frame = header.encode().to_vec();
         frame.extend_from_slice(&msg);
@@ -166,9 +172,13 @@ impl Peer {
         let links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
         let n = links.len();
         let live = (0..n).filter_map(|k| links[(i + k) % n].as_ref()).find(|l| !*l.dead.borrow());
+        inner.notification_queued();
         match live.map(|l| l.tx.send(Command::Notify(frame))) {
             Some(Ok(())) => Ok(()),
-            _ => Err(lost(&self.name, "no connection is open")),
+            _ => {
+                inner.notification_gone();
+                Err(lost(&self.name, "no connection is open"))
+            }
         }
     }
 }
@@ -280,8 +290,14 @@ async fn write_requests(
         // The data's memory is let go before the chunk can settle.
         drop(data);
         let outcome = written.map_err(|e| Error::from(e).context("sending a request"));
-        if let Some(expect) = expect {
-            inner.chunk_event(expect.xfer, expect.chunk, Event::Sent, outcome.clone().map_err(as_transfer));
+        match expect {
+            Some(expect) => inner.chunk_event(
+                expect.xfer,
+                expect.chunk,
+                Event::Sent,
+                outcome.clone().map_err(as_transfer),
+            ),
+            None => inner.notification_gone(),
         }
         if let Err(e) = outcome {
             return e;

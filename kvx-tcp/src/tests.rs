@@ -372,3 +372,19 @@ fn a_keyed_agent_refuses_a_peer_without_the_key() {
     assert!(keyless.untouched());
     assert_eq!(keyless.agent.stats().connections_opened, 0, "a session opened without the key");
 }
+
+/// A notification handed over right before its sender is dropped still arrives: dropping the
+/// agent waits for what its connections were handed.
+#[test]
+fn a_notification_sent_before_the_sender_drops_arrives() {
+    let (target, memory, _) = real_target();
+    let ini = Initiator::new(&target.local_metadata().unwrap(), memory.region().addr);
+    ini.agent.notify(&AgentName::new("prefill"), b"last words").unwrap();
+    drop(ini);
+    let mut got = Vec::new();
+    wait_until("the notification", || {
+        target.drain_notifications(&mut got).unwrap();
+        !got.is_empty()
+    });
+    assert_eq!((got[0].from.as_str(), &got[0].msg[..]), ("decode", &b"last words"[..]));
+}
