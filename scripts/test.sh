@@ -40,7 +40,7 @@ KVX_FUZZ_TARGETS=ucx_metadata,nixl_metadata UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=F
     cargo test -p kvx-fuzz --features ucx,nixl --test fuzz
 
 step "demo smoke run (the same binary on each backend)"
-for backend in loopback ucx nixl; do
+for backend in loopback tcp ucx nixl; do
     cargo run -q -p kvx-cli --features ucx,nixl,etcd -- demo --requests 64 --backend "$backend"
 done
 
@@ -52,11 +52,11 @@ step "kvx bench, short: every backend of that binary over shm and tcp (the CSV's
 bench_dir="$(mktemp -d)"
 UCX_LOG_LEVEL=fatal "$KVX_BIN" bench --all --transport shm,tcp --sizes 16K,64K --blocks 16 --rounds 2 \
     --csv "$bench_dir/bench.csv" --plot "$bench_dir/bench.svg" | tee "$bench_dir/bench.txt"
-# 2 sizes x (loopback shm; ucx shm, tcp; nixl shm, tcp).
+# 2 sizes x (loopback shm; ucx shm, tcp; nixl shm, tcp; tcp tcp).
 bench_fail() { echo "kvx bench: $*" >&2; exit 1; }
 [ "$(head -n 1 "$bench_dir/bench.csv")" = "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us" ] ||
     bench_fail "CSV header"
-[ "$(tail -n +2 "$bench_dir/bench.csv" | wc -l)" = 10 ] || bench_fail "expected 10 CSV rows"
+[ "$(tail -n +2 "$bench_dir/bench.csv" | wc -l)" = 12 ] || bench_fail "expected 12 CSV rows"
 awk -F, 'NR > 1 && (NF != 10 || $5 <= 0 || $7 <= 0) { exit 1 }' "$bench_dir/bench.csv" || bench_fail "a malformed CSV row"
 [ "$(grep -c 'yes (2 rounds)$' "$bench_dir/bench.txt")" = 10 ] || bench_fail "a row without its bytes verified"
 grep -q '</svg>' "$bench_dir/bench.svg" || bench_fail "no plot"

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use kvx_core::{Error, ErrorKind, Result, TransferAgent};
 use kvx_loopback::Fabric;
+use kvx_tcp::{TcpAgent, TcpConfig};
 use kvx_testkit::sim::SimBackend;
 
 /// A transfer backend. Backends not built into this binary yet fail with a clear error.
@@ -16,6 +17,8 @@ pub(crate) enum Backend {
     Ucx,
     /// NIXL (feature `nixl`), across processes.
     Nixl,
+    /// Plain TCP, in pure Rust (always built), across processes and hosts.
+    Tcp,
 }
 
 impl Backend {
@@ -24,6 +27,7 @@ impl Backend {
             Backend::Loopback => "loopback",
             Backend::Ucx => "ucx",
             Backend::Nixl => "nixl",
+            Backend::Tcp => "tcp",
         }
     }
 
@@ -36,11 +40,14 @@ impl Backend {
         if cfg!(feature = "nixl") {
             built.push(Backend::Nixl);
         }
+        built.push(Backend::Tcp);
         built
     }
 
     /// Agents for engines of this process. `cross_process`: the peers live in other processes.
-    pub(crate) fn sim_backend(self, cross_process: bool) -> Result<SimBackend> {
+    /// `tcp`: where the tcp backend's agents listen (each on a free port), and the deployment's
+    /// key its connections prove.
+    pub(crate) fn sim_backend(self, cross_process: bool, tcp: &TcpConfig) -> Result<SimBackend> {
         match self {
             Backend::Loopback if cross_process => Err(Error::new(
                 ErrorKind::Unsupported,
@@ -74,6 +81,13 @@ impl Backend {
                 ErrorKind::NotAvailable,
                 "this kvx was built without the nixl feature: use --backend loopback",
             )),
+            Backend::Tcp => {
+                let config = tcp.clone();
+                Ok(SimBackend::new(move |engine, rank| {
+                    Ok(Arc::new(TcpAgent::with_config(format!("{engine}-{rank}"), &config)?)
+                        as Arc<dyn TransferAgent>)
+                }))
+            }
         }
     }
 }

@@ -269,7 +269,7 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
     let backends = if args.all { Backend::built() } else { vec![args.backend] };
     for backend in &backends {
         // A backend this kvx lacks, or a NIXL that does not load, fails here with its reason.
-        backend.sim_backend(false)?;
+        backend.sim_backend(false, &kvx_tcp::TcpConfig::default())?;
     }
     let mut pairs = Vec::new();
     for &backend in &backends {
@@ -281,6 +281,15 @@ pub(crate) fn run(args: &BenchArgs) -> Result<()> {
                     ));
                 }
                 eprintln!("kvx bench: loopback has only in-process memory: no tcp rows for it");
+                continue;
+            }
+            if backend == Backend::Tcp && transport == Transport::Shm {
+                if !args.all {
+                    return Err(Error::invalid_argument(
+                        "the tcp backend moves bytes over TCP only: use --transport tcp",
+                    ));
+                }
+                eprintln!("kvx bench: tcp crosses TCP only: no shm rows for it");
                 continue;
             }
             pairs.push((backend, transport));
@@ -495,6 +504,12 @@ fn native_reads(
                 stream_batch,
             )
         }
+        Backend::Tcp => read_from(
+            Reader::open(kvx_tcp::TcpAgent::new(READER)?, &target.metadata, target.base, shape)?,
+            transport,
+            rounds,
+            stream_batch,
+        ),
         other => {
             let _ = (transport, target, shape, rounds, stream_batch);
             Err(Error::new(ErrorKind::Unsupported, format!("no reader process for {}", other.name())))
@@ -503,7 +518,6 @@ fn native_reads(
 }
 
 /// The timed rounds from a target in another process, then its [`xproc::DONE`].
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn read_from<A: TransferAgent>(
     reader: Reader<A>,
     transport: Transport,
@@ -537,6 +551,13 @@ pub(crate) fn serve_child_role() -> Option<Result<()>> {
             shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
             // NIXL progresses when the target drains its notifications: poll hot.
             Ok(xproc::TargetSetup { agent, memory: pool, idle: xproc::Idle::Yield })
+        }),
+        "tcp" => xproc::serve_if_child(|_, shape| {
+            let agent = kvx_tcp::TcpAgent::new("bench-target")?;
+            let pool = Arc::new(HostMemory::new(shape.target_len())?);
+            shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
+            // The agent's I/O threads serve the READs: park between drains, off the CPUs.
+            Ok(xproc::TargetSetup { agent, memory: pool, idle: xproc::Idle::Park(Duration::from_millis(1)) })
         }),
         other => {
             let _ = transport;

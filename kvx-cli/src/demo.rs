@@ -45,7 +45,7 @@ pub(crate) struct DemoArgs {
 
 /// Runs the demo and returns its summary.
 pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
-    let backend = args.backend.sim_backend(false)?;
+    let backend = args.backend.sim_backend(false, &kvx_tcp::TcpConfig::default())?;
     let (p, d) = (args.prefill_engines, args.decode_engines);
     let tps = (args.prefill_tp.unwrap_or(args.model.tp), args.decode_tp.unwrap_or(args.model.tp));
     let shape = if (p, d) == (1, 1) { String::new() } else { format!("engines: {p} prefill, {d} decode, ") };

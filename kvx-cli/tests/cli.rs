@@ -329,7 +329,6 @@ fn prefill_and_decode_processes_over_tcp() {
 }
 
 /// A `kvx prefill` process and the ports it listens on.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 struct Prefill {
     child: Child,
     /// The request API, as printed (`tcp://host:port`).
@@ -338,7 +337,6 @@ struct Prefill {
     ports: Vec<u16>,
 }
 
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill {
     let (child, api, first) = launch_prefill(backend, args, env);
     let mut ports = vec![api.rsplit(':').next().unwrap().parse().unwrap()];
@@ -350,7 +348,6 @@ fn start_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> Prefill 
 }
 
 /// Starts `kvx prefill`: the process, its request API (`tcp://host:port`) and its first line.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn launch_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, String, String) {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(KVX)
@@ -372,12 +369,10 @@ fn launch_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> (Child,
     (child, api, first)
 }
 
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn run_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)]) -> Output {
     wait(spawn_decode(backend, api, requests, env, &[]))
 }
 
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn spawn_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)], args: &[&str]) -> Child {
     let requests = requests.to_string();
     Command::new(KVX)
@@ -395,7 +390,6 @@ fn spawn_decode(backend: &str, api: &str, requests: usize, env: &[(&str, &str)],
 }
 
 /// Both processes succeeded: every request finished, bytes verified, nothing leaked.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn check_pair(decode: Output, prefill: Child, requests: usize) {
     let prefill = wait(prefill);
     let (d, p) = (text(&decode.stdout), text(&prefill.stdout));
@@ -415,7 +409,6 @@ fn check_pair(decode: Output, prefill: Child, requests: usize) {
     );
 }
 
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn prefill_and_decode_processes_with(backend: &str, env: &[(&str, &str)]) {
     let prefill = start_prefill(backend, &[], env);
     let decode = run_decode(backend, &prefill.api, 30, env);
@@ -425,9 +418,11 @@ fn prefill_and_decode_processes_with(backend: &str, env: &[(&str, &str)]) {
 /// `kvx prefill --tp P` and `kvx decode --tp D` (with `extra` options on both): every request
 /// finishes, every byte each decode rank READs is checked, nothing leaks on either side. Without
 /// the backend's library: a loud SKIP, or a failure with `KVX_REQUIRE_UCX=1` (`KVX_REQUIRE_NIXL=1`).
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn prefill_and_decode_of_tp_sizes(backend: &str, (p, d): (u32, u32), extra: &[&str], env: &[(&str, &str)]) {
-    if !common::backend_available(&format!("{backend}::prefill_tp{p}_decode_tp{d}"), backend) {
+    #[cfg(any(feature = "ucx", feature = "nixl"))]
+    if backend != "tcp"
+        && !common::backend_available(&format!("{backend}::prefill_tp{p}_decode_tp{d}"), backend)
+    {
         return;
     }
     let (ps, ds) = (p.to_string(), d.to_string());
@@ -441,7 +436,6 @@ fn prefill_and_decode_of_tp_sizes(backend: &str, (p, d): (u32, u32), extra: &[&s
 /// Every listening port of a `kvx prefill` process (the request API and each rank's side
 /// channel) gets the 73-byte ZMTP frame and a length header claiming u32::MAX bytes; the process
 /// stays up and a following `kvx decode` succeeds.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn prefill_survives_hostile_bytes_on_every_port(backend: &str) {
     let prefill = start_prefill(backend, &[], &[]);
     for &port in &prefill.ports {
@@ -540,7 +534,6 @@ fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
 /// A prefill/decode pair with the same key (flag on one side, `KVX_AUTH_KEY` on the other)
 /// succeeds; a decode with a wrong key first fails cleanly with an authentication error and the
 /// prefill process goes on.
-#[cfg(any(feature = "ucx", feature = "nixl"))]
 fn prefill_and_decode_with_an_auth_key(backend: &str) {
     let prefill = start_prefill(backend, &["--auth-key", "the-deployment-key-1"], &[]);
     let wrong = run_decode(backend, &prefill.api, 3, &[("KVX_AUTH_KEY", "not-the-deployment-key")]);
@@ -665,7 +658,8 @@ fn bench_writes_a_verified_csv_and_plot() {
     bench_writes_verified_rows(&[], &[("loopback", "shm")]);
 }
 
-/// `--all`: every backend this kvx was built with; the loopback backend has no tcp rows.
+/// `--all`: every backend this kvx was built with; the loopback backend has no tcp rows, the tcp
+/// backend no shm rows.
 #[test]
 fn bench_all_runs_every_built_backend() {
     let mut rows = vec![("loopback", "shm")];
@@ -674,7 +668,54 @@ fn bench_all_runs_every_built_backend() {
             rows.extend([(backend, "shm"), (backend, "tcp")]);
         }
     }
+    rows.push(("tcp", "tcp"));
     bench_writes_verified_rows(&["--all", "--transport", "shm,tcp"], &rows);
+}
+
+/// The tcp backend (pure Rust, in every build): the demo, the two roles as processes (also of
+/// other TP sizes and with a key), and its bench over TCP.
+mod tcp {
+    const BACKEND: &str = "tcp";
+
+    #[test]
+    fn demo() {
+        super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+    }
+
+    #[test]
+    fn demo_2p2d() {
+        super::demo_runs_several_prefill_and_decode_engines_on(BACKEND, 2, 2);
+    }
+
+    #[test]
+    fn prefill_and_decode_processes() {
+        super::prefill_and_decode_processes_with(BACKEND, &[]);
+    }
+
+    #[test]
+    fn prefill_tp1_decode_tp2() {
+        super::prefill_and_decode_of_tp_sizes(BACKEND, (1, 2), &[], &[]);
+    }
+
+    #[test]
+    fn prefill_tp2_decode_tp1() {
+        super::prefill_and_decode_of_tp_sizes(BACKEND, (2, 1), &["--window", "32"], &[]);
+    }
+
+    #[test]
+    fn prefill_and_decode_with_an_auth_key() {
+        super::prefill_and_decode_with_an_auth_key(BACKEND);
+    }
+
+    #[test]
+    fn prefill_survives_hostile_bytes_on_every_port() {
+        super::prefill_survives_hostile_bytes_on_every_port(BACKEND);
+    }
+
+    #[test]
+    fn bench() {
+        super::bench_writes_verified_rows(&["--backend", BACKEND, "--transport", "tcp"], &[(BACKEND, "tcp")]);
+    }
 }
 
 /// Arguments that cannot make a benchmark fail at once, with exit status 2, naming the problem,

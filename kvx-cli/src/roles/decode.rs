@@ -12,6 +12,7 @@ use kvx_testkit::sim::{RequestState, SimEngine};
 use crate::backend::Backend;
 use crate::summary::{PrefillLosses, Summary};
 use crate::workload::{ModelArgs, WorkloadArgs};
+use kvx_tcp::TcpConfig;
 
 use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
@@ -410,8 +411,9 @@ impl DecodeRun {
 
 /// Runs the workload through the prefill process and this decode engine.
 pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
-    let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
+    let tcp = TcpConfig::default().with_host(&args.host, None).with_auth_key(key.clone());
+    let backend = args.backend.sim_backend(true, &tcp)?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
     let side_channel = args.discovery.discovery.side_channel((&args.host, None), 0, key.clone());
     let config = engine_config("decode", side_channel, &args.model, key.clone(), args.lease);

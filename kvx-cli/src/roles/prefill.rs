@@ -15,6 +15,7 @@ use kvx_testkit::sim::SimEngine;
 use crate::backend::Backend;
 use crate::summary::Summary;
 use crate::workload::ModelArgs;
+use kvx_tcp::TcpConfig;
 
 use super::metrics::{MetricsArgs, RoleMetrics};
 use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
@@ -143,8 +144,10 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
     if let Some(warning) = warning {
         eprintln!("kvx prefill: warning: {warning}");
     }
-    let backend = args.backend.sim_backend(true)?;
     let key = args.auth.key()?;
+    let tcp =
+        TcpConfig::default().with_host(&args.host, Some(advertised.to_owned())).with_auth_key(key.clone());
+    let backend = args.backend.sim_backend(true, &tcp)?;
     let bind = (args.host.as_str(), Some(advertised));
     let side_channel = args.discovery.discovery.side_channel(bind, args.side_channel_port, key.clone());
     let config = engine_config("prefill", side_channel, &args.model, key.clone(), args.lease);

@@ -28,9 +28,9 @@ use tracing::{debug, warn};
 
 use super::admission::{Gate, GateStats, Lot, Phase, Promotion, Ticket};
 use super::frame::{FrameError, read_frame, write_frame};
-use super::session::{Refusal, ServerSession, SessionReply, Step};
+use super::session::{Refusal, ServerSession, SessionReply, Step, served_reply};
 use super::{NetConfig, ServeLimits, endpoint};
-use crate::auth::{AuthKey, Purpose};
+use crate::auth::AuthKey;
 use crate::error::{Error, ErrorKind, Result};
 use crate::wire;
 
@@ -498,23 +498,9 @@ async fn serve_connection<S: Service>(
                 }
                 let caller = Caller { connection: ticket.id(), peer, authenticated: shared.key.is_some() };
                 match shared.service.call(&caller, body).await {
-                    Ok(body) => {
-                        let tag = match (&shared.key, tag_with) {
-                            (Some(key), Some((c, s))) => {
-                                Some(key.tag(Purpose::HandshakeReply, &[&c, &s, &body]).to_vec())
-                            }
-                            _ => None,
-                        };
-                        (SessionReply::Reply { body, tag }, None)
-                    }
+                    Ok(body) => (served_reply(shared.key.as_ref(), body, tag_with), None),
                     Err(e) => {
-                        let refusal = match e.kind() {
-                            ErrorKind::Unauthenticated => Refusal::Unauthenticated,
-                            ErrorKind::Wire | ErrorKind::InvalidPeerData | ErrorKind::Incompatible => {
-                                Refusal::Malformed
-                            }
-                            _ => Refusal::Rejected,
-                        };
+                        let refusal = Refusal::of(e.kind());
                         debug!(name = shared.name, error = %e, "request refused");
                         let reason = e.message().to_owned();
                         (SessionReply::Refused { refusal, reason }, Some(End::of_refusal(refusal)))

@@ -125,6 +125,98 @@ pub(crate) enum Step {
     Refuse(Refusal, String),
 }
 
+impl Refusal {
+    /// How a server refuses a request its service failed with `kind`: `Unauthenticated` as such,
+    /// `Wire`, `InvalidPeerData` and `Incompatible` as malformed, any other kind as rejected.
+    pub(crate) fn of(kind: ErrorKind) -> Refusal {
+        match kind {
+            ErrorKind::Unauthenticated => Refusal::Unauthenticated,
+            ErrorKind::Wire | ErrorKind::InvalidPeerData | ErrorKind::Incompatible => Refusal::Malformed,
+            _ => Refusal::Rejected,
+        }
+    }
+
+    /// The kind of error the server's end reports for a connection it refused this way.
+    fn kind(self) -> ErrorKind {
+        match self {
+            Refusal::Unauthenticated => ErrorKind::Unauthenticated,
+            Refusal::Malformed => ErrorKind::InvalidPeerData,
+            Refusal::Rejected => ErrorKind::Handshake,
+        }
+    }
+}
+
+/// The server's answer to a served request: `body`, tagged over both challenges on the first
+/// reply of a keyed session (`tag_with`, from [`Step::Call`]).
+pub(crate) fn served_reply(
+    key: Option<&AuthKey>,
+    body: Vec<u8>,
+    tag_with: Option<([u8; CHALLENGE_LEN], [u8; CHALLENGE_LEN])>,
+) -> SessionReply {
+    let tag = match (key, tag_with) {
+        (Some(key), Some((c, s))) => Some(key.tag(Purpose::HandshakeReply, &[&c, &s, &body]).to_vec()),
+        _ => None,
+    };
+    SessionReply::Reply { body, tag }
+}
+
+/// The server's end of a session's opening, for a protocol that takes the connection over after
+/// its first exchange (kvx-tcp's data connections; the client's end is [`Connection::request`]
+/// then [`Connection::into_stream`]). Reads the client's frames (each at most `max_frame`
+/// bytes, each within `exchange`), runs the challenge-response with `key`, and answers the first
+/// request with the reply body `answer` makes of it (tagged over both challenges with a key).
+/// Returns what `answer` returned beside the body, once the reply is written.
+///
+/// A frame the session refuses, or an error from `answer`, is sent to the client as a refusal
+/// and returned (`Unauthenticated`; `InvalidPeerData` for a malformed frame; `Handshake` for a
+/// rejected request, the service's message kept). Bound the whole opening with the handshake
+/// deadline and the admission policy's eviction: this waits for as long as the client sends
+/// nothing.
+pub async fn accept_opening<T>(
+    stream: &mut TcpStream,
+    key: Option<AuthKey>,
+    max_frame: usize,
+    exchange: Duration,
+    answer: impl FnOnce(Vec<u8>) -> Result<(Vec<u8>, T)>,
+) -> Result<T> {
+    let mut session = ServerSession::new(key.clone());
+    let mut answer = Some(answer);
+    let frame_error =
+        |e: FrameError| Error::new(ErrorKind::Handshake, format!("session opening: {e}")).with_source(e);
+    loop {
+        let frame = read_frame(stream, max_frame, NO_LIMIT, exchange).await.map_err(frame_error)?;
+        let (reply, outcome) = match session.on_frame(&frame) {
+            Step::Send(reply) => (reply, None),
+            Step::Refuse(refusal, reason) => {
+                let e = Error::new(refusal.kind(), reason.clone());
+                (SessionReply::Refused { refusal, reason }, Some(Err(e)))
+            }
+            Step::Call { body, tag_with } => match answer.take().map(|answer| answer(body)) {
+                None => {
+                    // Unreachable: a session's first call ends the opening.
+                    let e = Error::new(ErrorKind::State, "a second request in a session opening");
+                    (
+                        SessionReply::Refused { refusal: Refusal::Rejected, reason: e.message().to_owned() },
+                        Some(Err(e)),
+                    )
+                }
+                Some(answered) => match answered {
+                    Ok((body, value)) => (served_reply(key.as_ref(), body, tag_with), Some(Ok(value))),
+                    Err(e) => {
+                        let refusal = Refusal::of(e.kind());
+                        let reply = SessionReply::Refused { refusal, reason: e.message().to_owned() };
+                        (reply, Some(Err(e)))
+                    }
+                },
+            },
+        };
+        write_frame(stream, &wire::encode(&reply)?, exchange).await.map_err(frame_error)?;
+        if let Some(outcome) = outcome {
+            return outcome;
+        }
+    }
+}
+
 /// The server's end of one connection's session.
 #[derive(Debug)]
 pub(crate) enum ServerSession {
@@ -230,6 +322,14 @@ impl Connection {
     /// The peer, as `host:port`.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// Hands the connection's socket over, for a protocol that takes the connection over after
+    /// its first exchange (the server's end is [`accept_opening`]). After a successful
+    /// [`request`](Self::request) both ends are proven (with a key) and no session frame is left
+    /// unread.
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
     }
 
     /// Sends `body` and returns the answer (at most `max_frame` bytes, checked before it is read).
