@@ -49,7 +49,7 @@ pub use transfer::{
 };
 pub use worker::{
     AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples,
-    WorkerCommand, WorkerConfig, WorkerStats,
+    TransferRecord, WorkerCommand, WorkerConfig, WorkerStats,
 };
 
 /// mockall mocks of the three traits (feature `mock`).

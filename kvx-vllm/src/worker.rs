@@ -547,6 +547,15 @@ impl Worker {
         })
     }
 
+    /// The READs completed and confirmed since the last call, oldest first, as vLLM's
+    /// NixlConnector records each transfer: `(seconds from post to done, bytes, descriptors)`.
+    fn take_transfers(&self) -> PyResult<Vec<(f64, u64, u64)>> {
+        self.with_state(|s| {
+            let transfers = s.driver.worker_mut().take_transfers();
+            Ok(transfers.into_iter().map(|t| (t.duration.as_secs_f64(), t.bytes, t.descriptors)).collect())
+        })
+    }
+
     /// Stops the pump thread, closes the connector (every READ cancelled or released, every
     /// registration given back) and drops the agent, then stops the side channel; without the
     /// GIL, since an agent's teardown may wait for its transfers (bounded). Afterwards the caller
@@ -612,6 +621,7 @@ mod tests {
         );
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
         assert!(worker.take_load_times().unwrap().is_empty(), "nothing loaded yet");
+        assert!(worker.take_transfers().unwrap().is_empty(), "nothing read yet");
         // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
         let shape = vec![8, 2, 4, 8];
         let tensors: Vec<HostMemory> = (0..2).map(|_| HostMemory::new(8 * 2 * 4 * 8).unwrap()).collect();

@@ -227,6 +227,22 @@ pub struct LoadTimes {
 /// first).
 const LOAD_TIMES_KEPT: usize = 1024;
 
+/// One READ that completed and whose hold the prefill engine confirmed (decode side), as vLLM's
+/// NixlConnector records each transfer: [`ConnectorWorker::take_transfers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferRecord {
+    /// From its post to the step that found it done (as `read_latencies`).
+    pub duration: Duration,
+    /// Bytes it moved.
+    pub bytes: u64,
+    /// Descriptors it was posted with, after coalescing (as `descriptors`).
+    pub descriptors: u64,
+}
+
+/// At most this many [`TransferRecord`]s wait for [`ConnectorWorker::take_transfers`] (the oldest
+/// go first; each is in the counters and histograms regardless).
+const TRANSFERS_KEPT: usize = 4096;
+
 #[derive(Debug)]
 struct Registered {
     layout: KvCacheLayout,
@@ -289,6 +305,8 @@ pub struct ConnectorWorker {
     stats: WorkerStats,
     /// Decode side: the stage times of the loads completed since the last `take_load_times`.
     load_times: VecDeque<LoadTimes>,
+    /// Decode side: the READs confirmed since the last `take_transfers`.
+    transfers: VecDeque<TransferRecord>,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
 }
@@ -336,6 +354,7 @@ impl ConnectorWorker {
             notifications: Vec::new(),
             stats: WorkerStats::default(),
             load_times: VecDeque::new(),
+            transfers: VecDeque::new(),
             closed: None,
         })
     }
@@ -387,6 +406,12 @@ impl ConnectorWorker {
     /// most the last 1024).
     pub fn take_load_times(&mut self) -> Vec<LoadTimes> {
         self.load_times.drain(..).collect()
+    }
+
+    /// Decode side: the READs completed and confirmed since the last call, oldest first (at most
+    /// the last 4096).
+    pub fn take_transfers(&mut self) -> Vec<TransferRecord> {
+        self.transfers.drain(..).collect()
     }
 
     /// Prefill side: holds whose blocks are held now (neither released nor expired).
