@@ -313,8 +313,20 @@ pub struct ConnectorWorker {
 
 impl ConnectorWorker {
     /// A worker over `agent`, which must support READ and notifications. The worker takes the
-    /// agent's completions and notifications: no one else drains them.
+    /// agent's completions and notifications: no one else drains them. Its tokens (the random
+    /// value each READ's release carries) come from the operating system.
     pub fn new(config: WorkerConfig, agent: Arc<dyn TransferAgent>) -> Result<Self> {
+        Self::with_nonces(config, agent, crate::auth::NonceSource::from_entropy()?)
+    }
+
+    /// As [`new`](Self::new), drawing the tokens from `tokens` (a seeded source replays a run, as
+    /// [`ConnectorScheduler::with_nonces`](crate::ConnectorScheduler::with_nonces) does for the
+    /// hold nonces). The instance, when the config names none, still comes from the system.
+    pub fn with_nonces(
+        config: WorkerConfig,
+        agent: Arc<dyn TransferAgent>,
+        tokens: crate::auth::NonceSource,
+    ) -> Result<Self> {
         let caps = agent.capabilities();
         if !caps.read || !caps.notifications {
             return Err(Error::new(
@@ -337,7 +349,7 @@ impl ConnectorWorker {
             config,
             agent,
             instance,
-            tokens: crate::auth::NonceSource::from_entropy()?,
+            tokens,
             registered: None,
             peers: HashMap::new(),
             retired: Vec::new(),
