@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
-use kvx_core::net::{NetConfig, ServerStats};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, Endpoint, EngineId, Error, FinishReason,
     Finished, GroupBlocks, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result,
-    SchedulerConfig, TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
+    SchedulerConfig, TransferParams, WorkerConfig, WorkerStats, wire,
 };
+use kvx_net::WorkerDriver;
+use kvx_net::{NetConfig, ServerStats};
 
 use super::config::{EndedRequest, EngineConfig, EngineStats, RequestState, SideChannel, SimBackend};
 use super::model;
@@ -105,7 +106,7 @@ pub struct SimEngine {
     errors: Vec<String>,
     side_channel_port: u16,
     /// Each rank's side channel, over TCP (empty in-process).
-    tcp_side_channels: Vec<Arc<kvx_core::net::SideChannel>>,
+    tcp_side_channels: Vec<Arc<kvx_net::SideChannel>>,
     /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
     ended: Vec<RequestId>,
     /// Runs the drivers' handshakes and the side channels; dropped last.
