@@ -58,7 +58,7 @@ bench_fail() { echo "kvx bench: $*" >&2; exit 1; }
     bench_fail "CSV header"
 [ "$(tail -n +2 "$bench_dir/bench.csv" | wc -l)" = 12 ] || bench_fail "expected 12 CSV rows"
 awk -F, 'NR > 1 && (NF != 10 || $5 <= 0 || $7 <= 0) { exit 1 }' "$bench_dir/bench.csv" || bench_fail "a malformed CSV row"
-[ "$(grep -c 'yes (2 rounds)$' "$bench_dir/bench.txt")" = 10 ] || bench_fail "a row without its bytes verified"
+[ "$(grep -c 'yes (2 rounds)$' "$bench_dir/bench.txt")" = 12 ] || bench_fail "a row without its bytes verified"
 grep -q '</svg>' "$bench_dir/bench.svg" || bench_fail "no plot"
 rm -r "$bench_dir"
 
