@@ -371,7 +371,7 @@ async fn read_answers(
 ) {
     let mut dead = link.dead.subscribe();
     let failure = tokio::select! {
-        e = take_answers(&inner, &mut r, &fifo, &link) => Some(e),
+        e = take_answers(&inner, &mut r, &fifo, &link) => e,
         _ = dead.wait_for(|d| *d) => None,
     };
     let why = match failure {
@@ -394,17 +394,24 @@ async fn read_answers(
     }
 }
 
-/// Takes answers until the connection fails; returns why.
-async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>, link: &Link) -> TcpError {
+/// Takes answers until the connection fails, and returns why; `None` when the peer closed it with
+/// no answer waiting (an idle connection its listener let go, or a peer that exited): no failure.
+async fn take_answers(
+    inner: &Inner,
+    r: &mut OwnedReadHalf,
+    fifo: &Mutex<Fifo>,
+    link: &Link,
+) -> Option<TcpError> {
     let limits = Limits { max_data: inner.config.chunk_bytes as u64 };
     loop {
         let mut bytes = [0u8; HEADER_LEN];
         if let Err(e) = r.read_exact(&mut bytes).await {
-            return e.into();
+            let idle = fifo.lock().unwrap_or_else(PoisonError::into_inner).waiting.is_empty();
+            return (e.kind() != std::io::ErrorKind::UnexpectedEof || !idle).then(|| e.into());
         }
         let header = match read_header(&bytes, Side::Initiator, limits) {
             Ok(h) => h,
-            Err(e) => return e,
+            Err(e) => return Some(e),
         };
         let expect = {
             let mut f = fifo.lock().unwrap_or_else(PoisonError::into_inner);
@@ -412,7 +419,7 @@ async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>, 
                 Some(e) if e.matches(&header) => f.waiting.pop_front(),
                 next => {
                     Counters::bump(&inner.stats.answers_refused);
-                    return TcpError::Unexpected(format!("{header:?}, waiting for {next:?}"));
+                    return Some(TcpError::Unexpected(format!("{header:?}, waiting for {next:?}")));
                 }
             }
         };
@@ -429,13 +436,13 @@ async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>, 
                     let received = slots.receive(r).await;
                     drop(slots);
                     if let Err(e) = received {
-                        return e.into();
+                        return Some(e.into());
                     }
                 }
                 None => {
                     Counters::bump(&inner.stats.answers_discarded);
                     if let Err(e) = discard(r, header.data_len).await {
-                        return e.into();
+                        return Some(e.into());
                     }
                 }
             }
