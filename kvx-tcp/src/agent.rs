@@ -144,8 +144,8 @@ impl TcpAgent {
     /// its state as [`poll`](TransferAgent::poll) does (`Pending` when the time ran out).
     ///
     /// For a caller with nothing to do until the transfer ends: it moves on the agent's I/O
-    /// threads, and a caller that polls in a loop takes a CPU from them (on 2 cores, a third of
-    /// the bandwidth at 16 KiB blocks). This sleeps until the transfer ends and wakes at once then.
+    /// threads, and a caller that polls in a loop takes a CPU from them (on 2 cores, up to a
+    /// third of the bandwidth). This sleeps until the transfer ends and wakes at once then.
     pub fn wait(&self, xfer: XferId, timeout: Duration) -> Result<XferState> {
         let deadline = Instant::now().checked_add(timeout);
         let mut st = self.inner.state()?;
