@@ -147,8 +147,8 @@ fn check_opening(inner: &Inner, body: &[u8]) -> kvx_core::Result<AgentName> {
 }
 
 /// Serves requests until the connection ends. As on every kvx server (`ServeLimits`), a request
-/// must start within `idle_timeout` of the last one, or the connection is closed (its peer
-/// connects again when it next needs to); once its first byte arrived, it is served within
+/// must start (its header arrive) within `idle_timeout` of the last one, or the connection is
+/// closed (its peer connects again when it next needs to); the rest of it is served within
 /// `exchange_timeout`. `max_lifetime` does not apply: the peer pipelines its requests, so closing
 /// a busy connection would fail the transfers whose requests are on their way.
 async fn serve_requests(
@@ -161,22 +161,25 @@ async fn serve_requests(
     let limits = inner.config.limits();
     loop {
         ticket.set(Phase::Waiting);
-        let mut byte = [0u8; 1];
-        let peeked = tokio::select! {
-            peeked = tokio::time::timeout(limits.idle_timeout, r.peek(&mut byte)) => peeked,
+        // The 40-byte header comes in one piece: waiting for it is waiting for the request to
+        // start (no peek first, which would cost a system call per request).
+        let mut bytes = [0u8; HEADER_LEN];
+        let read = tokio::select! {
+            read = tokio::time::timeout(limits.idle_timeout, r.read_exact(&mut bytes)) => read,
             () = ticket.evicted() => return End::MadeWay,
         };
-        match peeked {
+        match read {
             Err(_) => {
                 Counters::bump(&inner.stats.connections_idle);
                 return End::Closed;
             }
-            Ok(Ok(0)) => return End::Closed,
             Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return End::Closed,
             Ok(Err(e)) => return End::Failed(TcpError::Io(e).into()),
         }
         ticket.set(Phase::Busy);
-        let served = tokio::time::timeout(limits.exchange_timeout, serve_one(inner, from, r, w)).await;
+        let served =
+            tokio::time::timeout(limits.exchange_timeout, serve_one(inner, from, &bytes, r, w)).await;
         match served {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return End::Failed(e.into()),
@@ -185,17 +188,16 @@ async fn serve_requests(
     }
 }
 
-/// Reads one request and serves it.
+/// Serves the request whose header is `bytes`.
 async fn serve_one(
     inner: &Inner,
     from: &AgentName,
+    bytes: &[u8; HEADER_LEN],
     r: &mut OwnedReadHalf,
     w: &mut OwnedWriteHalf,
 ) -> Result<(), TcpError> {
-    let mut bytes = [0u8; HEADER_LEN];
-    r.read_exact(&mut bytes).await?;
     let max_data = inner.config.limits().max_frame as u64;
-    let header = read_header(&bytes, Side::Target, Limits { max_data })?;
+    let header = read_header(bytes, Side::Target, Limits { max_data })?;
     let mut meta = vec![0u8; header.meta_len as usize];
     r.read_exact(&mut meta).await?;
     if header.kind == Kind::Notify {
