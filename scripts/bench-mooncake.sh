@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# kvx-ucx over TCP against Mooncake Transfer Engine's TCP transport on the same scattered blocks,
-# round by round (kvx round, Mooncake round, kvx round, ...), with kvx bench's plain TCP stream
-# from the same kvx rounds: prints size, kvx GB/s, Mooncake GB/s, stream GB/s, the median of
-# the per-round kvx / Mooncake ratios (issue 14's goal: >= 1.5 at every size), the same for the
-# stream (what a data path that sends from the pool and receives into the slot over one
-# connection reaches) and Mooncake's CPU seconds per GB. A by-hand benchmark, not part of
+# kvx-ucx (or kvx-tcp: --backend tcp) over TCP against Mooncake Transfer Engine's TCP transport on
+# the same scattered blocks, round by round (kvx round, Mooncake round, kvx round, ...), with kvx
+# bench's plain TCP stream from the same kvx rounds: prints size, kvx GB/s, Mooncake GB/s, stream
+# GB/s, the median of the per-round kvx / Mooncake ratios (issue 14's goal: >= 1.5 at every size),
+# the same for the stream (what a data path that sends from the pool and receives into the slot
+# over one connection reaches) and Mooncake's CPU seconds per GB. A by-hand benchmark, not part of
 # scripts/test.sh. Options go to scripts/bench_mooncake.py:
-#   --sizes 16K,64K,1M  --blocks 1000  --pool-blocks 2000  --rounds 5  --csv FILE
+#   --backend ucx|tcp  --sizes 16K,64K,1M  --blocks 1000  --pool-blocks 2000  --rounds 5  --csv FILE
 #   --stream-batch N (the stream moves N blocks per writev/readv: a kvx TCP data path's bound)
 # Environment:
 #   KVX_MOONCAKE_VENV  the venv (default .venv-mooncake, gitignored): created on first use with
 #                      mooncake-transfer-engine 0.3.13, nvidia-cuda-runtime-cu12 and numpy
-#   KVX_BIN            a kvx built with --features ucx (default: built here, release)
+#   KVX_BIN            a kvx built with --features ucx (default: built here, release; kvx-tcp is
+#                      in every build)
 # Mooncake's wheel links libcuda.so.1 even for TCP; where the machine has no CUDA driver, a stub
 # exporting the cu* functions engine.so links, each failing with CUDA_ERROR_NO_DEVICE, is compiled
 # into the venv. Exits 77 with the reason when Mooncake cannot be installed or imported.

@@ -1,8 +1,9 @@
-"""kvx-ucx over TCP against Mooncake Transfer Engine's TCP transport, round by round.
+"""kvx-ucx (or kvx-tcp, `--backend tcp`) over TCP against Mooncake Transfer Engine's TCP transport,
+round by round.
 
 Run by scripts/bench-mooncake.sh, which prepares the venv and the environment. The driver (no
 arguments but the options below) alternates, for each block size, one round of
-`kvx bench --backend ucx --transport tcp --rounds 1` (which also times its plain TCP stream) with
+`kvx bench --backend <ucx|tcp> --transport tcp --rounds 1` (which also times its plain TCP stream) with
 one round of Mooncake: a READ of the same scattered blocks, between two Mooncake processes on
 127.0.0.1 ("P2PHANDSHAKE" metadata, no etcd), one `batch_transfer_sync_read` of all blocks. Both
 move the blocks of kvx-testkit's `xproc::Shape` (the same target pattern, the same block picked
@@ -175,9 +176,9 @@ def cpu_seconds(pid):
     return total / 1e9
 
 
-def kvx_round(kvx, shape, csv_path, stream_batch):
+def kvx_round(kvx, backend, shape, csv_path, stream_batch):
     """One `kvx bench` run of one timed round: (kvx GB/s, TCP stream GB/s)."""
-    cmd = [kvx, "bench", "--backend", "ucx", "--transport", "tcp", "--sizes", str(shape.block_len),
+    cmd = [kvx, "bench", "--backend", backend, "--transport", "tcp", "--sizes", str(shape.block_len),
            "--blocks", str(shape.reads), "--pool-blocks", str(shape.target_blocks), "--rounds", "1",
            "--stream-batch", str(stream_batch), "--csv", csv_path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
@@ -209,7 +210,7 @@ def drive(args):
                 mc.round(0)  # warm-up (connections, first touch); checked, not timed
                 kvx, stream, moon, moon_cpu = [], [], [], 0.0
                 for rnd in range(1, args.rounds + 1):
-                    k, s = kvx_round(args.kvx, shape, kvx_csv, args.stream_batch)
+                    k, s = kvx_round(args.kvx, args.backend, shape, kvx_csv, args.stream_batch)
                     seconds, cpu = mc.round(rnd)
                     m = moved / seconds / 1e9
                     kvx.append(k)
@@ -225,7 +226,7 @@ def drive(args):
             rows.append((size, statistics.median(kvx), statistics.median(moon), statistics.median(stream),
                          statistics.median(ratios), min(ratios), max(ratios), stream_ratio,
                          moon_cpu / (moved * args.rounds) * 1e9))
-    print("| block | kvx-ucx tcp GB/s | Mooncake tcp GB/s | TCP stream GB/s | kvx / Mooncake (min-max) | goal >= 1.5 "
+    print(f"| block | kvx-{args.backend} tcp GB/s | Mooncake tcp GB/s | TCP stream GB/s | kvx / Mooncake (min-max) | goal >= 1.5 "
           "| stream / Mooncake | Mooncake CPU s/GB |")
     print("|---|---|---|---|---|---|---|---|")
     for size, k, m, s, r, lo, hi, sr, c in rows:
@@ -244,6 +245,7 @@ def drive(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kvx", help="the kvx binary (built with --features ucx)")
+    p.add_argument("--backend", choices=["ucx", "tcp"], default="ucx", help="the kvx backend to measure")
     p.add_argument("--sizes", default="16K,64K,1M")
     p.add_argument("--blocks", type=int, default=1000)
     p.add_argument("--pool-blocks", type=int, default=2000)

@@ -3,8 +3,10 @@
 # joined by a veth pair with addresses from a /30 drawn per run, `lo` up in each, no default route
 # and nothing else attached (no route out: only the two namespaces and their loopback are ever
 # targets). Checks, each run bounded in time:
-#   - kvx-ucx over UCX's TCP transport (prefill bound to its veth address), and kvx-nixl (NIXL's
-#     UCX backend) over TCP (prefill bound to 0.0.0.0, advertising its veth address): every request
+#   - kvx-ucx over UCX's TCP transport (prefill bound to its veth address), kvx-nixl (NIXL's
+#     UCX backend) over TCP (prefill bound to 0.0.0.0, advertising its veth address), and kvx-tcp
+#     (both engines bound to 0.0.0.0, each advertising its veth address: the prefill engine
+#     connects back to the decode engine's agent to tell it of released holds): every request
 #     finished, every byte verified, 0 blocks leaked on both sides, and the KV bytes crossed the
 #     veth pair (its byte counters), so no shared-memory path (both namespaces share /dev/shm and
 #     the process table) was taken instead;
@@ -156,9 +158,12 @@ ucx_env() {
 
 # Options of both processes of the next `transfer` (the discovery).
 both=()
+# Where the decode process of the next `transfer` binds (and what it advertises).
+decode_bind=(--host "$ip_b")
 
-# `transfer BACKEND PREFILL_HOST_ARGS..`: kvx-ucx or kvx-nixl across the pair, the prefill process
-# bound as the arguments say: every request and byte, 0 leaked, bytes on the veth.
+# `transfer BACKEND PREFILL_HOST_ARGS..`: kvx-ucx, kvx-nixl or kvx-tcp across the pair, the prefill
+# process bound as the arguments say, the decode process as `decode_bind`: every request and byte,
+# 0 leaked, bytes on the veth.
 transfer() {
     local backend=$1 requests=32
     shift
@@ -170,7 +175,7 @@ transfer() {
         --api-port 5600 --api-client "$ip_b" --timeout 100 "${both[@]}"
     local prefill=$last
     # shellcheck disable=SC2046
-    start "$ns_b" "$backend-decode" $(ucx_env b) -- decode --backend "$backend" --host "$ip_b" \
+    start "$ns_b" "$backend-decode" $(ucx_env b) -- decode --backend "$backend" "${decode_bind[@]}" \
         --prefill "tcp://$ip_a:5600" --requests "$requests" --reconnect-timeout 30 --timeout 90 "${both[@]}"
     local decode=$last
     local rc_decode rc_prefill
@@ -207,6 +212,10 @@ transfer() {
 transfer ucx --host "$ip_a"
 # Bound on every interface of A (lo and the veth), advertising the veth's address.
 transfer nixl --host 0.0.0.0 --advertise-host "$ip_a"
+# kvx-tcp: both bound on every interface of their namespace, each advertising its veth address.
+decode_bind=(--host 0.0.0.0 --advertise-host "$ip_b")
+transfer tcp --host 0.0.0.0 --advertise-host "$ip_a"
+decode_bind=(--host "$ip_b")
 
 # The engines find each other through an etcd server on A's veth address (kvx-etcd): the params
 # carry no side-channel host or port.

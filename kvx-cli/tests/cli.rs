@@ -207,6 +207,22 @@ fn backends_that_cannot_run_a_role_say_so() {
     }
 }
 
+/// Both roles refuse to bind every interface without an address to advertise, before they start
+/// anything (the decode engine's kvx-tcp agent and side channel are reached back at it).
+#[test]
+fn roles_on_every_interface_need_an_advertised_host() {
+    for role in ["prefill", "decode"] {
+        let args = [role, "--backend", "tcp", "--host", "0.0.0.0", "--timeout", "5"];
+        let out =
+            wait(Command::new(KVX).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{role}: {stderr}");
+        assert!(
+            stderr.contains("--host 0.0.0.0 binds every interface") && stderr.contains("--advertise-host")
+        );
+    }
+}
+
 /// The tests of a native backend this `kvx` was built with, in a module named after it; a `kvx`
 /// built with both features runs both modules' tests, each backend chosen by `--backend`.
 #[cfg(any(feature = "ucx", feature = "nixl"))]

@@ -16,7 +16,7 @@ use kvx_core::MAX_NOTIFICATION_LEN;
 use crate::error::TcpError;
 
 /// Bytes of a header.
-pub(crate) const HEADER_LEN: usize = 40;
+pub const HEADER_LEN: usize = 40;
 /// The first two bytes of every header ("kt").
 const MAGIC: u16 = 0x746b;
 /// Ranges per request at most (16 bytes each).
@@ -27,7 +27,7 @@ const RANGE_LEN: usize = 16;
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub(crate) enum Kind {
+pub enum Kind {
     /// Initiator to target: send me these ranges of your memory (meta: ranges).
     ReadRequest = 1,
     /// Target to initiator: the ranges of a READ request (data), or its refusal (no data).
@@ -48,32 +48,35 @@ impl Kind {
     }
 
     /// Whether the target (the listening end of a connection) takes this kind.
-    pub(crate) fn to_target(self) -> bool {
+    pub fn to_target(self) -> bool {
         matches!(self, Kind::ReadRequest | Kind::WriteRequest | Kind::Notify)
     }
 }
 
 /// An answer's status.
-pub(crate) const OK: u8 = 0;
+pub const OK: u8 = 0;
 /// An answer's status: the target refused the request (a range outside its live registrations).
-pub(crate) const REFUSED: u8 = 1;
+pub const REFUSED: u8 = 1;
 
 /// One frame's header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Header {
-    pub(crate) kind: Kind,
+pub struct Header {
+    /// What the frame is.
+    pub kind: Kind,
     /// [`OK`] or [`REFUSED`] in answers; 0 otherwise.
-    pub(crate) status: u8,
+    pub status: u8,
     /// Ranges the request names, or the answer answers.
-    pub(crate) count: u32,
+    pub count: u32,
     /// The transfer's id at its initiator.
-    pub(crate) xfer: u64,
+    pub xfer: u64,
     /// The random nonce the initiator drew for the transfer.
-    pub(crate) nonce: u64,
+    pub nonce: u64,
     /// The index of the first range, in the transfer's ranges.
-    pub(crate) first: u32,
-    pub(crate) meta_len: u32,
-    pub(crate) data_len: u64,
+    pub first: u32,
+    /// Bytes of metadata after the header (ranges, or a notification).
+    pub meta_len: u32,
+    /// Bytes of data after the metadata.
+    pub data_len: u64,
 }
 
 /// What a reader accepts.
@@ -89,7 +92,8 @@ impl Header {
         Header { kind, status: OK, count, xfer, nonce, first, meta_len: 0, data_len: 0 }
     }
 
-    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         out[..2].copy_from_slice(&MAGIC.to_le_bytes());
         out[2] = self.kind as u8;
@@ -171,6 +175,49 @@ impl Header {
         }
         Ok(())
     }
+}
+
+/// Which end of a connection reads a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The listening end: it takes requests and notifications.
+    Target,
+    /// The connecting end: it takes answers.
+    Initiator,
+}
+
+/// Decodes and checks a header that `side` read: [`Header::check`]'s checks, and a kind that
+/// `side` takes.
+pub(crate) fn read_header(bytes: &[u8; HEADER_LEN], side: Side, limits: Limits) -> Result<Header, TcpError> {
+    let header = Header::decode(bytes, limits)?;
+    if header.kind.to_target() != (side == Side::Target) {
+        return Err(TcpError::Malformed(format!("a {:?} sent to the {side:?}", header.kind)));
+    }
+    Ok(header)
+}
+
+/// A request's ranges, checked as the target serves them: [`decode_ranges`], at most
+/// `max_data` bytes in all, and a WRITE's data exactly as long as its ranges. Returns the
+/// ranges and their total length.
+pub(crate) fn request_ranges(
+    header: &Header,
+    meta: &[u8],
+    max_data: u64,
+) -> Result<(Vec<(u64, u64)>, u64), TcpError> {
+    let ranges = decode_ranges(header, meta)?;
+    let total = ranges.iter().try_fold(0u64, |sum, &(_, len)| sum.checked_add(len));
+    let total = total.filter(|&t| t <= max_data).ok_or(TcpError::Oversize {
+        what: "ranges",
+        len: u64::MAX,
+        max: max_data,
+    })?;
+    if header.kind == Kind::WriteRequest && header.data_len != total {
+        return Err(TcpError::Malformed(format!(
+            "{} bytes of data for {total} bytes of ranges",
+            header.data_len
+        )));
+    }
+    Ok((ranges, total))
 }
 
 /// A request's metadata: `(address, length)` of each range.

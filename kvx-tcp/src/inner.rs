@@ -158,6 +158,7 @@ pub(crate) struct Counters {
     pub(crate) connections_accepted: AtomicU64,
     pub(crate) connections_dropped: AtomicU64,
     pub(crate) connections_parked: AtomicU64,
+    pub(crate) connections_idle: AtomicU64,
     pub(crate) answers_refused: AtomicU64,
     pub(crate) answers_discarded: AtomicU64,
     pub(crate) requests_refused: AtomicU64,
@@ -245,6 +246,20 @@ impl Inner {
         }
         if ended {
             st.completed.push(id);
+            // `TcpAgent::wait` wakes for a transfer that became final before it settled, too.
+            self.settled.notify_all();
+        }
+    }
+
+    /// Waits on `st` at most `limit` for a transfer to become final or settle.
+    pub(crate) fn wait_change<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        limit: Duration,
+    ) -> Result<MutexGuard<'a, State>> {
+        match self.settled.wait_timeout(st, limit) {
+            Ok((st, _)) => Ok(st),
+            Err(_) => Err(poisoned("agent state")),
         }
     }
 

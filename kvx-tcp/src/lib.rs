@@ -10,6 +10,7 @@ mod link;
 mod listener;
 mod memio;
 mod metadata;
+pub mod wire;
 
 pub use agent::{TcpAgent, TcpStats};
 pub use config::TcpConfig;

@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -17,24 +18,47 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 
+use kvx_core::wire::agent_metadata::check_agent_name;
 use kvx_core::{AgentName, Error, ErrorKind, Result};
 use kvx_net::Connection;
 
 use crate::error::{TcpError, err};
-use crate::frame::{HEADER_LEN, Header, Kind, Limits, REFUSED};
+use crate::frame::{HEADER_LEN, Header, Kind, Limits, REFUSED, Side, read_header};
 use crate::inner::{Counters, Event, Inner};
 use crate::memio::Pinned;
 use crate::metadata::RemoteRegion;
 
-/// What a client sends in the session's first request: who it is and whom it means to reach.
+/// What a client sends in the session's first request (MessagePack, named fields): who it is
+/// and whom it means to reach.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct Opening {
+pub struct Opening {
     /// The connecting agent (the sender of the notifications that come over the connection).
-    pub(crate) agent: String,
-    /// The agent it means to reach, and that agent's instance, from its metadata.
-    pub(crate) target: String,
-    pub(crate) instance: u64,
+    pub agent: String,
+    /// The agent it means to reach, from its metadata.
+    pub target: String,
+    /// That agent's instance, from its metadata.
+    pub instance: u64,
+}
+
+impl Opening {
+    /// The body's bytes.
+    pub(crate) fn encode(&self) -> Result<Vec<u8>> {
+        rmp_serde::to_vec_named(self).map_err(|e| err(ErrorKind::Wire, e.to_string()))
+    }
+
+    /// Decodes a peer's opening and checks the name it gives itself; `InvalidPeerData` otherwise.
+    pub fn decode(body: &[u8]) -> Result<Opening> {
+        let opening: Opening = rmp_serde::from_slice(body).map_err(|e| {
+            Error::invalid_peer_data(format!("a session opening that is not kvx-tcp's: {e}"))
+                .with_backend(crate::BACKEND)
+        })?;
+        check_agent_name(&AgentName::new(opening.agent.as_str())).map_err(|e| {
+            Error::invalid_peer_data(format!("the opening's sender: {}", e.message()))
+                .with_backend(crate::BACKEND)
+        })?;
+        Ok(opening)
+    }
 }
 
 /// A loaded peer: where it listens and its connections, opened as they are first needed.
@@ -55,6 +79,22 @@ pub(crate) struct Peer {
 pub(crate) struct Link {
     tx: mpsc::UnboundedSender<Command>,
     dead: watch::Sender<bool>,
+    /// When it was last handed a command (or opened).
+    used: Mutex<Instant>,
+}
+
+impl Link {
+    /// Whether it may take a command: open, and used within half of `idle` (the peer's listener
+    /// closes a connection idle for `idle_timeout`; one idle half as long is let go and opened
+    /// again first, so that a request never races the peer's close).
+    fn usable(&self, idle: Duration) -> bool {
+        let used = *self.used.lock().unwrap_or_else(PoisonError::into_inner);
+        !*self.dead.borrow() && used.elapsed() < idle / 2
+    }
+
+    fn touch(&self) {
+        *self.used.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
+    }
 }
 
 /// What a connection's writer sends.
@@ -140,15 +180,21 @@ impl Peer {
 
     /// Connection `i` (modulo their number), opened again if it was lost.
     pub(crate) fn link(self: &Arc<Self>, inner: &Arc<Inner>, i: usize) -> Arc<Link> {
+        let idle = inner.config.limits().idle_timeout;
         let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
         let n = links.len();
         let slot = &mut links[i % n];
-        if let Some(link) = slot.as_ref().filter(|l| !*l.dead.borrow()) {
+        if let Some(link) = slot.as_ref().filter(|l| l.usable(idle)) {
+            link.touch();
             return Arc::clone(link);
+        }
+        if let Some(stale) = slot.take() {
+            // Idle (or lost): closed, with nothing in flight on it.
+            stale.dead.send_replace(true);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let (dead, _) = watch::channel(false);
-        let link = Arc::new(Link { tx, dead });
+        let link = Arc::new(Link { tx, dead, used: Mutex::new(Instant::now()) });
         *slot = Some(Arc::clone(&link));
         inner.runtime.spawn(run(Arc::clone(inner), Arc::clone(self), Arc::clone(&link), rx));
         link
@@ -171,9 +217,15 @@ impl Peer {
         // reference: the link is looked up, and opened only from the agent's calls.
         let links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
         let n = links.len();
-        let live = (0..n).filter_map(|k| links[(i + k) % n].as_ref()).find(|l| !*l.dead.borrow());
+        let idle = inner.config.limits().idle_timeout;
+        let open = || (0..n).filter_map(|k| links[(i + k) % n].as_ref());
+        // One used lately, or else any still open (a transfer's own may have idled meanwhile).
+        let live = open().find(|l| l.usable(idle)).or_else(|| open().find(|l| !*l.dead.borrow()));
         inner.notification_queued();
-        match live.map(|l| l.tx.send(Command::Notify(frame))) {
+        match live.map(|l| {
+            l.touch();
+            l.tx.send(Command::Notify(frame))
+        }) {
             Some(Ok(())) => Ok(()),
             _ => {
                 inner.notification_gone();
@@ -224,7 +276,7 @@ async fn connect(inner: &Inner, peer: &Peer) -> std::result::Result<TcpStream, E
         target: peer.name.as_str().to_owned(),
         instance: peer.instance,
     };
-    let body = rmp_serde::to_vec_named(&opening).map_err(|e| err(ErrorKind::Wire, e.to_string()))?;
+    let body = opening.encode()?;
     let open = async {
         let mut conn = Connection::connect(&peer.host, peer.port, &inner.config.net).await?;
         conn.request(body).await?;
@@ -319,7 +371,7 @@ async fn read_answers(
 ) {
     let mut dead = link.dead.subscribe();
     let failure = tokio::select! {
-        e = take_answers(&inner, &mut r, &fifo) => Some(e),
+        e = take_answers(&inner, &mut r, &fifo, &link) => e,
         _ = dead.wait_for(|d| *d) => None,
     };
     let why = match failure {
@@ -342,18 +394,24 @@ async fn read_answers(
     }
 }
 
-/// Takes answers until the connection fails; returns why.
-async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>) -> TcpError {
+/// Takes answers until the connection fails, and returns why; `None` when the peer closed it with
+/// no answer waiting (an idle connection its listener let go, or a peer that exited): no failure.
+async fn take_answers(
+    inner: &Inner,
+    r: &mut OwnedReadHalf,
+    fifo: &Mutex<Fifo>,
+    link: &Link,
+) -> Option<TcpError> {
     let limits = Limits { max_data: inner.config.chunk_bytes as u64 };
     loop {
         let mut bytes = [0u8; HEADER_LEN];
         if let Err(e) = r.read_exact(&mut bytes).await {
-            return e.into();
+            let idle = fifo.lock().unwrap_or_else(PoisonError::into_inner).waiting.is_empty();
+            return (e.kind() != std::io::ErrorKind::UnexpectedEof || !idle).then(|| e.into());
         }
-        let header = match Header::decode(&bytes, limits) {
-            Ok(h) if !h.kind.to_target() => h,
-            Ok(h) => return TcpError::Malformed(format!("a {:?} sent to the initiator", h.kind)),
-            Err(e) => return e,
+        let header = match read_header(&bytes, Side::Initiator, limits) {
+            Ok(h) => h,
+            Err(e) => return Some(e),
         };
         let expect = {
             let mut f = fifo.lock().unwrap_or_else(PoisonError::into_inner);
@@ -361,11 +419,12 @@ async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>) 
                 Some(e) if e.matches(&header) => f.waiting.pop_front(),
                 next => {
                     Counters::bump(&inner.stats.answers_refused);
-                    return TcpError::Unexpected(format!("{header:?}, waiting for {next:?}"));
+                    return Some(TcpError::Unexpected(format!("{header:?}, waiting for {next:?}")));
                 }
             }
         };
         let Some(expect) = expect else { continue };
+        link.touch();
         let outcome = if header.status == REFUSED {
             Err(err(
                 ErrorKind::Transfer,
@@ -377,13 +436,13 @@ async fn take_answers(inner: &Inner, r: &mut OwnedReadHalf, fifo: &Mutex<Fifo>) 
                     let received = slots.receive(r).await;
                     drop(slots);
                     if let Err(e) = received {
-                        return e.into();
+                        return Some(e.into());
                     }
                 }
                 None => {
                     Counters::bump(&inner.stats.answers_discarded);
                     if let Err(e) = discard(r, header.data_len).await {
-                        return e.into();
+                        return Some(e.into());
                     }
                 }
             }

@@ -16,13 +16,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-use kvx_core::wire::agent_metadata::check_agent_name;
 use kvx_core::{AgentName, Error, ErrorKind};
 use kvx_net::admission::{Gate, Lot, Phase, Promotion, Ticket};
 use kvx_net::session::accept_opening;
 
 use crate::error::{TcpError, err};
-use crate::frame::{HEADER_LEN, Header, Kind, Limits, OK, REFUSED, decode_ranges};
+use crate::frame::{HEADER_LEN, Header, Kind, Limits, OK, REFUSED, Side, read_header, request_ranges};
 use crate::inner::{Counters, Inner};
 use crate::link::{Opening, discard};
 
@@ -137,20 +136,21 @@ async fn serve(inner: &Inner, mut stream: TcpStream, mut ticket: Ticket) -> (End
 
 /// The peer's opening: it must mean this agent and instance, and name itself validly.
 fn check_opening(inner: &Inner, body: &[u8]) -> kvx_core::Result<AgentName> {
-    let opening: Opening = rmp_serde::from_slice(body)
-        .map_err(|e| Error::invalid_peer_data(format!("a session opening that is not kvx-tcp's: {e}")))?;
+    let opening = Opening::decode(body)?;
     if opening.target != inner.name.as_str() || opening.instance != inner.instance {
         return Err(Error::new(
             ErrorKind::Handshake,
             format!("this is agent {} of another instance, or another agent: stale metadata", inner.name),
         ));
     }
-    let from = AgentName::new(opening.agent);
-    check_agent_name(&from).map_err(|e| Error::invalid_peer_data(e.message().to_owned()))?;
-    Ok(from)
+    Ok(AgentName::new(opening.agent))
 }
 
-/// Serves requests until the connection ends.
+/// Serves requests until the connection ends. As on every kvx server (`ServeLimits`), a request
+/// must start (its header arrive) within `idle_timeout` of the last one, or the connection is
+/// closed (its peer connects again when it next needs to); the rest of it is served within
+/// `exchange_timeout`. `max_lifetime` does not apply: the peer pipelines its requests, so closing
+/// a busy connection would fail the transfers whose requests are on their way.
 async fn serve_requests(
     inner: &Inner,
     from: &AgentName,
@@ -161,15 +161,21 @@ async fn serve_requests(
     let limits = inner.config.limits();
     loop {
         ticket.set(Phase::Waiting);
+        // The 40-byte header comes in one piece: waiting for it is waiting for the request to
+        // start (no peek first, which would cost a system call per request).
         let mut bytes = [0u8; HEADER_LEN];
         let read = tokio::select! {
-            read = r.read_exact(&mut bytes) => read,
+            read = tokio::time::timeout(limits.idle_timeout, r.read_exact(&mut bytes)) => read,
             () = ticket.evicted() => return End::MadeWay,
         };
         match read {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return End::Closed,
-            Err(e) => return End::Failed(TcpError::Io(e).into()),
+            Err(_) => {
+                Counters::bump(&inner.stats.connections_idle);
+                return End::Closed;
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return End::Closed,
+            Ok(Err(e)) => return End::Failed(TcpError::Io(e).into()),
         }
         ticket.set(Phase::Busy);
         let served =
@@ -191,23 +197,14 @@ async fn serve_one(
     w: &mut OwnedWriteHalf,
 ) -> Result<(), TcpError> {
     let max_data = inner.config.limits().max_frame as u64;
-    let header = Header::decode(bytes, Limits { max_data })?;
-    if !header.kind.to_target() {
-        return Err(TcpError::Malformed(format!("a {:?} sent to the target", header.kind)));
-    }
+    let header = read_header(bytes, Side::Target, Limits { max_data })?;
     let mut meta = vec![0u8; header.meta_len as usize];
     r.read_exact(&mut meta).await?;
     if header.kind == Kind::Notify {
         inner.deliver(from.clone(), meta);
         return Ok(());
     }
-    let ranges = decode_ranges(&header, &meta)?;
-    let total = ranges.iter().try_fold(0u64, |sum, &(_, len)| sum.checked_add(len));
-    let total = total.filter(|&t| t <= max_data).ok_or(TcpError::Oversize {
-        what: "ranges",
-        len: u64::MAX,
-        max: max_data,
-    })?;
+    let (ranges, total) = request_ranges(&header, &meta, max_data)?;
     let answer = |status, data_len| {
         let kind = if header.kind == Kind::ReadRequest { Kind::ReadData } else { Kind::WriteAck };
         Header {
@@ -224,12 +221,6 @@ async fn serve_one(
     match (header.kind, memory) {
         (Kind::ReadRequest, Some(memory)) => memory.send(&answer(OK, total), w).await?,
         (Kind::WriteRequest, memory) => {
-            if header.data_len != total {
-                return Err(TcpError::Malformed(format!(
-                    "{} bytes of data for {total} bytes of ranges",
-                    header.data_len
-                )));
-            }
             let status = match memory {
                 Some(memory) => {
                     memory.receive(r).await?;

@@ -388,3 +388,55 @@ fn a_notification_sent_before_the_sender_drops_arrives() {
     });
     assert_eq!((got[0].from.as_str(), &got[0].msg[..]), ("decode", &b"last words"[..]));
 }
+
+/// `wait` sleeps until the transfer ends and returns its state (a lookup once it is final, and
+/// `Pending` when the time runs out first); an unknown transfer is `NotFound`.
+#[test]
+fn wait_returns_once_the_transfer_ends_or_the_time_runs_out() {
+    let (target, memory, _) = real_target();
+    let ini = Initiator::new(&target.local_metadata().unwrap(), memory.region().addr);
+    let x = ini.read(&[0, 1, 2, 3]);
+    assert_eq!(ini.agent.wait(x, DEADLINE).unwrap(), XferState::Done);
+    assert_eq!(ini.agent.wait(x, Duration::ZERO).unwrap(), XferState::Done);
+    assert!(ini.memory.to_vec().iter().all(|&b| b == 3));
+    ini.agent.release(x).unwrap();
+    assert_eq!(ini.agent.wait(x, DEADLINE).unwrap_err().kind(), ErrorKind::NotFound);
+    // A forged target that never answers: the wait ends with the time, the READ still pending.
+    let forged = ForgedTarget::new();
+    let silent = Initiator::new(&forged.metadata(), REMOTE_BASE);
+    let _conn = forged.accept();
+    let y = silent.read(&[0]);
+    let start = Instant::now();
+    assert_eq!(silent.agent.wait(y, Duration::from_millis(50)).unwrap(), XferState::Pending);
+    assert!(start.elapsed() >= Duration::from_millis(50));
+}
+
+/// An established connection on which no request starts within `idle_timeout` is closed by the
+/// listener (counted, not as a drop); the initiator lets a connection idle half as long go and
+/// opens a new one first, so the next READ never meets the close.
+#[test]
+fn idle_connections_are_closed_and_opened_again_when_next_needed() {
+    let mut config = TcpConfig::default();
+    config.net.limits.idle_timeout = Duration::from_secs(1);
+    let target = TcpAgent::with_config("prefill", &config).unwrap();
+    let memory = Arc::new(HostMemory::new((BLOCK * u64::from(BLOCKS)) as usize).unwrap());
+    memory.write(0, &vec![5u8; memory.region().len as usize]).unwrap();
+    target.register(memory.clone()).unwrap();
+    let agent = TcpAgent::with_config("decode", &config.clone().with_connections(1)).unwrap();
+    let local_memory = Arc::new(HostMemory::new((BLOCK * u64::from(BLOCKS)) as usize).unwrap());
+    agent.register(local_memory.clone()).unwrap();
+    let peer = agent.load_remote(&target.local_metadata().unwrap()).unwrap();
+    let local = agent.prep_dlist(&DlistOwner::Local, &list(local_memory.region().addr)).unwrap();
+    let remote = agent.prep_dlist(&DlistOwner::Remote(peer), &list(memory.region().addr)).unwrap();
+    let read = |b: u32| agent.post(XferOp::Read, local, &[b], remote, &[b], None).unwrap();
+    assert_eq!(agent.wait(read(0), DEADLINE).unwrap(), XferState::Done);
+    wait_until("the idle connection closed", || target.stats().connections_idle == 1);
+    assert_eq!(agent.wait(read(1), DEADLINE).unwrap(), XferState::Done, "a new connection serves it");
+    assert_eq!(agent.stats().connections_opened, 2);
+    // Used again before half the idle time: the same connection.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(agent.wait(read(2), DEADLINE).unwrap(), XferState::Done);
+    assert_eq!(agent.stats().connections_opened, 2);
+    assert_eq!(agent.stats().connections_dropped + target.stats().connections_dropped, 0);
+    assert!(local_memory.to_vec()[..3 * BLOCK as usize].iter().all(|&b| b == 5));
+}

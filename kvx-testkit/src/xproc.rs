@@ -443,7 +443,7 @@ impl<A: TransferAgent> Reader<A> {
     /// target agent in this same process).
     pub fn read_round_with(&self, round: usize, notify: Option<&[u8]>, service: &dyn Fn()) -> Duration {
         ok(
-            self.try_read_round(round, notify, &mut || {
+            self.try_read_round(round, notify, &mut |_| {
                 service();
                 Ok(())
             }),
@@ -452,12 +452,13 @@ impl<A: TransferAgent> Reader<A> {
     }
 
     /// [`read_round_with`](Self::read_round_with), returning failures (of the READ or of
-    /// `service`) as errors.
+    /// `service`) as errors. `service` is handed the pending transfer (so that it can wait on it,
+    /// for an agent whose own threads move it).
     pub fn try_read_round(
         &self,
         round: usize,
         notify: Option<&[u8]>,
-        service: &mut dyn FnMut() -> Result<()>,
+        service: &mut dyn FnMut(XferId) -> Result<()>,
     ) -> Result<Duration> {
         let shape = &self.shape;
         let local: Vec<u32> = (0..shape.reads).map(|i| shape.local_slot(i) as u32).collect();
@@ -470,7 +471,7 @@ impl<A: TransferAgent> Reader<A> {
         Ok(elapsed)
     }
 
-    fn wait(&self, x: XferId, service: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    fn wait(&self, x: XferId, service: &mut dyn FnMut(XferId) -> Result<()>) -> Result<()> {
         let deadline = Instant::now() + TRANSFER_DEADLINE;
         loop {
             match self.agent.poll(x)? {
@@ -484,7 +485,7 @@ impl<A: TransferAgent> Reader<A> {
                 XferState::Done => return Ok(()),
                 XferState::Failed(e) => return Err(e),
             }
-            service()?;
+            service(x)?;
         }
     }
 

@@ -15,7 +15,7 @@ use crate::workload::{ModelArgs, WorkloadArgs};
 use kvx_tcp::TcpConfig;
 
 use super::metrics::{MetricsArgs, RoleMetrics};
-use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use super::{ApiReply, ApiRequest, AuthArgs, advertised_host, api_error, engine_config, runtime};
 use crate::discovery::DiscoveryArgs;
 
 /// What `kvx decode` does with a request whose KV load failed.
@@ -38,9 +38,16 @@ pub(crate) struct DecodeArgs {
     /// Transfer backend (one that crosses processes).
     #[arg(long, value_enum, default_value_t = Backend::Ucx)]
     backend: Backend,
-    /// Host of this engine's side channel.
+    /// Host of this engine's side channel and of its transfer agent's listener, for the backends
+    /// that listen (tcp): prefill engines connect to it to tell this one that its holds are
+    /// released (`0.0.0.0`: every interface, which needs `--advertise-host`).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// The address prefill engines reach this host at, put into this engine's handshake payload
+    /// and agent metadata (default: `--host`). Prefill engines on other hosts need an address of
+    /// this host they can route to, not a loopback one.
+    #[arg(long)]
+    advertise_host: Option<String>,
     /// The prefill process's request API (`tcp://host:port` or `host:port`).
     #[arg(long, default_value = "tcp://127.0.0.1:5600")]
     prefill: String,
@@ -411,11 +418,18 @@ impl DecodeRun {
 
 /// Runs the workload through the prefill process and this decode engine.
 pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
+    let (advertised, warning) =
+        advertised_host(&args.host, args.advertise_host.as_deref(), "prefill engines")?;
+    if let Some(warning) = warning {
+        eprintln!("kvx decode: warning: {warning}");
+    }
     let key = args.auth.key()?;
-    let tcp = TcpConfig::default().with_host(&args.host, None).with_auth_key(key.clone());
+    let tcp =
+        TcpConfig::default().with_host(&args.host, Some(advertised.to_owned())).with_auth_key(key.clone());
     let backend = args.backend.sim_backend(true, &tcp)?;
     let (api_host, api_port) = parse_endpoint(&args.prefill)?;
-    let side_channel = args.discovery.discovery.side_channel((&args.host, None), 0, key.clone());
+    let bind = (args.host.as_str(), Some(advertised));
+    let side_channel = args.discovery.discovery.side_channel(bind, 0, key.clone());
     let config = engine_config("decode", side_channel, &args.model, key.clone(), args.lease);
     let engine = SimEngine::new(config, &backend)?;
     println!(

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Runtime;
 
-use kvx_core::{AuthKey, Error, ErrorKind, Result, SystemClock, TransferParams};
+use kvx_core::{AuthKey, Error, ErrorKind, HostScope, Result, SystemClock, TransferParams};
 use kvx_net::Handshakes;
 use kvx_testkit::sim::{EngineConfig, LoadFailurePolicy, SideChannel};
 
@@ -55,6 +55,41 @@ enum ApiReply {
 
 fn api_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Io, format!("request API: {what}: {e}"))
+}
+
+/// The host an engine bound to `host` gives its `peers` (in its params, its side channel's and its
+/// agent's metadata): `advertise` or else `host`, with a warning when peers on other hosts cannot
+/// use it. An unspecified address (`0.0.0.0`, `::`) is refused: a peer would connect to its own
+/// machine.
+fn advertised_host<'a>(
+    host: &'a str,
+    advertise: Option<&'a str>,
+    peers: &str,
+) -> Result<(&'a str, Option<String>)> {
+    let advertised = advertise.unwrap_or(host);
+    let warning = match (HostScope::of(host), HostScope::of(advertised)) {
+        (_, HostScope::Unspecified) if advertise.is_none() => {
+            return Err(Error::invalid_argument(format!(
+                "--host {host} binds every interface, which is no address to hand to {peers}: \
+                 give the one they reach this host at with --advertise-host"
+            )));
+        }
+        (_, HostScope::Unspecified) => {
+            return Err(Error::invalid_argument(format!(
+                "--advertise-host {advertised} is no address {peers} can connect to"
+            )));
+        }
+        (HostScope::Other | HostScope::Unspecified, HostScope::Loopback) => Some(format!(
+            "advertising loopback address {advertised} while binding {host}: {peers} on other hosts \
+             will connect to their own machine, not to this one (set --advertise-host)"
+        )),
+        (HostScope::Loopback, HostScope::Other) => Some(format!(
+            "advertising {advertised} while binding loopback address {host}: {peers} cannot reach \
+             the side channels there (set --host)"
+        )),
+        _ => None,
+    };
+    Ok((advertised, warning))
 }
 
 fn runtime() -> Result<Runtime> {
@@ -104,3 +139,31 @@ fn engine_config(
 
 pub(crate) use decode::{DecodeArgs, decode};
 pub(crate) use prefill::{PrefillArgs, prefill};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unspecified_host_needs_an_address_to_advertise_and_loopback_ones_are_warned_about() {
+        assert_eq!(advertised_host("10.0.0.1", None, "peers").unwrap(), ("10.0.0.1", None));
+        assert_eq!(advertised_host("127.0.0.1", None, "peers").unwrap(), ("127.0.0.1", None));
+        assert_eq!(advertised_host("0.0.0.0", Some("10.0.0.1"), "peers").unwrap(), ("10.0.0.1", None));
+        for (host, advertise) in
+            [("0.0.0.0", None), ("::", None), ("0.0.0.0", Some("::")), ("10.0.0.1", Some("0.0.0.0"))]
+        {
+            let e = advertised_host(host, advertise, "peers").unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{host} {advertise:?}");
+        }
+        assert!(
+            advertised_host("0.0.0.0", None, "peers").unwrap_err().message().contains("--advertise-host")
+        );
+        for (host, advertise) in
+            [("10.0.0.1", Some("127.0.0.1")), ("0.0.0.0", Some("localhost")), ("127.0.0.1", Some("10.0.0.1"))]
+        {
+            let (advertised, warning) = advertised_host(host, advertise, "peers").unwrap();
+            assert_eq!(Some(advertised), advertise);
+            assert!(warning.is_some_and(|w| w.contains(host)), "{host} {advertise:?}");
+        }
+    }
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
+use kvx_core::{Error, ErrorKind, RequestId, Result, TransferParams};
 use kvx_net::{Caller, NetConfig, Server, Service};
 use kvx_testkit::sim::SimEngine;
 
@@ -18,7 +18,7 @@ use crate::workload::ModelArgs;
 use kvx_tcp::TcpConfig;
 
 use super::metrics::{MetricsArgs, RoleMetrics};
-use super::{ApiReply, ApiRequest, AuthArgs, api_error, engine_config, runtime};
+use super::{ApiReply, ApiRequest, AuthArgs, advertised_host, api_error, engine_config, runtime};
 use crate::discovery::DiscoveryArgs;
 
 /// Options of `kvx prefill`.
@@ -63,36 +63,6 @@ pub(crate) struct PrefillArgs {
     /// give `kvx decode` the same).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     lease: u64,
-}
-
-/// The host put into the params: `advertise` or else `host`, with a warning when decode engines
-/// on other hosts cannot use it. An unspecified address (`0.0.0.0`, `::`) is refused: a decode
-/// engine would connect to its own machine.
-fn advertised_host<'a>(host: &'a str, advertise: Option<&'a str>) -> Result<(&'a str, Option<String>)> {
-    let advertised = advertise.unwrap_or(host);
-    let warning = match (HostScope::of(host), HostScope::of(advertised)) {
-        (_, HostScope::Unspecified) if advertise.is_none() => {
-            return Err(Error::invalid_argument(format!(
-                "--host {host} binds every interface, which is no address to hand to decode engines: \
-                 give the one they reach this host at with --advertise-host"
-            )));
-        }
-        (_, HostScope::Unspecified) => {
-            return Err(Error::invalid_argument(format!(
-                "--advertise-host {advertised} is no address decode engines can connect to"
-            )));
-        }
-        (HostScope::Other | HostScope::Unspecified, HostScope::Loopback) => Some(format!(
-            "advertising loopback address {advertised} while binding {host}: decode engines on other hosts \
-             will connect to their own machine, not to this one (set --advertise-host)"
-        )),
-        (HostScope::Loopback, HostScope::Other) => Some(format!(
-            "advertising {advertised} while binding loopback address {host}: decode engines cannot reach \
-             the side channels there (set --host)"
-        )),
-        _ => None,
-    };
-    Ok((advertised, warning))
 }
 
 type Pending = (ApiRequest, tokio::sync::oneshot::Sender<ApiReply>);
@@ -140,7 +110,8 @@ impl Service for Api {
 
 /// Runs the prefill engine until the decode process is done with it.
 pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
-    let (advertised, warning) = advertised_host(&args.host, args.advertise_host.as_deref())?;
+    let (advertised, warning) =
+        advertised_host(&args.host, args.advertise_host.as_deref(), "decode engines")?;
     if let Some(warning) = warning {
         eprintln!("kvx prefill: warning: {warning}");
     }
@@ -230,31 +201,5 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
             return Ok(summary);
         }
         std::thread::yield_now();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_unspecified_host_needs_an_address_to_advertise_and_loopback_ones_are_warned_about() {
-        assert_eq!(advertised_host("10.0.0.1", None).unwrap(), ("10.0.0.1", None));
-        assert_eq!(advertised_host("127.0.0.1", None).unwrap(), ("127.0.0.1", None));
-        assert_eq!(advertised_host("0.0.0.0", Some("10.0.0.1")).unwrap(), ("10.0.0.1", None));
-        for (host, advertise) in
-            [("0.0.0.0", None), ("::", None), ("0.0.0.0", Some("::")), ("10.0.0.1", Some("0.0.0.0"))]
-        {
-            let e = advertised_host(host, advertise).unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{host} {advertise:?}");
-        }
-        assert!(advertised_host("0.0.0.0", None).unwrap_err().message().contains("--advertise-host"));
-        for (host, advertise) in
-            [("10.0.0.1", Some("127.0.0.1")), ("0.0.0.0", Some("localhost")), ("127.0.0.1", Some("10.0.0.1"))]
-        {
-            let (advertised, warning) = advertised_host(host, advertise).unwrap();
-            assert_eq!(Some(advertised), advertise);
-            assert!(warning.is_some_and(|w| w.contains(host)), "{host} {advertise:?}");
-        }
     }
 }

@@ -6,6 +6,7 @@ mod fixture;
 mod lease;
 mod net;
 mod params;
+mod tcp;
 mod wire;
 mod worker;
 
@@ -13,6 +14,7 @@ pub use backends::{loopback_metadata, nixl_metadata, ucx_metadata};
 pub use lease::worker_lease_notifications;
 pub use net::net_frames;
 pub use params::{nonce, transfer_params};
+pub use tcp::{tcp_frame_header, tcp_opening, tcp_request};
 pub use wire::wire_envelope;
 pub use worker::{
     rank_report_aggregate, worker_connector_metadata, worker_handshake, worker_handshake_fields,
@@ -46,6 +48,25 @@ pub fn all() -> Vec<Target> {
             net_frames,
             net::net_frames_seeds,
         ),
+        Target::new(
+            "tcp_frame_header",
+            "a kvx-tcp frame header at either end (kvx_tcp::wire::decode_header), with a limit on data",
+            tcp_frame_header,
+            tcp::tcp_frame_header_seeds,
+        ),
+        Target::new(
+            "tcp_request",
+            "a kvx-tcp request as its target reads it: header, then ranges (kvx_tcp::wire::decode_request)",
+            tcp_request,
+            tcp::tcp_request_seeds,
+        ),
+        Target::new(
+            "tcp_opening",
+            "a kvx-tcp session opening's body (kvx_tcp::wire::Opening::decode)",
+            tcp_opening,
+            tcp::tcp_opening_seeds,
+        )
+        .with_dict(tcp::tcp_opening_dict()),
         Target::new(
             "transfer_params",
             "kv_transfer_params JSON (TransferParams::from_json) through two ConnectorSchedulers",
