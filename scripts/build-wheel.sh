@@ -53,10 +53,9 @@ say "building kvx_vllm + kvx_vllm_native for $("$PYTHON" -c 'import sys; print(s
 WHEEL=$(find "$WHEELS" -maxdepth 1 -name 'kvx_vllm-*.whl' -newer "$STAMP" | head -1)
 [ -n "$WHEEL" ] || { say "maturin wrote no kvx_vllm wheel to $WHEELS" >&2; exit 1; }
 # The one wheel holds both halves: the Python package and the native module.
-for f in kvx_vllm/connector.py kvx_vllm_native/__init__.py; do
-    "$PYTHON" -m zipfile -l "$WHEEL" | grep -q "^$f " || { say "$WHEEL lacks $f" >&2; exit 1; }
+LISTING=$("$PYTHON" -m zipfile -l "$WHEEL")
+for f in 'kvx_vllm/connector.py ' 'kvx_vllm_native/__init__.py ' 'kvx_vllm_native/kvx_vllm_native\..*\.so '; do
+    grep -q "^$f" <<<"$LISTING" || { say "$WHEEL lacks ${f% }"; exit 1; }
 done
-"$PYTHON" -m zipfile -l "$WHEEL" | grep -q '^kvx_vllm_native/kvx_vllm_native\..*\.so ' \
-    || { say "$WHEEL lacks the native module" >&2; exit 1; }
 say "built $WHEEL"
 echo "$WHEEL"
