@@ -602,11 +602,23 @@ got = {"decode kvx_reads_done_total": total(decode, "kvx_reads_done_total"),
        "decode kvx_read_bytes_total": total(decode, "kvx_read_bytes_total"),
        "prefill kvx_holds_released_total": total(prefill, "kvx_holds_released_total"),
        "prefill kvx_holds_live": total(prefill, "kvx_holds_live"),
-       "vllm:kvx_read_count_total": total(vllm, "vllm:kvx_read_count_total")}
+       "vllm:kvx_read_count_total": total(vllm, "vllm:kvx_read_count_total"),
+       # NixlConnector's own names, for its dashboards: one observation per READ kvx confirmed, and
+       # its failure counter with kvx's failed READs and handshakes (the failure-policy check makes
+       # one fail on purpose).
+       "vllm:nixl_xfer_time_seconds_count": total(vllm, "vllm:nixl_xfer_time_seconds_count"),
+       "vllm:nixl_bytes_transferred_sum": total(vllm, "vllm:nixl_bytes_transferred_sum"),
+       "vllm:nixl_num_descriptors_sum": total(vllm, "vllm:nixl_num_descriptors_sum"),
+       "vllm:nixl_num_failed_transfers_total": total(vllm, "vllm:nixl_num_failed_transfers_total"),
+       "vllm:kvx_failures": sum(total(vllm, f"vllm:kvx_{k}_total") or 0 for k in ("reads_failed", "handshake_failures"))}
 print(f"test-vllm: metrics: {got}")
 ok = (got["decode kvx_reads_done_total"] or 0) > 0 and got["decode kvx_reads_failed_total"] == 0 \
     and (got["prefill kvx_holds_released_total"] or 0) > 0 and got["prefill kvx_holds_live"] == 0 \
-    and (got["vllm:kvx_read_count_total"] or 0) > 0
+    and (got["vllm:kvx_read_count_total"] or 0) > 0 \
+    and got["vllm:nixl_xfer_time_seconds_count"] == got["vllm:kvx_read_count_total"] \
+    and (got["vllm:nixl_bytes_transferred_sum"] or 0) > 0 \
+    and (got["vllm:nixl_num_descriptors_sum"] or 0) > 0 \
+    and (got["vllm:nixl_num_failed_transfers_total"] or 0) >= got["vllm:kvx_failures"]
 sys.exit(0 if ok else 1)
 PY
         then

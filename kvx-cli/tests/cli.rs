@@ -483,8 +483,7 @@ fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
     let prefill = start_prefill(backend, &[], &[]);
     // An anonymous Done from another address (127.0.0.3) is refused; the prefill process stays up.
     let done = serde_json::to_vec(&"Done").unwrap();
-    let frame =
-        kvx_core::wire::encode(&kvx_core::net::session::SessionRequest::Request { body: done }).unwrap();
+    let frame = kvx_core::wire::encode(&kvx_net::session::SessionRequest::Request { body: done }).unwrap();
     let api_port = prefill.ports[0];
     {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -492,12 +491,12 @@ fn prefill_serves_decode_through_floods_of_every_port(backend: &str) {
             let s = tokio::net::TcpSocket::new_v4().unwrap();
             s.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)), 0)).unwrap();
             let mut stream = s.connect(SocketAddr::from(([127, 0, 0, 1], api_port))).await.unwrap();
-            kvx_core::net::frame::write_frame(&mut stream, &frame, LIMIT).await.unwrap();
-            kvx_core::net::frame::read_frame(&mut stream, 1 << 20, LIMIT, LIMIT).await.unwrap()
+            kvx_net::frame::write_frame(&mut stream, &frame, LIMIT).await.unwrap();
+            kvx_net::frame::read_frame(&mut stream, 1 << 20, LIMIT, LIMIT).await.unwrap()
         });
-        let reply: kvx_core::net::session::SessionReply = kvx_core::wire::decode(&reply).unwrap();
+        let reply: kvx_net::session::SessionReply = kvx_core::wire::decode(&reply).unwrap();
         assert!(
-            matches!(&reply, kvx_core::net::session::SessionReply::Refused { reason, .. } if reason.contains("--api-client")),
+            matches!(&reply, kvx_net::session::SessionReply::Refused { reason, .. } if reason.contains("--api-client")),
             "{reply:?}"
         );
     }

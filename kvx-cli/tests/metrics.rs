@@ -9,9 +9,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::metrics::{CONTENT_TYPE, Metrics, serve};
 use kvx_core::{EngineId, RequestId, TransferAgent};
 use kvx_loopback::Fabric;
+use kvx_net::metrics::{CONTENT_TYPE, Metrics, serve};
 use kvx_testkit::sim::{
     Cluster, EngineConfig, EngineMetrics, InProcessSideChannels, ModelSpec, SideChannel, SimBackend,
     SimEngine,

@@ -101,19 +101,20 @@ mod tests {
 /// A rate limit for logs: [`due`](Self::due) says yes at most once per period of the time it is
 /// given (a sans-IO state machine's `now`, or `Instant::now()`).
 #[derive(Debug, Clone)]
-pub(crate) struct Every {
+pub struct Every {
     period: Duration,
     last: Option<Instant>,
 }
 
 impl Every {
-    pub(crate) fn new(period: Duration) -> Self {
+    /// Says yes at most once per `period`.
+    pub fn new(period: Duration) -> Self {
         Every { period, last: None }
     }
 
     /// Whether the period has passed since the last yes (yes the first time); a yes starts a new
     /// period.
-    pub(crate) fn due(&mut self, now: Instant) -> bool {
+    pub fn due(&mut self, now: Instant) -> bool {
         let due = self.last.is_none_or(|last| now.saturating_duration_since(last) >= self.period);
         if due {
             self.last = Some(now);

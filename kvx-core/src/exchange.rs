@@ -23,7 +23,7 @@ pub struct PeerLocator {
 }
 
 /// Publishes this worker's handshake payload and fetches peers'. The default implementation is
-/// the TCP side channel (`net::SideChannel`, feature `net`), which fetches from the locator's
+/// the TCP side channel (kvx-net's `SideChannel`), which fetches from the locator's
 /// endpoint; an exchange over a registry (kvx-etcd) finds peers by engine id and rank.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]

@@ -47,9 +47,10 @@ impl ParallelGroup for SingleRank {
     }
 }
 
-/// Rank 0's end of a gather: reports from the other ranks, one per rank per gather.
+/// Rank 0's end of a gather: reports from the other ranks, one per rank per gather. The
+/// in-process group and kvx-net's `TcpGroup` both gather through it.
 #[derive(Debug)]
-pub(crate) struct GatherInbox {
+pub struct GatherInbox {
     world_size: u32,
     timeout: Duration,
     /// Reports that arrived beyond one per rank, kept for the next gather: at most one per rank
@@ -58,14 +59,15 @@ pub(crate) struct GatherInbox {
 }
 
 impl GatherInbox {
-    pub(crate) fn new(world_size: u32, timeout: Duration) -> Self {
+    /// An inbox for a group of `world_size` ranks whose gathers wait at most `timeout`.
+    pub fn new(world_size: u32, timeout: Duration) -> Self {
         GatherInbox { world_size, timeout, backlog: VecDeque::new() }
     }
 
     /// Collects at most one report per other rank, waiting until `timeout` for missing ones, and
     /// returns them with their ranks, rank 0's (`own`) first. `recv` waits for the next report
     /// until a deadline (`Ok(None)` when it passes).
-    pub(crate) fn gather(
+    pub fn gather(
         &mut self,
         own: Finished,
         mut recv: impl FnMut(Instant) -> Result<Option<(u32, Finished)>>,

@@ -3,8 +3,6 @@
 
 pub mod auth;
 pub mod clock;
-#[cfg(feature = "driver")]
-pub mod driver;
 pub mod error;
 pub mod exchange;
 pub mod group;
@@ -13,10 +11,6 @@ pub mod ids;
 pub mod layout;
 pub mod memory;
 pub mod meta;
-#[cfg(feature = "metrics")]
-pub mod metrics;
-#[cfg(feature = "net")]
-pub mod net;
 pub mod params;
 pub mod post;
 pub mod scheduler;
@@ -27,8 +21,6 @@ pub mod worker;
 
 pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource};
 pub use clock::{Clock, ManualClock, SystemClock};
-#[cfg(feature = "driver")]
-pub use driver::{Handshakes, WorkerDriver};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{MetadataExchange, PeerLocator};
 pub use group::{InProcessGroup, ParallelGroup, SingleRank};
@@ -49,7 +41,7 @@ pub use transfer::{
 };
 pub use worker::{
     AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples,
-    WorkerCommand, WorkerConfig, WorkerStats,
+    TransferRecord, WorkerCommand, WorkerConfig, WorkerStats,
 };
 
 /// mockall mocks of the three traits (feature `mock`).

@@ -28,8 +28,8 @@ use tracing::{debug, warn};
 
 use kvx_core::auth::{Purpose, TAG_LEN};
 use kvx_core::error::quote;
-use kvx_core::net::{NetConfig, max_payload};
 use kvx_core::{AuthKey, EngineId, Error, ErrorKind, MetadataExchange, PeerLocator, Result};
+use kvx_net::{NetConfig, max_payload};
 
 pub use url::{EtcdUrl, SCHEME};
 

@@ -4,8 +4,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use kvx_core::error::quote;
-use kvx_core::net::{endpoint, parse_endpoint};
 use kvx_core::{Error, Result};
+use kvx_net::{endpoint, parse_endpoint};
 
 /// The scheme of an etcd discovery URL.
 pub const SCHEME: &str = "etcd://";

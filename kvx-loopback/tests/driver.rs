@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use kvx_core::mock::{MockMetadataExchange, MockParallelGroup};
 use kvx_core::{
-    Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, GroupBlocks, Handshakes,
-    HeldRequest, HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RankReport,
-    RecvRequest, RemoteCoordinates, RequestId, SingleRank, WorkerConfig, WorkerDriver,
+    Clock, ConnectorMetadata, ConnectorWorker, Endpoint, ErrorKind, Finished, GroupBlocks, HeldRequest,
+    HexBytes, HostMemory, LayerCache, ManualClock, MetadataExchange, PeerLocator, RankReport, RecvRequest,
+    RemoteCoordinates, RequestId, SingleRank, WorkerConfig,
 };
 use kvx_loopback::Fabric;
+use kvx_net::{Handshakes, WorkerDriver};
 
 fn layer() -> Vec<LayerCache> {
     let memory = Arc::new(HostMemory::new(2 * 8 * 64).unwrap());

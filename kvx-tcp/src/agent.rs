@@ -102,7 +102,7 @@ impl TcpAgent {
         let (tx, rx) = std::sync::mpsc::channel();
         let (host, port) = (config.host.clone(), config.port);
         runtime.spawn(async move {
-            let _ = tx.send(kvx_core::net::listen(&host, port).await);
+            let _ = tx.send(kvx_net::listen(&host, port).await);
         });
         let listener =
             rx.recv().map_err(|_| err(ErrorKind::Io, "the I/O runtime stopped"))?.map_err(|e| {

@@ -2,7 +2,7 @@
 //! deployment's key and limits.
 
 use kvx_core::AuthKey;
-use kvx_core::net::{NetConfig, ServeLimits};
+use kvx_net::{NetConfig, ServeLimits};
 
 /// How a [`TcpAgent`](crate::TcpAgent) listens and connects.
 #[derive(Debug, Clone)]

@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 
-use kvx_core::net::Connection;
 use kvx_core::{AgentName, Error, ErrorKind, Result};
+use kvx_net::Connection;
 
 use crate::error::{TcpError, err};
 use crate::frame::{HEADER_LEN, Header, Kind, Limits, REFUSED};

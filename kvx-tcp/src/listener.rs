@@ -1,6 +1,6 @@
 //! The target's side: the agent's listener and the connections peers open to it.
 //!
-//! Connections are admitted as every kvx server admits them ([`kvx_core::net::admission`]): a
+//! Connections are admitted as every kvx server admits them ([`kvx_net::admission`]): a
 //! [`Gate`] with the configured budgets, pending until the session's opening proves the peer
 //! (its key, and that it means this agent and instance), then established; a connection that
 //! makes way for another is parked in the [`Lot`]. An established connection serves its
@@ -16,10 +16,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-use kvx_core::net::admission::{Gate, Lot, Phase, Promotion, Ticket};
-use kvx_core::net::session::accept_opening;
 use kvx_core::wire::agent_metadata::check_agent_name;
 use kvx_core::{AgentName, Error, ErrorKind};
+use kvx_net::admission::{Gate, Lot, Phase, Promotion, Ticket};
+use kvx_net::session::accept_opening;
 
 use crate::error::{TcpError, err};
 use crate::frame::{HEADER_LEN, Header, Kind, Limits, OK, REFUSED, decode_ranges};

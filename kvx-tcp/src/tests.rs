@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use kvx_core::net::session::accept_opening;
-use kvx_core::net::{Connection, NetConfig};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, DlistId, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind, TransferAgent,
     XferId, XferOp, XferState,
 };
+use kvx_net::session::accept_opening;
+use kvx_net::{Connection, NetConfig};
 
 use crate::frame::{HEADER_LEN, Header, Kind, Limits, decode_ranges};
 use crate::link::Opening;

@@ -498,7 +498,7 @@ fn the_readme_shows_the_two_commands_and_the_crate_map_on_its_first_screen() {
 
 #[test]
 fn the_extraction_finds_what_the_docs_write() {
-    assert_eq!(paths_in("kvx_core::net::admission"), ["kvx_core::net::admission"]);
+    assert_eq!(paths_in("kvx_net::admission"), ["kvx_net::admission"]);
     assert_eq!(
         paths_in("SideChannel::bind_with(host, NetConfig::with_key(k))"),
         ["SideChannel::bind_with", "NetConfig::with_key"]
@@ -519,11 +519,10 @@ fn the_extraction_finds_what_the_docs_write() {
         "| x | `a_b_c_d` | `one_two_three_four`, `x::five_six_seven_eight` |",
     ];
     assert_eq!(test_names(&table), ["one_two_three_four", "five_six_seven_eight"]);
-    let paragraph =
-        ["A `TcpGroup`'s rank 0 and", "`kvx_core::net::admission` across", "1 line,", "", "- `a::b`"];
+    let paragraph = ["A `TcpGroup`'s rank 0 and", "`kvx_net::admission` across", "1 line,", "", "- `a::b`"];
     assert_eq!(
         blocks(&paragraph),
-        [" A `TcpGroup`'s rank 0 and `kvx_core::net::admission` across 1 line,", " - `a::b`"]
+        [" A `TcpGroup`'s rank 0 and `kvx_net::admission` across 1 line,", " - `a::b`"]
     );
     assert_eq!(
         slug("Posting: descriptors named once, coalesced"),

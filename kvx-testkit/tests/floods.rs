@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
-use kvx_core::net::session::SessionRequest;
-use kvx_core::net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
 use kvx_core::{AuthKey, Endpoint, Finished, MetadataExchange, ParallelGroup, PeerLocator, RequestId, wire};
+use kvx_net::session::SessionRequest;
+use kvx_net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
 use kvx_testkit::flood::{ChildFlood, Latencies, Shape, raise_open_files, rss_kib, run_child_flood};
 
 const PAYLOAD: &[u8] = &[0x5A; 4096];
@@ -284,8 +284,8 @@ fn scrape(addr: SocketAddr) -> Result<(), String> {
 #[test]
 fn metrics_are_scraped_through_floods_of_their_port() {
     let rt = runtime(1);
-    let metrics = kvx_core::metrics::Metrics::new();
-    let server = rt.block_on(kvx_core::metrics::serve("127.0.0.1", 0, metrics.registry())).unwrap();
+    let metrics = kvx_net::metrics::Metrics::new();
+    let server = rt.block_on(kvx_net::metrics::serve("127.0.0.1", 0, metrics.registry())).unwrap();
     let target = server.local_addr();
     let get = b"GET /metrics HTTP/1.1\r\nHost: kvx\r\n\r\n".to_vec();
     let shapes = [

@@ -15,12 +15,12 @@ use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 
 use kvx_core::auth::Purpose;
-use kvx_core::net::frame::{read_frame, write_frame};
-use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
-use kvx_core::net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
 use kvx_core::{
     AuthKey, Endpoint, ErrorKind, Finished, MetadataExchange, ParallelGroup, PeerLocator, RequestId, wire,
 };
+use kvx_net::frame::{read_frame, write_frame};
+use kvx_net::session::{Refusal, SessionReply, SessionRequest};
+use kvx_net::{MetadataRequest, NetConfig, ServeLimits, ServerStats, SideChannel, TcpGroup};
 use kvx_testkit::hostile::zmtp_73;
 
 /// Sends `bytes` and waits (bounded) until the server closes the connection.

@@ -7,13 +7,14 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvx_core::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
-use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, LayerCache, MetadataExchange,
-    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, WorkerDriver, wire,
+    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, wire,
 };
 use kvx_etcd::{EtcdConfig, EtcdExchange};
+use kvx_net::WorkerDriver;
+use kvx_net::metrics::{Metrics, MetricsServer, SideChannelMetrics, WorkerMetrics};
+use kvx_net::{NetConfig, SideChannel};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -305,7 +306,7 @@ impl Worker {
                 let port = if base == 0 { 0 } else { plus_rank(base, options.rank, "metrics")? };
                 let registry = Metrics::new();
                 let server = runtime
-                    .block_on(kvx_core::metrics::serve(&options.side_channel_host, port, registry.registry()))
+                    .block_on(kvx_net::metrics::serve(&options.side_channel_host, port, registry.registry()))
                     .map_err(py_err)?;
                 let mut step = StepMetrics {
                     worker: registry.worker(&options.engine_id, options.rank),
@@ -547,6 +548,15 @@ impl Worker {
         })
     }
 
+    /// The READs completed and confirmed since the last call, oldest first, as vLLM's
+    /// NixlConnector records each transfer: `(seconds from post to done, bytes, descriptors)`.
+    fn take_transfers(&self) -> PyResult<Vec<(f64, u64, u64)>> {
+        self.with_state(|s| {
+            let transfers = s.driver.worker_mut().take_transfers();
+            Ok(transfers.into_iter().map(|t| (t.duration.as_secs_f64(), t.bytes, t.descriptors)).collect())
+        })
+    }
+
     /// Stops the pump thread, closes the connector (every READ cancelled or released, every
     /// registration given back) and drops the agent, then stops the side channel; without the
     /// GIL, since an agent's teardown may wait for its transfers (bounded). Afterwards the caller
@@ -612,6 +622,7 @@ mod tests {
         );
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
         assert!(worker.take_load_times().unwrap().is_empty(), "nothing loaded yet");
+        assert!(worker.take_transfers().unwrap().is_empty(), "nothing read yet");
         // Two layers of 8 blocks, packed: (blocks, heads, block_size, 2 * head_dim), 1-byte elements.
         let shape = vec![8, 2, 4, 8];
         let tensors: Vec<HostMemory> = (0..2).map(|_| HostMemory::new(8 * 2 * 4 * 8).unwrap()).collect();
@@ -673,7 +684,7 @@ mod tests {
         let mut response = String::new();
         stream.read_to_string(&mut response).unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-        assert!(response.contains(kvx_core::metrics::CONTENT_TYPE), "{response}");
+        assert!(response.contains(kvx_net::metrics::CONTENT_TYPE), "{response}");
         assert!(response.contains("kvx_peers{engine=\"engine-m\",rank=\"0\"} 0"), "{response}");
         assert!(response.contains("kvx_holds_live{engine=\"engine-m\",rank=\"0\"} 0"), "{response}");
         assert!(response.ends_with("# EOF\n"), "{response}");

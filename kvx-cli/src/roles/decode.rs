@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
-use kvx_core::net::{Connection, NetConfig, parse_endpoint};
 use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
+use kvx_net::{Connection, NetConfig, parse_endpoint};
 use kvx_testkit::sim::{RequestState, SimEngine};
 
 use crate::backend::Backend;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::runtime::Runtime;
 
 use kvx_core::Result;
-use kvx_core::metrics::{Metrics, MetricsServer, serve};
+use kvx_net::metrics::{Metrics, MetricsServer, serve};
 use kvx_testkit::sim::{EngineMetrics, SimEngine};
 
 use super::runtime;

@@ -4,7 +4,7 @@
 //! workers' handshake payloads over the TCP side channel (the port in the params), or with
 //! `--discovery etcd://HOST:PORT` from etcd by engine id (the params carry no host or port), then
 //! READ the blocks with the chosen backend. In place of a router, the prefill process serves a tiny request
-//! API on kvx's bounded request/response server (`kvx_core::net::Server`, the one the side
+//! API on kvx's bounded request/response server (`kvx_net::Server`, the one the side
 //! channels run on, with the same limits): the decode process sends each prompt, the prefill
 //! engine runs it with `do_remote_decode` and answers with the request's `kv_transfer_params`
 //! (vLLM's JSON), which the decode process submits with the prompt. Last, the decode process says
@@ -29,7 +29,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Runtime;
 
-use kvx_core::{AuthKey, Error, ErrorKind, Handshakes, Result, SystemClock, TransferParams};
+use kvx_core::{AuthKey, Error, ErrorKind, Result, SystemClock, TransferParams};
+use kvx_net::Handshakes;
 use kvx_testkit::sim::{EngineConfig, LoadFailurePolicy, SideChannel};
 
 use crate::workload::ModelArgs;

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use kvx_core::net::{Caller, NetConfig, Server, Service};
 use kvx_core::{Error, ErrorKind, HostScope, RequestId, Result, TransferParams};
+use kvx_net::{Caller, NetConfig, Server, Service};
 use kvx_testkit::sim::SimEngine;
 
 use crate::backend::Backend;

@@ -208,9 +208,7 @@ fn io_error(what: &str, e: impl std::fmt::Display) -> Error {
 }
 
 async fn bind(host: &str, port: u16) -> Result<TcpListener> {
-    kvx_core::net::listen(host, port)
-        .await
-        .map_err(|e| io_error(&format!("cannot listen on {host}:{port}"), e))
+    kvx_net::listen(host, port).await.map_err(|e| io_error(&format!("cannot listen on {host}:{port}"), e))
 }
 
 fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {

@@ -3,7 +3,7 @@
 //! uploads makes it buffer more than a bounded total.
 //!
 //! - **Admission**: connection slots are shared out by kvx-core's policy
-//!   ([`kvx_core::net::admission`]): a connection is pending from its accept until its first
+//!   ([`kvx_net::admission`]): a connection is pending from its accept until its first
 //!   request's headers are complete, then established. Pending ones are at most
 //!   `max_pending`, a newcomer evicting the oldest of the source with the most; each must complete
 //!   its first request's headers within `header_timeout` of its accept. Established ones are at
@@ -50,7 +50,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use kvx_core::net::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket, TicketHandle};
+use kvx_net::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket, TicketHandle};
 
 use super::metrics::{Metrics, ReasonLabels};
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 use tracing::{debug, warn};
 
 use super::peers::{Peer, PeerKey, Waiter};
-use super::{ConnectorWorker, LOAD_TIMES_KEPT, LoadTimes};
+use super::{ConnectorWorker, LOAD_TIMES_KEPT, LoadTimes, TRANSFERS_KEPT, TransferRecord};
 use crate::auth::Nonce;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, BlockId, RequestId};
@@ -78,8 +78,21 @@ struct Read {
     instance: u64,
     token: Nonce,
     posted: Instant,
+    /// The step that found it done.
+    done: Option<Instant>,
     deadline: Instant,
     bytes: u64,
+    descriptors: u64,
+}
+
+/// What posting a READ gave: the transfer, the peer's agent, the token its release carries, and
+/// what it moves.
+struct Posted {
+    xfer: XferId,
+    peer: AgentName,
+    token: Nonce,
+    bytes: u64,
+    descriptors: u64,
 }
 
 impl Load {
@@ -318,10 +331,11 @@ impl ConnectorWorker {
             }
         }
         match self.post_read(&peer, &load) {
-            Ok((xfer, agent, token, bytes)) => {
+            Ok(Posted { xfer, peer, token, bytes, descriptors }) => {
                 let deadline = now + self.config.transfer_timeout;
                 self.load_deadlines.push(deadline, key.clone());
-                let read = Read { peer: agent, instance, token, posted: now, deadline, bytes };
+                let read =
+                    Read { peer, instance, token, posted: now, done: None, deadline, bytes, descriptors };
                 load.stage = Stage::Reading { xfer, read, answer: None };
                 self.loads.insert(key.clone(), load);
                 self.reading.insert(xfer, key.clone());
@@ -418,7 +432,7 @@ impl ConnectorWorker {
         Ok(ReadLists { local, remote, heads: Some((local_heads, remote_heads)) })
     }
 
-    fn post_read(&mut self, peer: &PeerKey, load: &Load) -> Result<(XferId, AgentName, Nonce, u64)> {
+    fn post_read(&mut self, peer: &PeerKey, load: &Load) -> Result<Posted> {
         let req = &load.req;
         let (Some(nonce), Some(me)) = (req.nonce, &self.config.side_channel) else {
             return Err(Error::new(ErrorKind::State, "no nonce or no side channel to answer on"));
@@ -477,12 +491,13 @@ impl ConnectorWorker {
         };
         let xfer =
             self.agent.post_blocks(XferOp::Read, lists.local, lists.remote, &blocks, Some(&release))?;
+        let descriptors = blocks.coalesced_len();
         self.stats.reads_posted += 1;
-        self.stats.descriptors += blocks.coalesced_len();
+        self.stats.descriptors += descriptors;
         let block_descriptors = blocks.block_descriptors();
         self.stats.block_descriptors += block_descriptors;
         let bytes = block_descriptors.saturating_mul(unit_len);
-        Ok((xfer, conn.agent.clone(), token, bytes))
+        Ok(Posted { xfer, peer: conn.agent.clone(), token, bytes, descriptors })
     }
 
     /// Ends one READ of a load: done, or failed. The first failure of a request's READs fails
@@ -504,11 +519,16 @@ impl ConnectorWorker {
         let mut msg = None;
         match outcome {
             Ok(()) => {
-                if let Stage::Confirming(Read { posted, bytes, .. }) = load.stage {
+                if let Stage::Confirming(Read { posted, done, bytes, descriptors, .. }) = load.stage {
                     let took = now.saturating_duration_since(posted);
                     debug!(request_id = %key.0, rank = key.1, ?took, bytes, "READ done and confirmed");
                     self.stats.bytes_read += bytes;
                     self.stats.transfer_latencies.push(took);
+                    if self.transfers.len() == TRANSFERS_KEPT {
+                        self.transfers.pop_front();
+                    }
+                    let duration = done.unwrap_or(now).saturating_duration_since(posted);
+                    self.transfers.push_back(TransferRecord { duration, bytes, descriptors });
                 }
             }
             Err(e) => {
@@ -632,6 +652,7 @@ impl ConnectorWorker {
                     if let Some(p) = self.requests.get_mut(&key.0) {
                         p.read_done = Some(now);
                     }
+                    read.done = Some(now);
                     read.deadline = now + self.config.confirm_timeout;
                     self.load_deadlines.push(read.deadline, key.clone());
                     load.stage = Stage::Confirming(read);

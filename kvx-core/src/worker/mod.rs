@@ -227,6 +227,22 @@ pub struct LoadTimes {
 /// first).
 const LOAD_TIMES_KEPT: usize = 1024;
 
+/// One READ that completed and whose hold the prefill engine confirmed (decode side), as vLLM's
+/// NixlConnector records each transfer: [`ConnectorWorker::take_transfers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferRecord {
+    /// From its post to the step that found it done (as `read_latencies`).
+    pub duration: Duration,
+    /// Bytes it moved.
+    pub bytes: u64,
+    /// Descriptors it was posted with, after coalescing (as `descriptors`).
+    pub descriptors: u64,
+}
+
+/// At most this many [`TransferRecord`]s wait for [`ConnectorWorker::take_transfers`] (the oldest
+/// go first; each is in the counters and histograms regardless).
+const TRANSFERS_KEPT: usize = 4096;
+
 #[derive(Debug)]
 struct Registered {
     layout: KvCacheLayout,
@@ -289,14 +305,28 @@ pub struct ConnectorWorker {
     stats: WorkerStats,
     /// Decode side: the stage times of the loads completed since the last `take_load_times`.
     load_times: VecDeque<LoadTimes>,
+    /// Decode side: the READs confirmed since the last `take_transfers`.
+    transfers: VecDeque<TransferRecord>,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
 }
 
 impl ConnectorWorker {
     /// A worker over `agent`, which must support READ and notifications. The worker takes the
-    /// agent's completions and notifications: no one else drains them.
+    /// agent's completions and notifications: no one else drains them. Its tokens (the random
+    /// value each READ's release carries) come from the operating system.
     pub fn new(config: WorkerConfig, agent: Arc<dyn TransferAgent>) -> Result<Self> {
+        Self::with_nonces(config, agent, crate::auth::NonceSource::from_entropy()?)
+    }
+
+    /// As [`new`](Self::new), drawing the tokens from `tokens` (a seeded source replays a run, as
+    /// [`ConnectorScheduler::with_nonces`](crate::ConnectorScheduler::with_nonces) does for the
+    /// hold nonces). The instance, when the config names none, still comes from the system.
+    pub fn with_nonces(
+        config: WorkerConfig,
+        agent: Arc<dyn TransferAgent>,
+        tokens: crate::auth::NonceSource,
+    ) -> Result<Self> {
         let caps = agent.capabilities();
         if !caps.read || !caps.notifications {
             return Err(Error::new(
@@ -319,7 +349,7 @@ impl ConnectorWorker {
             config,
             agent,
             instance,
-            tokens: crate::auth::NonceSource::from_entropy()?,
+            tokens,
             registered: None,
             peers: HashMap::new(),
             retired: Vec::new(),
@@ -336,6 +366,7 @@ impl ConnectorWorker {
             notifications: Vec::new(),
             stats: WorkerStats::default(),
             load_times: VecDeque::new(),
+            transfers: VecDeque::new(),
             closed: None,
         })
     }
@@ -365,9 +396,9 @@ impl ConnectorWorker {
         &self.stats
     }
 
-    /// The counters, for the metrics' tests, which set them.
-    #[cfg(all(test, feature = "metrics"))]
-    pub(crate) fn stats_mut(&mut self) -> &mut WorkerStats {
+    /// The counters, to set (feature `mock`: for tests, such as kvx-net's metrics tests).
+    #[cfg(any(test, feature = "mock"))]
+    pub fn stats_mut(&mut self) -> &mut WorkerStats {
         &mut self.stats
     }
 
@@ -387,6 +418,12 @@ impl ConnectorWorker {
     /// most the last 1024).
     pub fn take_load_times(&mut self) -> Vec<LoadTimes> {
         self.load_times.drain(..).collect()
+    }
+
+    /// Decode side: the READs completed and confirmed since the last call, oldest first (at most
+    /// the last 4096).
+    pub fn take_transfers(&mut self) -> Vec<TransferRecord> {
+        self.transfers.drain(..).collect()
     }
 
     /// Prefill side: holds whose blocks are held now (neither released nor expired).

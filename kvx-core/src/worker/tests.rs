@@ -457,6 +457,11 @@ fn completed_and_failed_transfers_are_reported_per_request() {
         LoadTimes { request_id: "ok".into(), admitted: now, posted: now, read_done: ms(5), confirmed: ms(7) };
     assert_eq!(w.take_load_times(), vec![ok]);
     assert!(w.take_load_times().is_empty());
+    // The confirmed READ, once, as NixlConnector records a transfer; the failed one is not.
+    let read =
+        TransferRecord { duration: Duration::from_millis(5), bytes: 4 * u64::from(BS) * 2, descriptors: 4 };
+    assert_eq!(w.take_transfers(), vec![read]);
+    assert!(w.take_transfers().is_empty());
 }
 
 #[test]

@@ -19,10 +19,10 @@ pub use worker::{
     worker_metadata_fields, worker_notification,
 };
 
-use kvx_core::net::MetadataRequest;
-use kvx_core::net::session::{SessionReply, SessionRequest};
 use kvx_core::wire::HandshakePayload;
 use kvx_core::{ConnectorMetadata, HoldRelease, HoldStatus, RankReport, RenewLeases};
+use kvx_net::MetadataRequest;
+use kvx_net::session::{SessionReply, SessionRequest};
 
 use crate::seeds::{self, Seed};
 use crate::{Native, Target, dict};

@@ -3,10 +3,10 @@
 use std::cell::RefCell;
 use std::time::Duration;
 
-use kvx_core::net::MetadataRequest;
-use kvx_core::net::frame::{FrameError, HEADER_LEN, read_frame};
-use kvx_core::net::session::SessionRequest;
 use kvx_core::wire;
+use kvx_net::MetadataRequest;
+use kvx_net::frame::{FrameError, HEADER_LEN, read_frame};
+use kvx_net::session::SessionRequest;
 
 use super::fixture::must;
 use crate::seeds::Seed;

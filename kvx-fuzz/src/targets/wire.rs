@@ -2,13 +2,13 @@
 
 use std::fmt;
 
-use kvx_core::net::MetadataRequest;
-use kvx_core::net::session::{Refusal, SessionReply, SessionRequest};
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
     ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, GroupBlocks, HeldRequest, HoldRelease,
     HoldStatus, RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
 };
+use kvx_net::MetadataRequest;
+use kvx_net::session::{Refusal, SessionReply, SessionRequest};
 
 use super::fixture::{NONCE, auth_key, must, prefill};
 use crate::seeds::{Seed, wire_seeds};

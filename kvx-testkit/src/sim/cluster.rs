@@ -5,8 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{Clock, Error, ErrorKind, Handshakes, ManualClock, RequestId, Result, TransferParams};
+use kvx_core::{Clock, Error, ErrorKind, ManualClock, RequestId, Result, TransferParams};
 use kvx_loopback::Fabric;
+use kvx_net::Handshakes;
 
 use super::config::{EngineConfig, RequestState};
 use super::engine::SimEngine;
@@ -32,7 +33,7 @@ pub type NextEvent = Arc<dyn Fn() -> Result<Option<Instant>> + Send + Sync>;
 ///
 /// Only for engines whose network work is done on the step thread, in the clock's time: the
 /// loopback backend on a fabric of this clock, in-process side channels, and
-/// [`Handshakes::OnStepThread`](kvx_core::Handshakes). Over a real transport or TCP side
+/// [`Handshakes::OnStepThread`](kvx_net::Handshakes). Over a real transport or TCP side
 /// channels, simulated time would pass while a transfer or a handshake is still on its way.
 #[derive(Clone)]
 pub struct SimTime {

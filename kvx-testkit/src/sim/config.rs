@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{
-    AuthKey, Clock, EngineId, Error, FinishReason, Handshakes, MetadataExchange, RequestId, Result,
-    SystemClock, TransferAgent,
+    AuthKey, Clock, EngineId, Error, FinishReason, MetadataExchange, RequestId, Result, SystemClock,
+    TransferAgent,
 };
+use kvx_net::Handshakes;
 use tokio::runtime::Handle;
 
 use super::model::ModelSpec;
@@ -102,7 +103,7 @@ impl fmt::Debug for Exchanges {
 pub enum SideChannel {
     /// In-process (a registry shared by the engines of one test).
     InProcess(InProcessSideChannels),
-    /// Real TCP side channels (`kvx_core::net::SideChannel`) on consecutive ports of `host`.
+    /// Real TCP side channels (`kvx_net::SideChannel`) on consecutive ports of `host`.
     Tcp {
         /// The host to bind (and to hand to decode engines, unless `advertise_host` is given).
         host: String,

@@ -1,6 +1,6 @@
-//! A simulated engine in kvx-core's Prometheus metrics (feature `metrics`).
+//! A simulated engine in kvx-net's Prometheus metrics (feature `metrics`).
 
-use kvx_core::metrics::{Metrics, SideChannelMetrics, WorkerMetrics};
+use kvx_net::metrics::{Metrics, SideChannelMetrics, WorkerMetrics};
 
 use super::SimEngine;
 

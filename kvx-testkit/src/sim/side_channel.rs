@@ -1,5 +1,5 @@
 //! Side channels for simulated engines: an in-process registry, and real TCP side channels
-//! (`kvx_core::net::SideChannel`) on consecutive ports.
+//! (`kvx_net::SideChannel`) on consecutive ports.
 //!
 //! A scheduler hands decode engines one base port; rank `r` of the prefill engine serves its
 //! payload on `base + r`. Both kinds bind all of an engine's ranks at once on consecutive ports.
@@ -13,8 +13,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
-use kvx_core::net::{NetConfig, SideChannel};
 use kvx_core::{Clock, Endpoint, Error, ErrorKind, MetadataExchange, PeerLocator, Result};
+use kvx_net::{NetConfig, SideChannel};
 
 use super::model::mix;
 use super::rng::SimRng;
@@ -35,7 +35,7 @@ pub struct BoundSideChannels {
 /// has passed). A fetch's fate is a function of the seed, the two addresses and how many fetches
 /// went between them before, not of the order fetches between other addresses interleave. Time is `clock`'s: a simulation's manual clock makes late answers and timeouts
 /// cost no wall time. A late or silent fetch completes only when polled after its time, as a
-/// driver with [`Handshakes::OnStepThread`](kvx_core::Handshakes) does at every call.
+/// driver with [`Handshakes::OnStepThread`](kvx_net::Handshakes) does at every call.
 #[derive(Debug, Clone)]
 pub struct HandshakeFaults {
     /// The time of late answers and timeouts.

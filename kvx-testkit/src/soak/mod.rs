@@ -6,7 +6,7 @@
 //! engine step costs [`SoakConfig::step_time`] of simulated time, and when no engine has work the
 //! clock jumps to the next deadline (a lease, a handshake timeout, a late message), so a 30 s
 //! lease costs no wall time. Handshakes are polled on the step thread
-//! ([`Handshakes::OnStepThread`](kvx_core::Handshakes)), hold nonces are seeded, and the faults'
+//! ([`Handshakes::OnStepThread`](kvx_net::Handshakes)), hold nonces are seeded, and the faults'
 //! fates are functions of the seed and of the event: the same seed gives the same run, and the
 //! same [`SoakReport::digest`].
 //!

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    Clock, EngineId, FinishReason, Handshakes, ManualClock, RequestId, Result, TransferAgent, TransferParams,
+    Clock, EngineId, FinishReason, ManualClock, RequestId, Result, TransferAgent, TransferParams,
 };
 use kvx_loopback::Fabric;
+use kvx_net::Handshakes;
 
 use super::SoakConfig;
 use super::report::{InjectedFaults, SoakReport};

@@ -83,6 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvx_vllm.trace import Trace
@@ -108,6 +109,44 @@ _SAMPLED = {
     for what in ("count", "seconds", "max_seconds")
 }
 
+# NixlConnector's per-transfer lists (NixlKVConnectorStats), kept under the same keys in kvx's
+# stats so that NixlConnector's own Prometheus metrics (NixlPromMetrics: vllm:nixl_xfer_time_seconds,
+# vllm:nixl_bytes_transferred, ...) show kvx's transfers and a NixlConnector dashboard reads them.
+_NIXL_LISTS = (
+    "transfer_duration",
+    "post_duration",
+    "bytes_transferred",
+    "num_descriptors",
+    "num_failed_transfers",
+    "num_failed_notifications",
+    "num_failed_handshakes",
+    "num_kv_expired_reqs",
+    "num_notifications_after_expiry",
+)
+# The kvx counter behind each of NixlConnector's failure lists (its increase goes in as one item).
+_NIXL_COUNTS = {
+    "reads_failed": "num_failed_transfers",
+    "unsent_messages": "num_failed_notifications",
+    "handshake_failures": "num_failed_handshakes",
+    "expired_holds": "num_kv_expired_reqs",
+    "lease_failures": "num_notifications_after_expiry",
+}
+
+
+def _nixl_lists(transfers: list[tuple[float, int, int]], delta: dict[str, Any]) -> dict[str, list]:
+    """NixlConnector's lists for one poll: a transfer per READ kvx confirmed (``post_duration``
+    stays empty: kvx's worker does not time its post calls), the failure counters' increases."""
+    lists: dict[str, list] = {
+        "transfer_duration": [seconds for seconds, _, _ in transfers],
+        "post_duration": [],
+        "bytes_transferred": [nbytes for _, nbytes, _ in transfers],
+        "num_descriptors": [descriptors for _, _, descriptors in transfers],
+    }
+    for counter, key in _NIXL_COUNTS.items():
+        grew = delta.get(counter, 0)
+        lists[key] = [grew] if grew > 0 else []
+    return lists
+
 
 class KvxConnectorStats(KVConnectorStats):
     """What kvx's workers counted in an interval, summed over the workers: ``data`` maps each counter
@@ -115,14 +154,19 @@ class KvxConnectorStats(KVConnectorStats):
     ``post_wait_*`` and ``confirm_*`` to the count, summed seconds and longest of the READs (post
     to done), transfers (post to the prefill engine's confirmation), handshakes, waits from a
     load's admission to its READ's post, and waits from a READ done to its confirmation, of the
-    interval."""
+    interval; and NixlConnector's per-transfer lists (``_NIXL_LISTS``), which are concatenated."""
 
     def reset(self):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = max(self.data.get(k, 0), v) if k.endswith("_max_seconds") else self.data.get(k, 0) + v
+            if isinstance(v, list):
+                self.data[k] = self.data.get(k, []) + v
+            elif k.endswith("_max_seconds"):
+                self.data[k] = max(self.data.get(k, 0), v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -151,7 +195,9 @@ class KvxConnectorStats(KVConnectorStats):
 class KvxPromMetrics(KVConnectorPromMetrics):
     """kvx's counts as vLLM Prometheus counters ``vllm:kvx_<key>_total``, per engine. Durations are
     counters of summed seconds (``rate(sum) / rate(count)`` is the mean); kvx's own ``/metrics``
-    endpoint (``metrics_port``) has them as histograms."""
+    endpoint (``metrics_port``) has them as histograms. The same transfers also go to
+    NixlConnector's metrics (``NixlPromMetrics``, its names, buckets and meanings), so that a
+    NixlConnector dashboard shows kvx's transfers unchanged."""
 
     _COUNTERS = {
         "reads_posted": "READs posted",
@@ -182,12 +228,14 @@ class KvxPromMetrics(KVConnectorPromMetrics):
             )
             for key, doc in self._COUNTERS.items()
         }
+        self._nixl = NixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, per_engine in self._counters.items():
             value = transfer_stats_data.get(key, 0)
             if value > 0:
                 per_engine[engine_idx].inc(value)
+        self._nixl.observe({k: transfer_stats_data.get(k, []) for k in _NIXL_LISTS}, engine_idx)
 
 
 class KvxConnectorMetadata(KVConnectorMetadata):
@@ -678,6 +726,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 delta[k] = v - self._counters.get(k, 0)
                 self._counters[k] = v
+        delta.update(_nixl_lists(self._worker.take_transfers(), delta))
         self._interval.aggregate(KvxConnectorStats(data=delta))
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:

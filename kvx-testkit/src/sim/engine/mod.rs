@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
-use kvx_core::net::{NetConfig, ServerStats};
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, Endpoint, EngineId, Error, FinishReason,
     Finished, GroupBlocks, InProcessGroup, LayerCache, NonceSource, RemoteCoordinates, RequestId, Result,
-    SchedulerConfig, TransferParams, WorkerConfig, WorkerDriver, WorkerStats, wire,
+    SchedulerConfig, TransferParams, WorkerConfig, WorkerStats, wire,
 };
+use kvx_net::WorkerDriver;
+use kvx_net::{NetConfig, ServerStats};
 
 use super::config::{EndedRequest, EngineConfig, EngineStats, RequestState, SideChannel, SimBackend};
 use super::model;
@@ -105,7 +106,7 @@ pub struct SimEngine {
     errors: Vec<String>,
     side_channel_port: u16,
     /// Each rank's side channel, over TCP (empty in-process).
-    tcp_side_channels: Vec<Arc<kvx_core::net::SideChannel>>,
+    tcp_side_channels: Vec<Arc<kvx_net::SideChannel>>,
     /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
     ended: Vec<RequestId>,
     /// Runs the drivers' handshakes and the side channels; dropped last.
@@ -196,19 +197,25 @@ impl SimEngine {
         let mut ranks = Vec::with_capacity(config.tp as usize);
         for ((rank, exchange), group) in (0..config.tp).zip(exchanges).zip(groups) {
             let agent = backend.agent(&config.engine_id, rank)?;
-            let worker = ConnectorWorker::new(
-                WorkerConfig {
-                    compat_tag: model.compat_tag(),
-                    handshake_timeout: config.handshake_timeout,
-                    lease_duration: config.lease_duration,
-                    side_channel: Some(own_side_channel.clone()),
-                    instance: Some(instance),
-                    auth_key: config.auth_key.clone(),
-                    kv_heads: Some(model.kv_heads()),
-                    ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
-                },
-                agent,
-            )?;
+            let worker_config = WorkerConfig {
+                compat_tag: model.compat_tag(),
+                handshake_timeout: config.handshake_timeout,
+                lease_duration: config.lease_duration,
+                side_channel: Some(own_side_channel.clone()),
+                instance: Some(instance),
+                auth_key: config.auth_key.clone(),
+                kv_heads: Some(model.kv_heads()),
+                ..WorkerConfig::new(config.engine_id.clone(), rank, config.tp, model.block_size)
+            };
+            // Seeded, each rank's tokens are a stream of their own, apart from the scheduler's.
+            let worker = match config.seed {
+                Some(seed) => ConnectorWorker::with_nonces(
+                    worker_config,
+                    agent,
+                    NonceSource::from_seed(seed_bytes(model::mix(seed, 1 + u64::from(rank)))),
+                ),
+                None => ConnectorWorker::new(worker_config, agent),
+            }?;
             let layers = (0..model.num_layers())
                 .map(|_| backend.memory(&config.engine_id, rank, layer_len))
                 .collect::<Result<Vec<_>>>()?;

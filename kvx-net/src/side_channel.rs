@@ -6,13 +6,13 @@ use std::fmt;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use super::server::{Caller, Server, ServerStats, Service};
-use super::session::Connection;
-use super::{NetConfig, endpoint};
-use crate::error::{Error, ErrorKind, Result};
-use crate::exchange::{MetadataExchange, PeerLocator};
-use crate::params::Endpoint;
-use crate::wire::{self, MessageKind, WireMessage};
+use crate::server::{Caller, Server, ServerStats, Service};
+use crate::session::Connection;
+use crate::{NetConfig, endpoint};
+use kvx_core::error::{Error, ErrorKind, Result};
+use kvx_core::exchange::{MetadataExchange, PeerLocator};
+use kvx_core::params::Endpoint;
+use kvx_core::wire::{self, MessageKind, WireMessage};
 
 /// Room in a reply frame for the envelopes around a payload.
 const FRAME_HEADROOM: usize = 1024;
@@ -51,7 +51,7 @@ pub fn max_payload(config: &NetConfig) -> usize {
     config.limits.max_frame.saturating_sub(FRAME_HEADROOM)
 }
 
-/// A worker's side channel over kvx's bounded framing ([`super::server`]): serves the published
+/// A worker's side channel over kvx's bounded framing ([`crate::server`]): serves the published
 /// payload to every peer that asks, and fetches peers' payloads, one connection per fetch, with
 /// the same limits and key; a fetch the server drops unanswered (evicted to make room) is sent
 /// again on a new connection until its timeout. Needs a tokio runtime that keeps running (multi-threaded) to serve.
@@ -119,7 +119,7 @@ impl MetadataExchange for SideChannel {
             return Err(Error::invalid_argument(format!(
                 "the TCP side channel fetches from a host and port, and none was given for engine {} \
                  (params without remote_host and remote_port need an exchange that finds engines by id)",
-                crate::error::quote(peer.engine_id.as_str())
+                kvx_core::error::quote(peer.engine_id.as_str())
             )));
         };
         let (host, port) = (host.as_str(), *port);
@@ -153,7 +153,7 @@ impl MetadataExchange for SideChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::AuthKey;
+    use kvx_core::auth::AuthKey;
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()

@@ -16,14 +16,16 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
-use crate::clock::{Clock, system_clock};
-use crate::error::Result;
-use crate::exchange::MetadataExchange;
-use crate::group::ParallelGroup;
-use crate::ids::EngineId;
-use crate::layout::LayerCache;
-use crate::meta::{ConnectorMetadata, Finished};
-use crate::worker::{AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, WorkerCommand};
+use kvx_core::clock::{Clock, system_clock};
+use kvx_core::error::Result;
+use kvx_core::exchange::MetadataExchange;
+use kvx_core::group::ParallelGroup;
+use kvx_core::ids::EngineId;
+use kvx_core::layout::LayerCache;
+use kvx_core::meta::{ConnectorMetadata, Finished};
+use kvx_core::worker::{
+    AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, WorkerCommand,
+};
 
 /// A fetch's result, with the peer (engine and rank) it is of.
 type HandshakeResult = ((EngineId, u32), Result<Vec<u8>>);
@@ -40,7 +42,7 @@ pub enum Handshakes {
     /// exactly. For exchanges whose fetches complete without the runtime waking them (in-process
     /// ones), since nothing else polls them.
     ///
-    /// [`ManualClock`]: crate::ManualClock
+    /// [`ManualClock`]: kvx_core::ManualClock
     OnStepThread,
 }
 

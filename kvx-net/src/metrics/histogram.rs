@@ -6,7 +6,7 @@ use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::worker::Histogram;
+use kvx_core::worker::Histogram;
 
 const BUCKETS: usize = Histogram::BOUNDS.len() + 1;
 

@@ -16,15 +16,15 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 use tracing::{debug, warn};
 
-use super::server::{Caller, Server, ServerStats, Service};
-use super::session::Connection;
-use super::{NetConfig, endpoint};
-use crate::auth::random_bytes;
-use crate::clock::Every;
-use crate::error::{Error, ErrorKind, Result};
-use crate::group::{GatherInbox, ParallelGroup};
-use crate::meta::{Finished, RankReport};
-use crate::wire::{self, MessageKind, WireMessage};
+use crate::server::{Caller, Server, ServerStats, Service};
+use crate::session::Connection;
+use crate::{NetConfig, endpoint};
+use kvx_core::auth::random_bytes;
+use kvx_core::clock::Every;
+use kvx_core::error::{Error, ErrorKind, Result};
+use kvx_core::group::{GatherInbox, ParallelGroup};
+use kvx_core::meta::{Finished, RankReport};
+use kvx_core::wire::{self, MessageKind, WireMessage};
 
 /// What a rank sends rank 0.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -269,7 +269,7 @@ impl Sender {
 }
 
 /// A tensor-parallel group across processes: rank 0 serves on `host:port` (kvx's bounded server,
-/// [`super::server`]); the other ranks connect to it, authenticated when the config has a key,
+/// [`crate::server`]); the other ranks connect to it, authenticated when the config has a key,
 /// join, and send each step's report on the connection they joined on, which rank 0 acknowledges.
 /// Rank 0 takes a rank's reports only from the connection that last joined as it, with the epoch
 /// it joined with: reports from any other connection (a forger that never joined, or one the rank
@@ -457,9 +457,9 @@ impl ParallelGroup for TcpGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::RequestId;
-    use crate::auth::AuthKey;
-    use crate::worker::{AggregatorLimits, FinishedAggregator};
+    use kvx_core::RequestId;
+    use kvx_core::auth::AuthKey;
+    use kvx_core::worker::{AggregatorLimits, FinishedAggregator};
 
     fn rep(s: &str) -> Finished {
         Finished { sending: vec![RequestId::new(s)], ..Default::default() }

@@ -1,6 +1,6 @@
 //! The `/metrics` endpoint: a small HTTP/1.1 server (hyper) on the caller's tokio runtime, meant
 //! to be reachable from the network. Its connections are admitted by kvx's
-//! [`admission`](crate::net::admission) policy with [`BUDGETS`]: a connection is established once
+//! [`admission`](crate::admission) policy with [`BUDGETS`]: a connection is established once
 //! its first request's headers are in (within [`HEADER_TIMEOUT`]), a newcomer evicts the oldest
 //! connection that has not sent one or, once it has, the idlest established one, so idle or
 //! half-sent connections cannot keep a scraper out; the connection that makes way is parked (at
@@ -25,15 +25,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::net::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket};
+use crate::admission::{Budgets, Gate, Lot, Phase, Promotion, Spare, Ticket};
+use kvx_core::error::{Error, ErrorKind, Result};
 
 /// The content type of the answer: OpenMetrics text 1.0.0.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The connection budgets: a few scrapers, each from its own address.
 pub(super) const BUDGETS: Budgets = Budgets { max_pending: 32, max_connections: 16, max_per_source: 8 };
-/// The most connections parked at once (see [`admission`](crate::net::admission)).
+/// The most connections parked at once (see [`admission`](crate::admission)).
 const MAX_PARKED: usize = 16_384;
 /// A request's headers must arrive within this.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -59,7 +59,7 @@ pub struct MetricsServer {
 /// Binds `host:port` (0: any free port, see [`MetricsServer::local_addr`]) and serves `registry`
 /// on the current tokio runtime.
 pub async fn serve(host: &str, port: u16, registry: Arc<Registry>) -> Result<MetricsServer> {
-    let listener = crate::net::listen(host, port)
+    let listener = crate::listen(host, port)
         .await
         .map_err(|e| Error::new(ErrorKind::Io, format!("metrics server: binding {host}:{port}: {e}")))?;
     let addr = listener.local_addr()?;

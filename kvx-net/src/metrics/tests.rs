@@ -1,8 +1,8 @@
 use super::*;
-use crate::error::ErrorKind;
-use crate::mock::MockTransferAgent;
-use crate::transfer::Capabilities;
-use crate::worker::WorkerConfig;
+use kvx_core::error::ErrorKind;
+use kvx_core::mock::MockTransferAgent;
+use kvx_core::transfer::Capabilities;
+use kvx_core::worker::WorkerConfig;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

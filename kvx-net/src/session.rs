@@ -1,7 +1,7 @@
 //! The session layer of a kvx TCP connection: what the frames carry, and the optional
 //! challenge-response that authenticates both ends with the deployment's [`AuthKey`].
 //!
-//! Each frame holds one kvx wire message ([`crate::wire`]: magic, version, kind, MessagePack), a
+//! Each frame holds one kvx wire message ([`kvx_core::wire`]: magic, version, kind, MessagePack), a
 //! [`SessionRequest`] from the client or a [`SessionReply`] from the server. Without a key:
 //!
 //! ```text
@@ -31,11 +31,11 @@ use std::fmt;
 use std::time::Duration;
 use tokio::net::TcpStream;
 
-use super::frame::{FrameError, read_frame, write_frame};
-use super::{NetConfig, endpoint};
-use crate::auth::{AuthKey, Purpose, random_bytes};
-use crate::error::{Error, ErrorKind, Result, quote};
-use crate::wire::{self, MessageKind, WireMessage};
+use crate::frame::{FrameError, read_frame, write_frame};
+use crate::{NetConfig, endpoint};
+use kvx_core::auth::{AuthKey, Purpose, random_bytes};
+use kvx_core::error::{Error, ErrorKind, Result, quote};
+use kvx_core::wire::{self, MessageKind, WireMessage};
 
 /// Bytes of a challenge.
 pub const CHALLENGE_LEN: usize = 16;

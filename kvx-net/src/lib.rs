@@ -1,3 +1,4 @@
+#![doc = include_str!("../README.md")]
 //! kvx's own networking on tokio TCP: bounded, length-prefixed frames ([`frame`]), a session
 //! layer with an optional challenge-response handshake ([`session`]), a bounded request/response
 //! [`Server`], and on top of them the side channel ([`SideChannel`], a [`MetadataExchange`]) and
@@ -20,20 +21,24 @@
 //! not read, and gave no hook for per-connection limits, idle timeouts or accept back-off. A
 //! length-prefixed frame over TCP is a few dozen lines that kvx can bound completely.
 //!
-//! [`MetadataExchange`]: crate::MetadataExchange
-//! [`ParallelGroup`]: crate::ParallelGroup
+//! [`MetadataExchange`]: kvx_core::MetadataExchange
+//! [`ParallelGroup`]: kvx_core::ParallelGroup
 
 use std::time::Duration;
 
-use crate::auth::AuthKey;
+use kvx_core::auth::AuthKey;
 
 pub mod admission;
+pub mod driver;
 pub mod frame;
 mod group;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod server;
 pub mod session;
 mod side_channel;
 
+pub use driver::{Handshakes, WorkerDriver};
 pub use group::{GroupStats, TcpGroup};
 pub use server::{Caller, Server, ServerStats, Service};
 pub use session::Connection;
@@ -163,9 +168,9 @@ pub fn endpoint(host: &str, port: u16) -> String {
 }
 
 /// Splits `tcp://host:port`, `host:port` or `[v6]:port` into host and port.
-pub fn parse_endpoint(endpoint: &str) -> crate::Result<(String, u16)> {
+pub fn parse_endpoint(endpoint: &str) -> kvx_core::Result<(String, u16)> {
     let bad = |why: &str| {
-        crate::Error::invalid_argument(format!("endpoint {}: {why}", crate::error::quote(endpoint)))
+        kvx_core::Error::invalid_argument(format!("endpoint {}: {why}", kvx_core::error::quote(endpoint)))
     };
     let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;

@@ -6,7 +6,7 @@
 //! ([`WorkerMetrics::observe`], once per step or less: it copies a few hundred bytes). Counters add
 //! what changed since the last call, so they stay monotonic across calls, across a
 //! [`take_latencies`](ConnectorWorker::take_latencies) (the histograms read
-//! [`Samples::histogram`](crate::Samples::histogram), which it leaves alone) and across a new
+//! [`Samples::histogram`](kvx_core::Samples::histogram), which it leaves alone) and across a new
 //! worker under the same labels. The names, types and labels are in `docs/METRICS.md`.
 
 mod histogram;
@@ -20,8 +20,8 @@ use prometheus_client::registry::{Registry, Unit};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::net::ServerStats;
-use crate::worker::{ConnectorWorker, Histogram, WorkerStats};
+use crate::ServerStats;
+use kvx_core::worker::{ConnectorWorker, Histogram, WorkerStats};
 
 use histogram::DurationHistogram;
 pub use server::{CONTENT_TYPE, MetricsServer, serve};
@@ -421,7 +421,7 @@ pub struct SideChannelMetrics {
 
 impl SideChannelMetrics {
     /// Adds what the side channel's server counted since the last call (`stats` from
-    /// [`SideChannel::stats`](crate::net::SideChannel::stats)). A counter below the last call's
+    /// [`SideChannel::stats`](crate::SideChannel::stats)). A counter below the last call's
     /// (another server) counts from zero.
     pub fn observe(&mut self, stats: &ServerStats) {
         let added = |read: ServerCounter| {

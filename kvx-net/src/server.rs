@@ -7,7 +7,7 @@
 //! step and the [`Service`], writes the answer (within `exchange_timeout`), and only then reads the
 //! next frame. A peer that pipelines requests and never reads fills its own socket buffers and is
 //! dropped when its reply cannot be written; nothing is queued for it. Connection slots are shared
-//! out by the [`admission`](super::admission) policy: a newcomer evicts the oldest unproven
+//! out by the [`admission`](crate::admission) policy: a newcomer evicts the oldest unproven
 //! connection, or on proving itself the idlest established one, instead of being refused; the
 //! connection that makes way is parked in the server's [`Lot`], not closed. A connection older
 //! than `max_lifetime` is closed when it next waits. A failed `accept` (out of file descriptors)
@@ -26,13 +26,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::admission::{Gate, GateStats, Lot, Phase, Promotion, Ticket};
-use super::frame::{FrameError, read_frame, write_frame};
-use super::session::{Refusal, ServerSession, SessionReply, Step, served_reply};
-use super::{NetConfig, ServeLimits, endpoint};
-use crate::auth::AuthKey;
-use crate::error::{Error, ErrorKind, Result};
-use crate::wire;
+use crate::admission::{Gate, GateStats, Lot, Phase, Promotion, Ticket};
+use crate::frame::{FrameError, read_frame, write_frame};
+use crate::session::{Refusal, ServerSession, SessionReply, Step, served_reply};
+use crate::{NetConfig, ServeLimits, endpoint};
+use kvx_core::auth::AuthKey;
+use kvx_core::error::{Error, ErrorKind, Result};
+use kvx_core::wire;
 
 /// Who sent a request: what a [`Service`] may hold a request's sender to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,7 +245,7 @@ impl Server {
         config: &NetConfig,
         service: impl Service,
     ) -> Result<Server> {
-        let listener = super::listen(host, port).await.map_err(|e| {
+        let listener = crate::listen(host, port).await.map_err(|e| {
             Error::new(ErrorKind::Io, format!("binding {name} on {}: {e}", endpoint(host, port)))
                 .with_source(e)
         })?;
