@@ -38,6 +38,27 @@ impl Capabilities {
             MemKind::Vram => self.vram,
         }
     }
+
+    /// What [`TransferAgent::register`] checks of a region before anything else: `Unsupported`
+    /// for a kind this backend cannot register, `InvalidArgument` for an empty region or one that
+    /// wraps the address space. The error names the backend.
+    pub fn check_registration(&self, region: &MemRegion) -> Result<()> {
+        if !self.supports(region.kind) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("{} cannot register {region:?}", self.backend),
+            )
+            .with_backend(self.backend));
+        }
+        if region.len == 0 || region.end().is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("invalid region {:#x}+{}", region.addr, region.len),
+            )
+            .with_backend(self.backend));
+        }
+        Ok(())
+    }
 }
 
 macro_rules! handle_id {

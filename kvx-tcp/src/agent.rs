@@ -10,8 +10,8 @@ use kvx_core::auth::random_bytes;
 use kvx_core::post::{BlockPostRequest, DlistView, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata::{self, check_agent_name};
 use kvx_core::{
-    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind,
-    MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 use crate::BACKEND;
@@ -296,18 +296,7 @@ impl TransferAgent for TcpAgent {
 
     fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
         let region = memory.region();
-        if region.kind != MemKind::Dram {
-            return Err(err(
-                ErrorKind::Unsupported,
-                format!("kvx-tcp registers host memory only, not {region:?}"),
-            ));
-        }
-        if region.len == 0 || region.end().is_none() {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!("invalid region {:#x}+{}", region.addr, region.len),
-            ));
-        }
+        CAPABILITIES.check_registration(&region)?;
         let mut st = self.inner.state()?;
         let id = st.next_id();
         st.registrations.insert(id, Registration { region, memory });

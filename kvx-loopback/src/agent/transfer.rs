@@ -7,8 +7,8 @@ use std::sync::{Arc, MutexGuard};
 use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind,
-    MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 use crate::copy::{Pinned, PinnedSet};
@@ -30,18 +30,7 @@ impl TransferAgent for LoopbackAgent {
 
     fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
         let region = memory.region();
-        if region.kind != MemKind::Dram {
-            return Err(err(
-                ErrorKind::Unsupported,
-                format!("loopback registers host memory only, not {region:?}"),
-            ));
-        }
-        if region.len == 0 || region.end().is_none() {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!("invalid region {:#x}+{}", region.addr, region.len),
-            ));
-        }
+        CAPABILITIES.check_registration(&region)?;
         let mut st = self.shared.state()?;
         let id = Self::next_id(&mut st);
         st.registrations.insert(id, Registration { region, memory });
