@@ -40,13 +40,21 @@ impl Capabilities {
     }
 
     /// What [`TransferAgent::register`] checks of a region before anything else: `Unsupported`
-    /// for a kind this backend cannot register, `InvalidArgument` for an empty region or one that
-    /// wraps the address space. The error names the backend.
+    /// for a kind this agent cannot register (the message says which kinds it can: a backend
+    /// whose capabilities depend on the machine, as NIXL's plugins do, registers different kinds
+    /// on different machines), `InvalidArgument` for an empty region or one that wraps the
+    /// address space. The error names the backend.
     pub fn check_registration(&self, region: &MemRegion) -> Result<()> {
         if !self.supports(region.kind) {
+            let registers = match (self.dram, self.vram) {
+                (true, true) => "host and GPU memory",
+                (true, false) => "host memory only",
+                (false, true) => "GPU memory only",
+                (false, false) => "no memory at all",
+            };
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{} cannot register {region:?}", self.backend),
+                format!("{} cannot register {region:?}: this agent registers {registers}", self.backend),
             )
             .with_backend(self.backend));
         }
@@ -521,6 +529,32 @@ mod tests {
         assert_eq!(l.desc(8), None);
         let regions: Vec<_> = l.regions().collect();
         assert_eq!(regions, vec![Some(MemRegion::dram(1000, 40)), Some(MemRegion::dram(5000, 40))]);
+    }
+
+    /// The region check refuses a kind the agent cannot register, saying which it can, and an
+    /// empty or wrapping region; each error names the backend.
+    #[test]
+    fn registration_check_names_the_kinds_the_agent_registers() {
+        let caps = Capabilities {
+            backend: "host-only",
+            dram: true,
+            vram: false,
+            read: true,
+            write: true,
+            notifications: true,
+        };
+        let gpu = MemRegion { kind: MemKind::Vram, ..MemRegion::dram(4096, 64) };
+        let e = caps.check_registration(&gpu).unwrap_err();
+        assert_eq!((e.kind(), e.backend()), (ErrorKind::Unsupported, Some("host-only")));
+        assert!(e.message().ends_with("this agent registers host memory only"), "{e}");
+        let e =
+            Capabilities { dram: false, vram: true, ..caps }.check_registration(&MemRegion::dram(4096, 64));
+        assert!(e.unwrap_err().message().ends_with("GPU memory only"));
+        for bad in [MemRegion::dram(4096, 0), MemRegion::dram(u64::MAX - 5, 64)] {
+            let e = caps.check_registration(&bad).unwrap_err();
+            assert_eq!((e.kind(), e.backend()), (ErrorKind::InvalidArgument, Some("host-only")), "{bad:?}");
+        }
+        assert!(caps.check_registration(&MemRegion::dram(4096, 64)).is_ok());
     }
 
     #[test]

@@ -14,9 +14,10 @@ pub use memory::TensorMemory;
 pub use scheduler::{Scheduler, side_channel_host_warning, vllm_block_groups};
 pub use worker::{Worker, WorkerOptions};
 
-/// Adds kvx-vllm's classes, `side_channel_host_warning` and `vllm_block_groups` to an extension
-/// module (each backend's module calls it), and sends kvx's `tracing` events to stderr when
-/// `KVX_LOG` is set (a filter such as `debug` or `kvx_core=debug`).
+/// Adds kvx-vllm's classes, `side_channel_host_warning`, `vllm_block_groups` and the keys of
+/// `Worker.stats()` (`WORKER_COUNTERS`, `WORKER_TIMINGS`) to an extension module (each backend's
+/// module calls it), and sends kvx's `tracing` events to stderr when `KVX_LOG` is set (a filter
+/// such as `debug` or `kvx_core=debug`).
 pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     module.add_class::<Scheduler>()?;
@@ -24,7 +25,7 @@ pub fn add_classes(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<WorkerOptions>()?;
     module.add_function(wrap_pyfunction!(side_channel_host_warning, module)?)?;
     module.add_function(wrap_pyfunction!(vllm_block_groups, module)?)?;
-    Ok(())
+    worker::add_stat_keys(module)
 }
 
 /// A kvx error as a Python exception: `ValueError` for bad arguments and bad peer data,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, LayerCache, MetadataExchange,
-    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, wire,
+    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, WorkerStats, wire,
 };
 use kvx_etcd::{EtcdConfig, EtcdExchange};
 use kvx_net::WorkerDriver;
@@ -65,46 +65,79 @@ pub struct WorkerOptions {
     pub discovery: Option<String>,
 }
 
+impl WorkerOptions {
+    /// The options of a worker of engine `engine_id` whose side channel binds
+    /// `side_channel_host:side_channel_port` (plus its rank), with every other option at its
+    /// default: rank 0 of 1, the heads of this rank's cache, an instance drawn by the worker, no
+    /// compatibility tag, 30 s handshakes and leases, one runtime thread, no key, no metrics
+    /// endpoint, TCP discovery. Set the others with struct update syntax.
+    pub fn new(
+        engine_id: impl Into<String>,
+        block_size: u32,
+        side_channel_host: impl Into<String>,
+        side_channel_port: u16,
+    ) -> Self {
+        WorkerOptions {
+            engine_id: engine_id.into(),
+            rank: 0,
+            world_size: 1,
+            kv_heads: None,
+            instance: None,
+            block_size,
+            compat_tag: String::new(),
+            side_channel_host: side_channel_host.into(),
+            side_channel_port,
+            handshake_timeout_s: 30.0,
+            lease_duration_s: 30.0,
+            runtime_threads: 1,
+            auth_key: None,
+            metrics_port: None,
+            discovery: None,
+        }
+    }
+}
+
 #[pymethods]
 impl WorkerOptions {
+    /// The same as [`WorkerOptions::new`], in Python: the four essential arguments, then any
+    /// other option by keyword (`None`, or left out: its default).
     #[new]
-    #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = 0,
-        world_size = 1, kv_heads = None, instance = None, compat_tag = String::new(), handshake_timeout_s = 30.0,
-        lease_duration_s = 30.0, runtime_threads = 1, auth_key = None, metrics_port = None, discovery = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
+    #[pyo3(signature = (engine_id, block_size, side_channel_host, side_channel_port, *, rank = None,
+        world_size = None, kv_heads = None, instance = None, compat_tag = None, handshake_timeout_s = None,
+        lease_duration_s = None, runtime_threads = None, auth_key = None, metrics_port = None,
+        discovery = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments.
+    fn py_new(
         engine_id: String,
         block_size: u32,
         side_channel_host: String,
         side_channel_port: u16,
-        rank: u32,
-        world_size: u32,
+        rank: Option<u32>,
+        world_size: Option<u32>,
         kv_heads: Option<u32>,
         instance: Option<u64>,
-        compat_tag: String,
-        handshake_timeout_s: f64,
-        lease_duration_s: f64,
-        runtime_threads: usize,
+        compat_tag: Option<String>,
+        handshake_timeout_s: Option<f64>,
+        lease_duration_s: Option<f64>,
+        runtime_threads: Option<usize>,
         auth_key: Option<String>,
         metrics_port: Option<u16>,
         discovery: Option<String>,
     ) -> Self {
+        let defaults = WorkerOptions::new(engine_id, block_size, side_channel_host, side_channel_port);
         WorkerOptions {
-            engine_id,
-            rank,
-            world_size,
+            rank: rank.unwrap_or(defaults.rank),
+            world_size: world_size.unwrap_or(defaults.world_size),
             kv_heads,
             instance,
-            block_size,
-            compat_tag,
-            side_channel_host,
-            side_channel_port,
-            handshake_timeout_s,
-            lease_duration_s,
-            runtime_threads,
+            compat_tag: compat_tag.unwrap_or(defaults.compat_tag.clone()),
+            handshake_timeout_s: handshake_timeout_s.unwrap_or(defaults.handshake_timeout_s),
+            lease_duration_s: lease_duration_s.unwrap_or(defaults.lease_duration_s),
+            runtime_threads: runtime_threads.unwrap_or(defaults.runtime_threads),
             auth_key,
             metrics_port,
             discovery,
+            ..defaults
         }
     }
 
@@ -471,56 +504,25 @@ impl Worker {
         self.with_state(|s| Ok(s.driver.is_idle()))
     }
 
-    /// The worker's counters (since it started), and its latency samples since the last call:
-    /// `read_*` (from posting a READ to the step that found it done), `transfer_*` (from posting a
-    /// READ to the prefill engine's confirmation, per completed load), `handshake_*`,
-    /// `post_wait_*` (from a load's admission to its READ's post) and `confirm_*` (from the step
-    /// that found the READ done to the confirmation), each as `_count`, `_seconds` (their sum)
-    /// and `_max_seconds`. (The `/metrics` endpoint's histograms
-    /// are not affected by this call.)
+    /// The worker's counters since it started (keys: `WORKER_COUNTERS`), and its latency samples
+    /// since the last call: for each key of `WORKER_TIMINGS` (`read`: from posting a READ to the
+    /// step that found it done, `transfer`: to the prefill engine's confirmation, `handshake`,
+    /// `post_wait`: from a load's admission to its READ's post, `confirm`: from the READ done to
+    /// the confirmation), `<key>_count`, `<key>_seconds` (their sum) and `<key>_max_seconds`. (The
+    /// `/metrics` endpoint's histograms are not affected by this call.)
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         self.with_state(|s| {
             let w = s.driver.worker_mut();
             let st = w.stats();
-            let counters = [
-                ("handshakes", st.handshakes),
-                ("handshake_failures", st.handshake_failures),
-                ("peer_restarts", st.peer_restarts),
-                ("peers_invalidated", st.peers_invalidated),
-                ("reads_posted", st.reads_posted),
-                ("reads_failed", st.reads_failed),
-                ("descriptors", st.descriptors),
-                ("bytes_read", st.bytes_read),
-                ("failed_loads", st.failed_loads),
-                ("lease_failures", st.lease_failures),
-                ("notify_only", st.notify_only),
-                ("renewals_sent", st.renewals_sent),
-                ("notifications", st.notifications),
-                ("early_notifications", st.early_notifications),
-                ("early_notifications_dropped", st.early_notifications_dropped),
-                ("stray_notifications", st.stray_notifications),
-                ("rejected_notifications", st.rejected_notifications),
-                ("leases_renewed", st.leases_renewed),
-                ("expired_holds", st.expired_holds),
-                ("hold_answers", st.hold_answers),
-                ("unsent_messages", st.unsent_messages),
-            ];
-            for (name, value) in counters {
-                d.set_item(name, value)?;
+            for c in WorkerStats::COUNTERS {
+                d.set_item(c.key, (c.read)(st))?;
             }
-            let sampled = [
-                ("read", &st.read_latencies),
-                ("transfer", &st.transfer_latencies),
-                ("handshake", &st.handshake_times),
-                ("post_wait", &st.post_waits),
-                ("confirm", &st.confirm_waits),
-            ]
-            .map(|(name, samples)| (name, samples.count(), samples.max(), sum_estimate(samples)));
-            for (name, count, max, sum) in sampled {
-                d.set_item(format!("{name}_count"), count)?;
-                d.set_item(format!("{name}_seconds"), sum)?;
-                d.set_item(format!("{name}_max_seconds"), max.as_secs_f64())?;
+            for t in WorkerStats::TIMINGS {
+                let samples = (t.read)(st);
+                d.set_item(format!("{}_count", t.key), samples.count())?;
+                d.set_item(format!("{}_seconds", t.key), sum_estimate(samples))?;
+                d.set_item(format!("{}_max_seconds", t.key), samples.max().as_secs_f64())?;
             }
             w.take_latencies();
             Ok(())
@@ -572,6 +574,16 @@ impl Drop for Worker {
     }
 }
 
+/// Adds the module's `WORKER_COUNTERS` and `WORKER_TIMINGS`: the keys of [`Worker::stats`] with
+/// their help texts, as `(key, help)` pairs ([`WorkerStats::COUNTERS`] and
+/// [`WorkerStats::TIMINGS`]), from which the Python connector defines vLLM's metrics.
+pub(crate) fn add_stat_keys(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    let counters: Vec<_> = WorkerStats::COUNTERS.iter().map(|c| (c.key, c.help)).collect();
+    let timings: Vec<_> = WorkerStats::TIMINGS.iter().map(|t| (t.key, t.help)).collect();
+    module.add("WORKER_COUNTERS", counters)?;
+    module.add("WORKER_TIMINGS", timings)
+}
+
 /// `t` in seconds since the Unix epoch (0 before it).
 fn unix_seconds(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
@@ -597,29 +609,71 @@ mod tests {
     use kvx_core::{BlockList, DlistOwner, ErrorKind, HostMemory, KvMemory, MemKind};
     use kvx_loopback::Fabric;
 
+    /// Python's constructor takes the four essential arguments and any other option by keyword:
+    /// those left out (None) are `WorkerOptions::new`'s defaults, those given are kept.
+    #[test]
+    fn options_left_out_in_python_take_the_rust_defaults() {
+        let defaults = WorkerOptions::new("e", 16, "10.0.0.1", 5700);
+        let none = WorkerOptions::py_new(
+            "e".into(),
+            16,
+            "10.0.0.1".into(),
+            5700,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        );
+        assert_eq!(format!("{none:?}"), format!("{defaults:?}"));
+        let given = WorkerOptions::py_new(
+            "e".into(),
+            16,
+            "10.0.0.1".into(),
+            5700,
+            Some(1),
+            Some(2),
+            Some(8),
+            Some(9),
+            Some("tag".into()),
+            Some(5.0),
+            Some(6.0),
+            Some(3),
+            Some("k".repeat(16)),
+            Some(0),
+            Some("tcp".into()),
+        );
+        let expected = WorkerOptions {
+            rank: 1,
+            world_size: 2,
+            kv_heads: Some(8),
+            instance: Some(9),
+            compat_tag: "tag".into(),
+            handshake_timeout_s: 5.0,
+            lease_duration_s: 6.0,
+            runtime_threads: 3,
+            auth_key: Some("k".repeat(16)),
+            metrics_port: Some(0),
+            discovery: Some("tcp".into()),
+            ..defaults
+        };
+        assert_eq!(format!("{given:?}"), format!("{expected:?}"));
+    }
+
     /// Closing gives the agent back every registration of the tensors, while the worker (the
     /// Python object) still lives: a list over them is refused, and only the test still holds
     /// the agent.
     #[test]
     fn close_deregisters_the_tensors_while_the_worker_lives() {
         let agent = Arc::new(Fabric::new().agent("vllm-worker").unwrap());
-        let options = WorkerOptions::new(
-            "engine".into(),
-            4,
-            "127.0.0.1".into(),
-            0,
-            0,
-            1,
-            None,
-            None,
-            String::new(),
-            5.0,
-            30.0,
-            1,
-            None,
-            None,
-            None,
-        );
+        let options =
+            WorkerOptions { handshake_timeout_s: 5.0, ..WorkerOptions::new("engine", 4, "127.0.0.1", 0) };
         let mut worker = Worker::create(&options, agent.clone()).unwrap();
         assert!(worker.take_load_times().unwrap().is_empty(), "nothing loaded yet");
         assert!(worker.take_transfers().unwrap().is_empty(), "nothing read yet");
@@ -657,23 +711,11 @@ mod tests {
     fn metrics_port_serves_the_worker_metrics() {
         use std::io::{Read, Write};
         let agent = Arc::new(Fabric::new().agent("vllm-metrics").unwrap());
-        let mut options = WorkerOptions::new(
-            "engine-m".into(),
-            4,
-            "127.0.0.1".into(),
-            0,
-            0,
-            1,
-            None,
-            None,
-            String::new(),
-            5.0,
-            30.0,
-            1,
-            None,
-            Some(0),
-            None,
-        );
+        let mut options = WorkerOptions {
+            handshake_timeout_s: 5.0,
+            metrics_port: Some(0),
+            ..WorkerOptions::new("engine-m", 4, "127.0.0.1", 0)
+        };
         assert_eq!(options.metrics_port, Some(0));
         let worker = Worker::create(&options, agent.clone()).unwrap();
         worker.with_state(|s| s.collect().map_err(py_err)).unwrap();
@@ -703,24 +745,12 @@ mod tests {
         let Some(etcd) = kvx_testkit::etcd::EtcdServer::start_or_skip(test) else { return };
         let agent = Arc::new(Fabric::new().agent("vllm-etcd-worker").unwrap());
         // A host this machine cannot bind (TEST-NET-1): with etcd the worker binds no side channel.
-        let (host, discovery) = ("192.0.2.1".into(), Some(etcd.url()));
-        let options = WorkerOptions::new(
-            "prefill-7".into(),
-            4,
-            host,
-            1,
-            0,
-            1,
-            None,
-            None,
-            String::new(),
-            5.0,
-            30.0,
-            1,
-            None,
-            None,
+        let (host, discovery) = ("192.0.2.1", Some(etcd.url()));
+        let options = WorkerOptions {
+            handshake_timeout_s: 5.0,
             discovery,
-        );
+            ..WorkerOptions::new("prefill-7", 4, host, 1)
+        };
         let mut worker = Worker::create(&options, agent).unwrap();
         let tensor = HostMemory::new(8 * 2 * 4 * 8).unwrap();
         let layers = vec![(tensor.region().addr, tensor.region().len, vec![8, 2, 4, 8], 1)];

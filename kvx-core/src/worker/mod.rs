@@ -37,10 +37,12 @@ mod holds;
 mod loads;
 mod peers;
 mod samples;
+mod stats;
 mod ttl;
 
 pub use aggregator::{AggregatorLimits, AggregatorStats, FinishedAggregator};
 pub use samples::{Histogram, Samples};
+pub use stats::{CounterUnit, StatCounter, StatTiming, WorkerStats};
 
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
@@ -133,78 +135,6 @@ pub enum WorkerCommand {
     /// Fetch the handshake payload of the peer worker (its endpoint already offset by the peer's
     /// rank) and hand the result to [`ConnectorWorker::handle_handshake`].
     FetchHandshake(PeerLocator),
-}
-
-/// Counters of one worker, for metrics and the demo's summary.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct WorkerStats {
-    /// Handshakes that completed.
-    pub handshakes: u64,
-    /// Handshakes that failed or timed out.
-    pub handshake_failures: u64,
-    /// Handshakes that found a peer engine restarted (a new instance of an engine seen before).
-    pub peer_restarts: u64,
-    /// Peers dropped after a failed transfer, notification or confirmation: the next request
-    /// for them handshakes again.
-    pub peers_invalidated: u64,
-    /// Time from a handshake's start to the peer being ready.
-    pub handshake_times: Samples,
-    /// READs posted. Each one that ends is counted in `read_latencies` (done) or `reads_failed`.
-    pub reads_posted: u64,
-    /// Posted READs that failed, timed out or were cancelled at close.
-    pub reads_failed: u64,
-    /// Descriptors in posted READs after coalescing: per region, one per run of blocks
-    /// contiguous on both sides (a backend may merge whole regions further).
-    pub descriptors: u64,
-    /// Descriptors (block × region) in posted READs before coalescing.
-    pub block_descriptors: u64,
-    /// Bytes read by completed and confirmed READs.
-    pub bytes_read: u64,
-    /// Loads that failed (validation, post, transfer, handshake, lease).
-    pub failed_loads: u64,
-    /// Loads whose READ completed but whose hold had ended before the release reached the
-    /// prefill engine (or that got no answer): failed, their bytes unused.
-    pub lease_failures: u64,
-    /// Notify-only requests (full local prefix hit).
-    pub notify_only: u64,
-    /// From posting a READ to the step that found it done, for each READ that completed: the
-    /// transfer itself, plus at most the interval between the caller's steps (the worker drains
-    /// the agent's completions once per step).
-    pub read_latencies: Samples,
-    /// From posting a READ to the prefill engine's confirmation, for each completed load: the
-    /// READ, the release's round trip to the prefill engine, and the steps between.
-    pub transfer_latencies: Samples,
-    /// From a load's admission (the step that handed it to the worker) to its READ's post, for
-    /// each completed load: the handshake with its peer when one was needed.
-    pub post_waits: Samples,
-    /// From the step that found a READ done to the prefill engine's confirmation, for each
-    /// completed load: the release's round trip and the steps between.
-    pub confirm_waits: Samples,
-    /// Heartbeats (lease renewals) sent, one per hold.
-    pub renewals_sent: u64,
-    /// Prefill side: releases received for held requests, one for each reader (a hold is freed
-    /// by its last reader's).
-    pub notifications: u64,
-    /// Prefill side: releases that came before their hold (kept until it comes or they expire).
-    pub early_notifications: u64,
-    /// Prefill side: releases that came before their hold and were dropped before it came to keep
-    /// what is kept bounded (pushed out of their sender's budget, with an evicted sender, or past
-    /// the readers of one hold). Each is also counted in `stray_notifications`.
-    pub early_notifications_dropped: u64,
-    /// Notifications that did not decode, were duplicated, or never matched a hold or a load
-    /// (expired or pushed out of a buffer).
-    pub stray_notifications: u64,
-    /// Notifications that named a held request with the wrong nonce: forged or replayed. The
-    /// hold stays.
-    pub rejected_notifications: u64,
-    /// Prefill side: leases extended by a heartbeat.
-    pub leases_renewed: u64,
-    /// Prefill side: holds released because their lease ran out.
-    pub expired_holds: u64,
-    /// Prefill side: answers sent to decode workers ("held" or "not held").
-    pub hold_answers: u64,
-    /// Messages for a peer dropped because its handshake failed or the send failed.
-    pub unsent_messages: u64,
 }
 
 /// When one completed load passed each stage (decode side), for attributing a request's latency:

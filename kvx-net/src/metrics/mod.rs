@@ -7,7 +7,9 @@
 //! what changed since the last call, so they stay monotonic across calls, across a
 //! [`take_latencies`](ConnectorWorker::take_latencies) (the histograms read
 //! [`Samples::histogram`](kvx_core::Samples::histogram), which it leaves alone) and across a new
-//! worker under the same labels. The names, types and labels are in `docs/METRICS.md`.
+//! worker under the same labels. The worker's counters and histograms, with their names and help
+//! texts, are [`WorkerStats::COUNTERS`] and [`WorkerStats::TIMINGS`]; the names, types and labels
+//! are in `docs/METRICS.md`.
 
 mod histogram;
 mod server;
@@ -21,7 +23,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::ServerStats;
-use kvx_core::worker::{ConnectorWorker, Histogram, WorkerStats};
+use kvx_core::worker::{ConnectorWorker, CounterUnit, Histogram, WorkerStats};
 
 use histogram::DurationHistogram;
 pub use server::{CONTENT_TYPE, MetricsServer, serve};
@@ -40,121 +42,6 @@ struct RefusalLabels {
     rank: u32,
     reason: &'static str,
 }
-
-/// A worker counter: its name (before the `kvx_` prefix and the `_total` suffix), help, unit,
-/// and where it comes from.
-struct CounterDef {
-    name: &'static str,
-    help: &'static str,
-    unit: Option<Unit>,
-    read: fn(&WorkerStats) -> u64,
-}
-
-const COUNTERS: [CounterDef; 18] = [
-    CounterDef {
-        name: "reads_posted",
-        help: "READs posted to the transfer agent",
-        unit: None,
-        read: |s| s.reads_posted,
-    },
-    CounterDef {
-        name: "reads_done",
-        help: "Posted READs that completed",
-        unit: None,
-        read: |s| s.read_latencies.histogram().count(),
-    },
-    CounterDef {
-        name: "reads_failed",
-        help: "Posted READs that failed, timed out or were cancelled at close",
-        unit: None,
-        read: |s| s.reads_failed,
-    },
-    CounterDef {
-        name: "read",
-        help: "Bytes read by READs that completed and whose hold the prefill engine confirmed",
-        unit: Some(Unit::Bytes),
-        read: |s| s.bytes_read,
-    },
-    CounterDef {
-        name: "read_descriptors",
-        help: "Descriptors in posted READs after coalescing (per region, one per run of blocks contiguous on both sides)",
-        unit: None,
-        read: |s| s.descriptors,
-    },
-    CounterDef {
-        name: "read_block_descriptors",
-        help: "Descriptors (block x region) in posted READs before coalescing",
-        unit: None,
-        read: |s| s.block_descriptors,
-    },
-    CounterDef {
-        name: "loads_failed",
-        help: "Loads that failed (validation, post, transfer, handshake, lease)",
-        unit: None,
-        read: |s| s.failed_loads,
-    },
-    CounterDef {
-        name: "lease_failures",
-        help: "Decode side: loads whose READ completed after the prefill engine's hold had ended",
-        unit: None,
-        read: |s| s.lease_failures,
-    },
-    CounterDef { name: "handshakes", help: "Handshakes that completed", unit: None, read: |s| s.handshakes },
-    CounterDef {
-        name: "handshake_failures",
-        help: "Handshakes that failed or timed out",
-        unit: None,
-        read: |s| s.handshake_failures,
-    },
-    CounterDef {
-        name: "peer_restarts",
-        help: "Handshakes that found a peer engine restarted",
-        unit: None,
-        read: |s| s.peer_restarts,
-    },
-    CounterDef {
-        name: "holds_released",
-        help: "Prefill side: holds their reader released",
-        unit: None,
-        read: |s| s.notifications,
-    },
-    CounterDef {
-        name: "holds_expired",
-        help: "Prefill side: holds freed because their lease ran out",
-        unit: None,
-        read: |s| s.expired_holds,
-    },
-    CounterDef {
-        name: "leases_renewed",
-        help: "Prefill side: leases extended by a heartbeat",
-        unit: None,
-        read: |s| s.leases_renewed,
-    },
-    CounterDef {
-        name: "notifications_early",
-        help: "Prefill side: releases that came before their hold",
-        unit: None,
-        read: |s| s.early_notifications,
-    },
-    CounterDef {
-        name: "notifications_early_dropped",
-        help: "Prefill side: releases that came before their hold and were dropped to keep the early releases bounded",
-        unit: None,
-        read: |s| s.early_notifications_dropped,
-    },
-    CounterDef {
-        name: "notifications_stray",
-        help: "Notifications that did not decode, were duplicated, or matched no hold or load",
-        unit: None,
-        read: |s| s.stray_notifications,
-    },
-    CounterDef {
-        name: "notifications_rejected",
-        help: "Notifications that named a held request with the wrong nonce",
-        unit: None,
-        read: |s| s.rejected_notifications,
-    },
-];
 
 /// A worker gauge: its name, help and value.
 struct GaugeDef {
@@ -175,41 +62,6 @@ const GAUGES: [GaugeDef; 3] = [
         read: ConnectorWorker::num_in_flight,
     },
     GaugeDef { name: "peers", help: "Peers handshaken and ready", read: ConnectorWorker::num_peers },
-];
-
-/// A worker histogram: its name (before `_seconds`), help and samples.
-struct HistogramDef {
-    name: &'static str,
-    help: &'static str,
-    read: fn(&WorkerStats) -> &Histogram,
-}
-
-const HISTOGRAMS: [HistogramDef; 5] = [
-    HistogramDef {
-        name: "read_duration",
-        help: "From posting a READ to the step that found it done",
-        read: |s| s.read_latencies.histogram(),
-    },
-    HistogramDef {
-        name: "transfer_duration",
-        help: "From posting a READ to the prefill engine's confirmation that its hold lived through it",
-        read: |s| s.transfer_latencies.histogram(),
-    },
-    HistogramDef {
-        name: "handshake_duration",
-        help: "From a handshake's start to the peer being ready",
-        read: |s| s.handshake_times.histogram(),
-    },
-    HistogramDef {
-        name: "post_wait_duration",
-        help: "From a load's admission to its READ's post (the handshake, when one was needed), per completed load",
-        read: |s| s.post_waits.histogram(),
-    },
-    HistogramDef {
-        name: "confirm_duration",
-        help: "From the step that found a READ done to the prefill engine's confirmation, per completed load",
-        read: |s| s.confirm_waits.histogram(),
-    },
 ];
 
 /// One of a server's counters.
@@ -273,17 +125,19 @@ impl Metrics {
 
     fn with_registry(mut registry: Registry) -> Self {
         let mut families = Families {
-            counters: Vec::with_capacity(COUNTERS.len()),
+            counters: Vec::with_capacity(WorkerStats::COUNTERS.len()),
             gauges: Vec::with_capacity(GAUGES.len()),
-            histograms: Vec::with_capacity(HISTOGRAMS.len()),
+            histograms: Vec::with_capacity(WorkerStats::TIMINGS.len()),
             accepted: Family::default(),
             refused: Family::default(),
         };
-        for def in &COUNTERS {
+        for def in WorkerStats::COUNTERS {
             let family = Family::default();
-            match &def.unit {
-                Some(unit) => registry.register_with_unit(def.name, def.help, unit.clone(), family.clone()),
-                None => registry.register(def.name, def.help, family.clone()),
+            match def.unit {
+                CounterUnit::Bytes => {
+                    registry.register_with_unit(def.metric, def.help, Unit::Bytes, family.clone())
+                }
+                CounterUnit::Events => registry.register(def.metric, def.help, family.clone()),
             }
             families.counters.push(family);
         }
@@ -292,9 +146,9 @@ impl Metrics {
             registry.register(def.name, def.help, family.clone());
             families.gauges.push(family);
         }
-        for def in &HISTOGRAMS {
+        for def in WorkerStats::TIMINGS {
             let family = Family::default();
-            registry.register_with_unit(def.name, def.help, Unit::Seconds, family.clone());
+            registry.register_with_unit(def.metric, def.help, Unit::Seconds, family.clone());
             families.histograms.push(family);
         }
         registry.register(
@@ -362,8 +216,8 @@ fn encode(registry: &Registry) -> String {
 #[derive(Debug)]
 struct Observed {
     instance: u64,
-    counters: [u64; COUNTERS.len()],
-    histograms: [Histogram; HISTOGRAMS.len()],
+    counters: [u64; WorkerStats::COUNTERS.len()],
+    histograms: [Histogram; WorkerStats::TIMINGS.len()],
 }
 
 /// Brings one worker's metrics up to date ([`observe`](Self::observe)): its series, in the order
@@ -386,19 +240,22 @@ impl WorkerMetrics {
             Some(last) if last.instance == worker.instance() => last,
             slot => slot.insert(Observed {
                 instance: worker.instance(),
-                counters: [0; COUNTERS.len()],
+                counters: [0; WorkerStats::COUNTERS.len()],
                 histograms: Default::default(),
             }),
         };
-        for ((def, counter), seen) in COUNTERS.iter().zip(&self.counters).zip(&mut last.counters) {
+        for ((def, counter), seen) in WorkerStats::COUNTERS.iter().zip(&self.counters).zip(&mut last.counters)
+        {
             let now = (def.read)(stats);
             if now > *seen {
                 counter.inc_by(now - *seen);
             }
             *seen = now;
         }
-        for ((def, histogram), seen) in HISTOGRAMS.iter().zip(&self.histograms).zip(&mut last.histograms) {
-            let now = (def.read)(stats);
+        for ((def, histogram), seen) in
+            WorkerStats::TIMINGS.iter().zip(&self.histograms).zip(&mut last.histograms)
+        {
+            let now = (def.read)(stats).histogram();
             if now.count() != seen.count() {
                 histogram.add(now, seen);
                 seen.clone_from(now);

@@ -89,6 +89,36 @@ fn counters_add_what_changed_and_stay_monotonic_across_takes_and_new_workers() {
     assert!(text.ends_with("# EOF\n"), "{text}");
 }
 
+/// Every counter and histogram of [`WorkerStats`] has its series, at zero from the start, under
+/// the name its table gives, with its help text; and docs/METRICS.md lists each one.
+#[test]
+fn every_worker_counter_and_histogram_is_registered_and_documented() {
+    let metrics = Metrics::new();
+    metrics.worker("engine-a", 1).observe(&worker(7));
+    let text = metrics.encode();
+    let doc = include_str!("../../../docs/METRICS.md");
+    let mut names: Vec<(String, String, &str)> = WorkerStats::COUNTERS
+        .iter()
+        .map(|c| {
+            let family = match c.unit {
+                CounterUnit::Events => format!("kvx_{}", c.metric),
+                CounterUnit::Bytes => format!("kvx_{}_bytes", c.metric),
+            };
+            (family.clone(), format!("{family}_total"), c.help)
+        })
+        .collect();
+    names.extend(WorkerStats::TIMINGS.iter().map(|t| {
+        let family = format!("kvx_{}_seconds", t.metric);
+        (family.clone(), format!("{family}_count"), t.help)
+    }));
+    for (family, series, help) in names {
+        assert_eq!(value(&text, &sample(&series)), Some(0.0), "{series}");
+        assert!(text.contains(&format!("# HELP {family} {help}")), "{family}: {text}");
+        let documented = if series.ends_with("_count") { family } else { series };
+        assert!(doc.contains(&format!("| `{documented}` |")), "docs/METRICS.md lacks {documented}");
+    }
+}
+
 #[test]
 fn side_channel_refusals_are_counted_by_reason_and_restart_from_zero() {
     let metrics = Metrics::with_role("prefill");

@@ -30,11 +30,7 @@ impl TransferAgent for NixlAgent {
 
     fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
         let region = memory.region();
-        let kind_supported = self.capabilities.supports(region.kind);
-        self.require(kind_supported, &format!("{:?} memory", region.kind))?;
-        if region.len == 0 || region.end().is_none() {
-            return Err(error(ErrorKind::InvalidArgument, format!("cannot register {region:?}")));
-        }
+        self.capabilities.check_registration(&region)?;
         let descriptor = RegionDescriptor::new(region)?;
         let mut state = self.lock();
         let handle = state

@@ -32,31 +32,8 @@ mod fixture;
 mod harness;
 mod support;
 
-pub use checks::agents::{
-    check_capabilities, check_dlist_outside_registration, check_garbage_metadata, check_metadata_round_trip,
-    check_registration, check_unsupported_operations,
-};
-pub use checks::blocks::{
-    check_block_post_contiguous, check_block_post_rejects_like_post, check_block_post_scattered,
-    check_block_post_whole_regions, check_block_post_windowed,
-};
-pub use checks::completions::{
-    check_completions_reported_once, check_failed_completion_reported_once,
-    check_released_transfers_not_reported,
-};
-pub use checks::data::{
-    check_many_in_flight, check_notification_with_read, check_notification_with_write, check_read_scattered,
-    check_standalone_notify, check_unknown_transfer, check_write_scattered,
-};
-pub use checks::failures::check_failed_transfer_is_typed;
-pub use checks::lifetimes::{
-    check_deregister_in_flight, check_forget_remote, check_forget_remote_in_flight, check_release_in_flight,
-};
-pub use checks::validation::{
-    check_empty_post_rejected, check_out_of_range_rejected, check_oversized_notification_rejected,
-    check_unequal_block_lengths_rejected, check_unequal_lengths_rejected, check_unknown_dlist,
-    check_wrong_dlist_owner_rejected,
-};
+// Every check at `conformance::check_*`: the checks are listed once, in `conformance_tests!`.
+pub use checks::{agents::*, blocks::*, completions::*, data::*, failures::*, lifetimes::*, validation::*};
 pub use harness::{Dyn, Harness, Pair, Side, TestBuffer};
 pub use kvx_core::ByteAccess;
 
@@ -125,4 +102,34 @@ macro_rules! conformance_tests {
             }
         )*
     };
+}
+
+#[cfg(test)]
+mod tests {
+    /// `conformance_tests!` names every `pub fn check_*` of `checks`, each once: the macro's list
+    /// is the suite's only list, so a check left out of it would run nowhere.
+    #[test]
+    fn conformance_tests_runs_every_check() {
+        let sources = [
+            include_str!("checks/agents.rs"),
+            include_str!("checks/blocks.rs"),
+            include_str!("checks/completions.rs"),
+            include_str!("checks/data.rs"),
+            include_str!("checks/failures.rs"),
+            include_str!("checks/lifetimes.rs"),
+            include_str!("checks/validation.rs"),
+        ];
+        let name =
+            |rest: &str| rest.split(|c: char| !(c.is_alphanumeric() || c == '_')).next().map(str::to_owned);
+        let mut defined: Vec<String> =
+            sources.iter().flat_map(|s| s.split("pub fn check_").skip(1)).filter_map(name).collect();
+        let this = include_str!("mod.rs");
+        let list = this.split("@each $setup;").nth(1).and_then(|l| l.split(");").next()).unwrap_or_default();
+        let mut run: Vec<String> =
+            list.split(',').filter_map(|c| c.trim().strip_prefix("check_")).filter_map(name).collect();
+        defined.sort();
+        run.sort();
+        assert!(!run.is_empty(), "no checks found in conformance_tests!");
+        assert_eq!(defined, run);
+    }
 }

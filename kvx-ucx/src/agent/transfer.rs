@@ -7,8 +7,8 @@ use std::sync::{Arc, PoisonError, Weak};
 use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
-    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemKind,
-    MemRegion, Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
+    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 use kvx_ucx_sys as sys;
 
@@ -43,13 +43,9 @@ impl TransferAgent for UcxAgent {
 
     fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
         let region = memory.region();
-        if region.kind != MemKind::Dram {
-            return Err(error(ErrorKind::Unsupported, format!("cannot register {:?} memory", region.kind)));
-        }
-        let len = usize::try_from(region.len).ok().filter(|&l| l > 0);
-        let (Some(len), Some(_)) = (len, region.end()) else {
-            return Err(error(ErrorKind::InvalidArgument, format!("cannot register {region:?}")));
-        };
+        self.capabilities().check_registration(&region)?;
+        let len = usize::try_from(region.len)
+            .map_err(|_| error(ErrorKind::InvalidArgument, format!("cannot register {region:?}")))?;
         let mut inner = self.shared.lock()?;
         // A pool this agent allocated: reuse UCX's mapping (it is what makes reads one-sided). A live
         // pool with exactly this region is this very memory: live allocations cannot overlap.

@@ -3,7 +3,8 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "KvxConnector",
 "kv_connector_module_path": "kvx_vllm.connector", ...}'``. Importing this package (or
 ``kvx_vllm.connector``) has no side effects: vLLM imports the module in its API-server, EngineCore
-and worker processes, and the native backend is loaded only when a connector is constructed.
+and worker processes, and the native module is imported only when a connector is constructed or
+vLLM registers the connector's metrics (whose names it lists).
 """
 
 __all__ = ["__version__"]

@@ -102,12 +102,24 @@ logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuratio
 _BACKENDS = ("ucx", "nixl")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
-# Keys of the worker's stats() that cover only the time since its last call (the rest are totals).
-_SAMPLED = {
-    f"{kind}_{what}"
-    for kind in ("read", "transfer", "handshake", "post_wait", "confirm")
-    for what in ("count", "seconds", "max_seconds")
-}
+
+
+def _sampled_keys(native) -> set[str]:
+    """The keys of the worker's ``stats()`` that cover only the time since its last call: each
+    latency's count, summed seconds and longest. The rest (``native.WORKER_COUNTERS``) are totals.
+    The native module has both lists from kvx-core's ``WorkerStats``, where they are declared."""
+    return {f"{key}_{what}" for key, _ in native.WORKER_TIMINGS for what in ("count", "seconds", "max_seconds")}
+
+
+def _prom_counters(native) -> dict[str, str]:
+    """The counters ``vllm:kvx_<key>_total`` and their help: every counter of the worker's
+    ``stats()``, and each latency's count and summed seconds."""
+    counters = dict(native.WORKER_COUNTERS)
+    for key, doc in native.WORKER_TIMINGS:
+        counters[f"{key}_count"] = f"{doc}: how many"
+        counters[f"{key}_seconds"] = f"{doc}: seconds, summed"
+    return counters
+
 
 # NixlConnector's per-transfer lists (NixlKVConnectorStats), kept under the same keys in kvx's
 # stats so that NixlConnector's own Prometheus metrics (NixlPromMetrics: vllm:nixl_xfer_time_seconds,
@@ -193,31 +205,12 @@ class KvxConnectorStats(KVConnectorStats):
 
 
 class KvxPromMetrics(KVConnectorPromMetrics):
-    """kvx's counts as vLLM Prometheus counters ``vllm:kvx_<key>_total``, per engine. Durations are
+    """kvx's counts as vLLM Prometheus counters ``vllm:kvx_<key>_total``, per engine: every key of
+    the worker's ``stats()`` but the longest durations (``_prom_counters``). Durations are
     counters of summed seconds (``rate(sum) / rate(count)`` is the mean); kvx's own ``/metrics``
     endpoint (``metrics_port``) has them as histograms. The same transfers also go to
     NixlConnector's metrics (``NixlPromMetrics``, its names, buckets and meanings), so that a
     NixlConnector dashboard shows kvx's transfers unchanged."""
-
-    _COUNTERS = {
-        "reads_posted": "READs posted",
-        "read_count": "READs done",
-        "reads_failed": "READs that failed, timed out or were cancelled",
-        "bytes_read": "Bytes read by READs whose hold the prefill engine confirmed",
-        "descriptors": "Descriptors in posted READs, after coalescing (one per run of contiguous blocks per region)",
-        "failed_loads": "KV loads that failed",
-        "lease_failures": "Loads whose READ completed after the prefill engine's hold had ended",
-        "expired_holds": "Prefill holds freed because their lease ran out",
-        "stray_notifications": "Notifications that matched no hold or load",
-        "early_notifications": "Releases that came before their hold",
-        "transfer_count": "Transfers confirmed by the prefill engine",
-        "transfer_seconds": "Seconds from posting a READ to its confirmation, summed",
-        "post_wait_seconds": "Seconds from a load's admission to its READ's post, summed over confirmed loads",
-        "confirm_seconds": "Seconds from a READ done to its confirmation, summed over confirmed loads",
-        "handshake_count": "Handshakes that completed",
-        "handshake_seconds": "Seconds of the handshakes that completed, summed",
-        "handshake_failures": "Handshakes that failed or timed out",
-    }
 
     def __init__(self, vllm_config: "VllmConfig", metric_types, labelnames: list[str], per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -226,7 +219,7 @@ class KvxPromMetrics(KVConnectorPromMetrics):
                 self._counter_cls(name=f"vllm:kvx_{key}", documentation=doc, labelnames=labelnames),
                 self.per_engine_labelvalues,
             )
-            for key, doc in self._COUNTERS.items()
+            for key, doc in _prom_counters(importlib.import_module("kvx_vllm_native")).items()
         }
         self._nixl = NixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -410,6 +403,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         self._counters: dict[str, int] = {}
         self._totals: dict[str, float] = {}
         self._interval = KvxConnectorStats()
+        self._sampled: set[str] = set()  # _sampled_keys, once the worker is created
         # Per-request events for latency attribution (KVX_VLLM_TRACE_DIR; off by default).
         self._trace = Trace(f"kvx-{role.name.lower()}")
         self._scheduled: list[str] = []  # traced loads scheduled since the last metadata
@@ -447,6 +441,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         _ask_amx_permission()
         _move_to_kv_cores()
         native = _native(self._backend)
+        self._sampled = _sampled_keys(native)
         model = vllm_config.model_config
         world_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # The ranks of an engine publish one instance (its params name it): taken from vLLM's
@@ -720,7 +715,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM takes next, the samples to the logged totals too."""
         delta = {}
         for k, v in self._worker.stats().items():
-            if k in _SAMPLED:
+            if k in self._sampled:
                 delta[k] = v
                 self._totals[k] = max(self._totals.get(k, 0.0), v) if k.endswith("_max_seconds") else self._totals.get(k, 0) + v
             else:
