@@ -21,6 +21,8 @@
 #   KVX_BENCH_PROMPT_TOKENS / KVX_BENCH_OUTPUT_TOKENS  synthetic prompt and output lengths
 #                          (default 512 / 32; short: 256 / 8)
 #   KVX_BENCH_PREFILLS     prefill servers behind the router, 1 or 2 (default 1)
+#   KVX_VLLM_SPLIT_CORES   1 (default here): the prefill servers on CPU 0, the decode server on
+#                          CPU 1, the single server on both; 0: vLLM's own binding
 #   KVX_BENCH_KILL_AFTER_S with 2 prefill servers: the second is killed (SIGKILL to its process
 #                          group, a crash) this many seconds into the first concurrency level;
 #                          the kill CSV then says how many requests failed and until when
@@ -46,6 +48,9 @@ else
     PROMPT_TOKENS="${KVX_BENCH_PROMPT_TOKENS:-512}" OUTPUT_TOKENS="${KVX_BENCH_OUTPUT_TOKENS:-32}"
 fi
 PREFILLS="${KVX_BENCH_PREFILLS:-1}"
+# Prefill and decode servers on cores of their own (scripts/lib-vllm.sh): the requests guidellm
+# sends overlap, unlike test-vllm.sh's.
+export KVX_VLLM_SPLIT_CORES="${KVX_VLLM_SPLIT_CORES:-1}"
 KILL_AFTER_S="${KVX_BENCH_KILL_AFTER_S:-}"
 case $PREFILLS in 1 | 2) ;; *) echo "bench-vllm: KVX_BENCH_PREFILLS must be 1 or 2" >&2; exit 2 ;; esac
 if [ -n "$KILL_AFTER_S" ] && [ "$PREFILLS" != 2 ]; then

@@ -158,6 +158,17 @@ start() { # config name http_port side_port role policy (role none: a server wit
             env+=(VLLM_CPU_OMP_THREADS_BIND=0)
         fi
     fi
+    # KVX_VLLM_SPLIT_CORES=1: each server on cores of its own (prefill servers CPU 0, the decode
+    # server CPU 1, a server without a connector both), instead of vLLM's binding, which puts
+    # every server's step thread on CPU 0 of a 2-vCPU machine (see docs/VLLM.md, "Threads and
+    # CPU cores"): requests that overlap then compete for one core.
+    if [ "${KVX_VLLM_SPLIT_CORES:-0}" = 1 ]; then
+        case $role in
+            kv_producer) env+=(VLLM_CPU_OMP_THREADS_BIND=0) ;;
+            kv_consumer) env+=(VLLM_CPU_OMP_THREADS_BIND=1) ;;
+            none) env+=(VLLM_CPU_OMP_THREADS_BIND=0-1) ;;
+        esac
+    fi
     [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
     [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).

@@ -211,7 +211,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
     ap.add_argument("--decode", default="http://127.0.0.1:8200")
-    ap.add_argument("--router", help="send the P/D requests through this router (kvx router), which does the "
+    ap.add_argument("--router", help="send the P/D requests through this router (vllm-router), which does the "
                     "proxy steps; single-instance requests and the failure check still go to --decode directly")
     ap.add_argument("--model", required=True)
     ap.add_argument("--lens", default="18,64,512,1024")
