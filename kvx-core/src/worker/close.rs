@@ -110,8 +110,7 @@ impl ConnectorWorker {
 
     /// Ends the loads, holds and connections; returns what the agent must give back.
     fn end_everything(&mut self) -> Leftovers {
-        let mut left = Leftovers::default();
-        self.close_loads(&mut left.transfers);
+        let mut left = Leftovers { transfers: self.close_loads(), ..Leftovers::default() };
         self.close_holds();
         for conn in self.take_connections() {
             left.dlists.push(conn.dlist);

@@ -7,8 +7,9 @@
 //! completions once and polls only the READs that ended, so it costs what completed, not what is
 //! in flight.
 //!
-//! - `loads`: the decode side (admit, READ from each prefill rank that holds the heads,
-//!   lease confirmation, heartbeats).
+//! - `loads`: the decode side's state (`Loads`: admit, READ from each prefill
+//!   rank that holds the heads, lease confirmation), which returns what to do as effects;
+//!   `decode` checks loads, posts their READs, carries out the effects, and sends heartbeats.
 //! - `holds`: the prefill side (leases, releases, their answers).
 //! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.
@@ -32,6 +33,7 @@ use crate::wire::{self, HandshakePayload, MessageKind};
 mod aggregator;
 mod close;
 mod deadlines;
+mod decode;
 mod early;
 mod holds;
 mod loads;
@@ -45,9 +47,8 @@ pub use samples::{Histogram, Samples};
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
 use close::Leftovers;
-use deadlines::Deadlines;
 use holds::Holds;
-use loads::{Load, LoadKey};
+use loads::Loads;
 use peers::{Peer, PeerKey};
 
 /// Configuration of one worker.
@@ -223,10 +224,6 @@ pub struct LoadTimes {
     pub confirmed: Instant,
 }
 
-/// At most this many [`LoadTimes`] wait for [`ConnectorWorker::take_load_times`] (the oldest go
-/// first).
-const LOAD_TIMES_KEPT: usize = 1024;
-
 /// One READ that completed and whose hold the prefill engine confirmed (decode side), as vLLM's
 /// NixlConnector records each transfer: [`ConnectorWorker::take_transfers`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,10 +235,6 @@ pub struct TransferRecord {
     /// Descriptors it was posted with, after coalescing (as `descriptors`).
     pub descriptors: u64,
 }
-
-/// At most this many [`TransferRecord`]s wait for [`ConnectorWorker::take_transfers`] (the oldest
-/// go first; each is in the counters and histograms regardless).
-const TRANSFERS_KEPT: usize = 4096;
 
 #[derive(Debug)]
 struct Registered {
@@ -284,29 +277,16 @@ pub struct ConnectorWorker {
     retired: Vec<peers::Connected>,
     /// The last instance seen of each peer, to count restarts.
     instances: HashMap<PeerKey, u64>,
-    /// Decode side: every request whose load is not yet reported.
-    requests: HashMap<RequestId, loads::Pending>,
-    /// Decode side: the READ of each request from each prefill rank, until it ends.
-    loads: HashMap<LoadKey, Load>,
-    /// Decode side: when READs or confirmations are due.
-    load_deadlines: Deadlines<LoadKey>,
-    /// Decode side: the READ of each transfer in flight (in `Stage::Reading`): what the agent's
-    /// completions are matched to.
-    reading: HashMap<XferId, LoadKey>,
+    /// Decode side: loads, their READs and confirmations.
+    loads: Loads,
     /// Decode side: the buffer `drain_completions` fills each step.
     completions: Vec<XferId>,
-    /// Decode side: the nonce of each load's offer, to its request (one load per offer).
-    offers: HashMap<crate::auth::Nonce, RequestId>,
     /// Prefill side: holds, early releases and ended holds.
     holds: Holds,
     finished: Finished,
     commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
     stats: WorkerStats,
-    /// Decode side: the stage times of the loads completed since the last `take_load_times`.
-    load_times: VecDeque<LoadTimes>,
-    /// Decode side: the READs confirmed since the last `take_transfers`.
-    transfers: VecDeque<TransferRecord>,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
 }
@@ -345,6 +325,7 @@ impl ConnectorWorker {
             None => u64::from_le_bytes(crate::auth::random_bytes()?),
         };
         let holds = Holds::new(&config);
+        let loads = Loads::new(&config);
         Ok(ConnectorWorker {
             config,
             agent,
@@ -354,19 +335,13 @@ impl ConnectorWorker {
             peers: HashMap::new(),
             retired: Vec::new(),
             instances: HashMap::new(),
-            requests: HashMap::new(),
-            loads: HashMap::new(),
-            load_deadlines: Deadlines::default(),
-            reading: HashMap::new(),
+            loads,
             completions: Vec::new(),
-            offers: HashMap::new(),
             holds,
             finished: Finished::default(),
             commands: VecDeque::new(),
             notifications: Vec::new(),
             stats: WorkerStats::default(),
-            load_times: VecDeque::new(),
-            transfers: VecDeque::new(),
             closed: None,
         })
     }
@@ -417,13 +392,13 @@ impl ConnectorWorker {
     /// Decode side: the stage times of the loads completed since the last call, oldest first (at
     /// most the last 1024).
     pub fn take_load_times(&mut self) -> Vec<LoadTimes> {
-        self.load_times.drain(..).collect()
+        self.loads.take_times()
     }
 
     /// Decode side: the READs completed and confirmed since the last call, oldest first (at most
     /// the last 4096).
     pub fn take_transfers(&mut self) -> Vec<TransferRecord> {
-        self.transfers.drain(..).collect()
+        self.loads.take_transfers()
     }
 
     /// Prefill side: holds whose blocks are held now (neither released nor expired).
@@ -439,12 +414,12 @@ impl ConnectorWorker {
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
     /// engine's confirmation. Their local blocks must not be reused.
     pub fn num_in_flight(&self) -> usize {
-        self.requests.len()
+        self.loads.len()
     }
 
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
-        self.requests.is_empty()
+        self.loads.is_empty()
             && self.holds.is_empty()
             && self.peers.values().all(|p| matches!(p, Peer::Ready(_)))
             && self.finished.is_empty()
@@ -610,8 +585,7 @@ impl ConnectorWorker {
             Peer::Handshaking(h) => Some(h.deadline),
             Peer::Ready(_) => None,
         });
-        let loads = self.loads.values().filter_map(Load::deadline);
-        handshakes.chain(loads).chain(self.holds.next_deadline()).min()
+        handshakes.chain(self.loads.next_deadline()).chain(self.holds.next_deadline()).min()
     }
 }
 

@@ -150,7 +150,7 @@ impl ConnectorWorker {
     pub(super) fn forget_retired(&mut self) {
         let retired = std::mem::take(&mut self.retired);
         for conn in retired {
-            if self.loads.values().any(|l| l.reads_from(&conn.agent)) {
+            if self.loads.reads_from(&conn.agent) {
                 self.retired.push(conn);
             } else {
                 self.forget(&conn);
@@ -226,7 +226,8 @@ impl ConnectorWorker {
         if let Some(old) = self.instances.insert(key.clone(), instance).filter(|old| *old != instance) {
             info!(%engine_id, rank, "peer engine restarted: connected to its new instance");
             self.stats.peer_restarts += 1;
-            self.fail_confirmations_of(now, key, old);
+            let effects = self.loads.peer_restarted(now, key, old, &mut self.stats);
+            self.apply(now, effects);
         }
         let took = now.saturating_duration_since(h.started);
         debug!(%engine_id, rank, ?took, "handshake done");
@@ -259,9 +260,9 @@ impl ConnectorWorker {
         for waiter in h.waiting {
             match waiter {
                 Waiter::Load(id) => {
-                    if let Some(release) = self.end_load(now, &id, Err(e.clone()), false) {
-                        releases.push(release);
-                    }
+                    let failed = self.loads.handshake_failed(now, &id, e.clone());
+                    releases.extend(failed.release);
+                    self.apply(now, failed.effects);
                 }
                 // A notify-only request's release: a refused peer can still be told below.
                 Waiter::Message(msg) if wire::decode::<HoldRelease>(&msg).is_ok() => releases.push(msg),
@@ -389,7 +390,7 @@ impl ConnectorWorker {
         {
             return Ok(Some(self.retired.swap_remove(i)));
         }
-        if self.loads.values().any(|l| l.reads_from(&p.agent_name)) {
+        if self.loads.reads_from(&p.agent_name) {
             return Ok(None);
         }
         if let Some(i) = self.retired.iter().position(|c| c.agent == p.agent_name) {
