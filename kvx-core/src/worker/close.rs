@@ -111,7 +111,8 @@ impl ConnectorWorker {
     /// Ends the loads, holds and connections; returns what the agent must give back.
     fn end_everything(&mut self) -> Leftovers {
         let mut left = Leftovers { transfers: self.close_loads(), ..Leftovers::default() };
-        self.close_holds();
+        let ended = self.holds.close(&self.config);
+        self.finished.sending.extend(ended);
         for conn in self.take_connections() {
             left.dlists.push(conn.dlist);
             left.dlists.extend(conn.head_dlist);

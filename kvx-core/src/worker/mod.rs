@@ -518,7 +518,8 @@ impl ConnectorWorker {
             return self.refuse(meta);
         }
         for held in &meta.reqs_to_send {
-            self.hold(now, held);
+            let effects = self.holds.hold(now, held, &mut self.stats);
+            self.apply_holds(now, effects);
         }
         for req in &meta.reqs_to_recv {
             self.admit(now, req);
@@ -546,7 +547,8 @@ impl ConnectorWorker {
         self.collect_transfers(now);
         self.retry_deferred_handshakes(now);
         self.expire_loads(now);
-        self.expire_holds(now);
+        let effects = self.holds.expire(now, &mut self.stats);
+        self.apply_holds(now, effects);
         std::mem::take(&mut self.finished)
     }
 
@@ -559,11 +561,15 @@ impl ConnectorWorker {
         }
         for n in std::mem::take(&mut self.notifications) {
             let handled = match wire::open(&n.msg).map(|m| (m.kind(), m)) {
-                Ok((MessageKind::HoldRelease, m)) => {
-                    m.decode::<HoldRelease>().map(|r| self.on_release(now, &n.from, r)).is_ok()
-                }
+                Ok((MessageKind::HoldRelease, m)) => m
+                    .decode::<HoldRelease>()
+                    .map(|r| {
+                        let effects = self.holds.release(now, &n.from, r, &mut self.stats);
+                        self.apply_holds(now, effects);
+                    })
+                    .is_ok(),
                 Ok((MessageKind::RenewLeases, m)) => {
-                    m.decode::<RenewLeases>().map(|r| self.on_renew(now, r)).is_ok()
+                    m.decode::<RenewLeases>().map(|r| self.holds.renew(now, r, &mut self.stats)).is_ok()
                 }
                 Ok((MessageKind::HoldStatus, m)) => {
                     m.decode::<HoldStatus>().map(|s| self.on_hold_status(now, &n.from, s)).is_ok()
