@@ -143,3 +143,49 @@ fn close_ends_every_hold_in_order_and_forgets_the_buffers() {
     assert!(h.is_empty());
     assert_eq!(h.early_len(), (0, 0));
 }
+
+#[test]
+fn a_forged_or_replayed_release_frees_no_hold() {
+    let (mut h, mut stats) = (holds(), WorkerStats::default());
+    let now = Instant::now();
+    let forged = |id: &str| HoldRelease { nonce: HexBytes([0xee; 16]), ..release(id, 0, 1, None) };
+    h.hold(now, &held("victim"), &mut stats);
+    // Another client names the victim's request id: without its nonce, nothing is freed.
+    assert_eq!(h.release(now, &sender(), forged("victim"), &mut stats), []);
+    assert_eq!(stats.rejected_notifications, 1);
+    // The victim's real reader frees it.
+    let freed = h.release(now, &sender(), release("victim", 0, 1, None), &mut stats);
+    assert_eq!(freed, [HoldEffect::Freed("victim".into())]);
+    // Replayed after the hold ended, it frees no later hold of that id.
+    assert_eq!(h.release(now, &sender(), release("victim", 0, 1, None), &mut stats), []);
+    let again = HeldRequest { request_id: "victim".into(), nonce: nonce("second") };
+    assert_eq!(h.hold(now, &again, &mut stats), [], "the replay does not free the new hold");
+    // A forged release that comes before its hold does not free it either.
+    h.release(now, &sender(), forged("later"), &mut stats);
+    assert_eq!(h.hold(now, &held("later"), &mut stats), []);
+    assert_eq!((stats.notifications, h.len()), (1, 2));
+}
+
+#[test]
+fn a_flood_of_releases_for_unknown_holds_costs_bounded_state() {
+    let mut config = WorkerConfig::new("prefill".into(), 0, 1, 4);
+    config.early_releases_per_sender = 64;
+    let (mut h, mut stats) = (Holds::new(&config), WorkerStats::default());
+    let now = Instant::now();
+    h.hold(now, &held("real"), &mut stats);
+    for round in 0..20 {
+        for i in 0..1000 {
+            let ghost = release(&format!("ghost-{round}-{i}"), 0, 1, None);
+            assert_eq!(h.release(now, &sender(), ghost, &mut stats), []);
+        }
+        assert!(h.early_len().0 <= 64);
+    }
+    assert_eq!(stats.stray_notifications, 20_000 - 64);
+    // The real release still finds its hold, and the rest expire.
+    let freed = h.release(now, &sender(), release("real", 0, 1, None), &mut stats);
+    assert_eq!(freed, [HoldEffect::Freed("real".into())]);
+    assert!(h.next_deadline().is_some());
+    h.expire_buffers(now + config.early_release_ttl, &mut stats);
+    assert_eq!((h.early_len(), stats.stray_notifications), ((0, 0), 20_000));
+    assert_eq!(stats.early_notifications_dropped, 20_000 - 64, "expired releases were not dropped");
+}
