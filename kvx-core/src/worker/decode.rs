@@ -9,7 +9,7 @@ use tracing::{debug, warn};
 
 use super::ConnectorWorker;
 use super::loads::{LoadEffect, LoadKey, PeerRelease, PostRead, Posted, free_at_once};
-use super::peers::{Peer, PeerKey, Waiter};
+use super::peers::{PeerKey, Waiter};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, BlockId, RequestId};
 use crate::layout::KvCacheLayout;
@@ -74,7 +74,7 @@ impl ConnectorWorker {
         while let Some(effect) = todo.pop() {
             let more = match effect {
                 LoadEffect::AwaitPeer { key, remote, free } => {
-                    match self.when_ready(now, &remote, key.rank, Waiter::Load(key.clone())) {
+                    match self.peers.when_ready(now, &remote, key.rank, Waiter::Load(key.clone())) {
                         Ok(Some(_)) => self.issue_effects(now, &key),
                         Ok(None) => Vec::new(),
                         Err(e) => self.loads.fail(now, &key, e, free),
@@ -123,12 +123,9 @@ impl ConnectorWorker {
     }
 
     fn issue_effects(&mut self, now: Instant, key: &LoadKey) -> Vec<LoadEffect> {
-        let instance = self.loads.engine_of(key).and_then(|engine_id| {
-            match self.peers.get(&(engine_id.clone(), key.rank)) {
-                Some(Peer::Ready(conn)) => Some(conn.instance),
-                _ => None,
-            }
-        });
+        let instance = (self.loads.engine_of(key))
+            .and_then(|engine_id| self.peers.ready(&(engine_id.clone(), key.rank)))
+            .map(|conn| conn.instance);
         self.loads.issue(now, key, instance)
     }
     /// The prefill ranks this rank reads `req`'s heads from and releases: refused as
@@ -267,7 +264,7 @@ impl ConnectorWorker {
 
     /// Drops the peer if it is still the connection `agent`.
     fn invalidate_connection(&mut self, peer: &PeerKey, agent: &AgentName) {
-        if matches!(self.peers.get(peer), Some(Peer::Ready(c)) if &c.agent == agent) {
+        if self.peers.ready(peer).is_some_and(|c| &c.agent == agent) {
             self.invalidate(peer);
         }
     }
@@ -303,7 +300,7 @@ impl ConnectorWorker {
     pub(super) fn close_loads(&mut self) -> Vec<XferId> {
         let closed = self.loads.close(&mut self.stats);
         for PeerRelease { peer, release } in closed.releases {
-            if matches!(self.peers.get(&peer), Some(Peer::Ready(_))) {
+            if self.peers.ready(&peer).is_some() {
                 self.notify_peer(&peer, &release);
             }
         }
@@ -317,8 +314,7 @@ impl ConnectorWorker {
     /// the blocks on both sides, else single heads (both lists prepared at the first such READ).
     /// The peer must be of the tensor-parallel size the plan was made for (`prefill_tp`).
     fn read_lists(&mut self, peer: &PeerKey, prefill_tp: u32, slice: &Slice) -> Result<ReadLists> {
-        let (Some(registered), Some(Peer::Ready(conn))) = (&mut self.registered, self.peers.get_mut(peer))
-        else {
+        let (Some(registered), Some(conn)) = (&mut self.registered, self.peers.ready_mut(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
         if conn.split.tp() != prefill_tp {
@@ -368,7 +364,7 @@ impl ConnectorWorker {
         let (local, remote) = req.read_pairs()?;
         let prefill_tp = req.remote_tp_size.unwrap_or(self.config.world_size);
         let lists = self.read_lists(peer, prefill_tp, &load.slice)?;
-        let (Some(registered), Some(Peer::Ready(conn))) = (&self.registered, self.peers.get(peer)) else {
+        let (Some(registered), Some(conn)) = (&self.registered, self.peers.ready(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
         KvCacheLayout::check_block_ids(&remote, conn.list.num_blocks, "remote")?;

@@ -15,7 +15,6 @@ use tracing::{debug, warn};
 
 use super::deadlines::Deadlines;
 use super::early::{Early, EarlyReleases};
-use super::peers::Peer;
 use super::ttl::{Key, TtlMap};
 use super::{ConnectorWorker, WorkerConfig, WorkerStats};
 use crate::auth::Nonce;
@@ -280,7 +279,7 @@ impl ConnectorWorker {
                 HoldEffect::Freed(id) => self.finished.sending.push(id),
                 HoldEffect::Answer { engine, rank, instance, status } => {
                     let peer = (engine.engine_id.clone(), rank);
-                    if matches!(self.peers.get(&peer), Some(Peer::Ready(c)) if c.instance != instance) {
+                    if self.peers.ready(&peer).is_some_and(|c| c.instance != instance) {
                         self.invalidate(&peer);
                     }
                     match wire::encode(&status) {

@@ -14,7 +14,6 @@
 //! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::debug;
@@ -49,7 +48,7 @@ pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 use close::Leftovers;
 use holds::Holds;
 use loads::Loads;
-use peers::{Peer, PeerKey};
+use peers::Peers;
 
 /// Configuration of one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -272,11 +271,8 @@ pub struct ConnectorWorker {
     /// Decode side: each READ's token (see `ReplyTo::token`).
     tokens: crate::auth::NonceSource,
     registered: Option<Registered>,
-    peers: HashMap<PeerKey, Peer>,
-    /// Peers dropped while READs to them were still in flight: forgotten once those end.
-    retired: Vec<peers::Connected>,
-    /// The last instance seen of each peer, to count restarts.
-    instances: HashMap<PeerKey, u64>,
+    /// Handshakes, ready and retired connections.
+    peers: Peers,
     /// Decode side: loads, their READs and confirmations.
     loads: Loads,
     /// Decode side: the buffer `drain_completions` fills each step.
@@ -284,7 +280,6 @@ pub struct ConnectorWorker {
     /// Prefill side: holds, early releases and ended holds.
     holds: Holds,
     finished: Finished,
-    commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
     stats: WorkerStats,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
@@ -326,20 +321,18 @@ impl ConnectorWorker {
         };
         let holds = Holds::new(&config);
         let loads = Loads::new(&config);
+        let peers = Peers::new(&config);
         Ok(ConnectorWorker {
             config,
             agent,
             instance,
             tokens,
             registered: None,
-            peers: HashMap::new(),
-            retired: Vec::new(),
-            instances: HashMap::new(),
+            peers,
             loads,
             completions: Vec::new(),
             holds,
             finished: Finished::default(),
-            commands: VecDeque::new(),
             notifications: Vec::new(),
             stats: WorkerStats::default(),
             closed: None,
@@ -408,7 +401,7 @@ impl ConnectorWorker {
 
     /// Peers handshaken and ready for READs and notifications.
     pub fn num_peers(&self) -> usize {
-        self.peers.values().filter(|p| matches!(p, Peer::Ready(_))).count()
+        self.peers.num_ready()
     }
 
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
@@ -419,10 +412,7 @@ impl ConnectorWorker {
 
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
-        self.loads.is_empty()
-            && self.holds.is_empty()
-            && self.peers.values().all(|p| matches!(p, Peer::Ready(_)))
-            && self.finished.is_empty()
+        self.loads.is_empty() && self.holds.is_empty() && self.peers.all_ready() && self.finished.is_empty()
     }
 
     /// Detects the layout, registers every layer's memory with the agent, prepares the local
@@ -531,7 +521,7 @@ impl ConnectorWorker {
 
     /// The next network command for the driver.
     pub fn poll_command(&mut self) -> Option<WorkerCommand> {
-        self.commands.pop_front()
+        self.peers.poll_command()
     }
 
     /// What finished since the last call: held requests whose reader released them (or whose
@@ -587,11 +577,10 @@ impl ConnectorWorker {
     /// The earliest time at which [`get_finished`](Self::get_finished) has something to expire,
     /// for drivers that sleep between steps.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let handshakes = self.peers.values().filter_map(|p| match p {
-            Peer::Handshaking(h) => Some(h.deadline),
-            Peer::Ready(_) => None,
-        });
-        handshakes.chain(self.loads.next_deadline()).chain(self.holds.next_deadline()).min()
+        [self.peers.next_deadline(), self.loads.next_deadline(), self.holds.next_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 
