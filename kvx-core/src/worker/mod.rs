@@ -7,11 +7,15 @@
 //! completions once and polls only the READs that ended, so it costs what completed, not what is
 //! in flight.
 //!
-//! - `loads`: the decode side's state (`Loads`: admit, READ from each prefill
-//!   rank that holds the heads, lease confirmation), which returns what to do as effects;
-//!   `decode` checks loads, posts their READs, carries out the effects, and sends heartbeats.
-//! - `holds`: the prefill side (leases, releases, their answers).
-//! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
+//! Each side's state is a type with no I/O that takes events and returns effects; the worker
+//! routes events to it and carries the effects out (calling the agent, sending to peers):
+//!
+//! - `loads`: the decode side's state (`Loads`: admit, READ from each prefill rank that holds the
+//!   heads, lease confirmation); `decode` checks loads, posts their READs, carries out their
+//!   effects, and sends heartbeats.
+//! - `holds`: the prefill side (`Holds`: leases, releases, their answers).
+//! - `peers`: handshakes, instance epochs, and messages waiting for a peer to be ready (`Peers`);
+//!   `peers::handshake` checks payloads, loads and forgets peers' agents, and sends.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.
 
 use std::sync::Arc;
