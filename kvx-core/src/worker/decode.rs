@@ -1,6 +1,8 @@
 //! The decode side's driver: checks each load before anything touches the network, posts the
-//! READs [`Loads`](super::loads::Loads) asks for, and carries out its other effects (releases, dropped peers,
+//! READs [`Loads`] asks for, and carries out its other effects (releases, dropped peers,
 //! reports); renews the leases of requests still waiting for their KV.
+//!
+//! [`Loads`]: super::loads::Loads
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -66,10 +68,10 @@ impl ConnectorWorker {
         self.apply(now, effects);
     }
 
-    /// Carries out what [`Loads`](super::loads::Loads) asked for, in order; what an effect leads to (a READ posted,
-    /// a load failed) is carried out before the effects after it.
+    /// Carries out what `Loads` asked for, in order; what an effect leads to (a READ posted, a
+    /// load failed) is carried out before the effects after it.
     pub(super) fn apply(&mut self, now: Instant, effects: Vec<LoadEffect>) {
-        let mut todo: Vec<LoadEffect> = effects;
+        let mut todo = effects;
         todo.reverse();
         while let Some(effect) = todo.pop() {
             let more = match effect {
@@ -116,7 +118,7 @@ impl ConnectorWorker {
         }
     }
 
-    /// Posts the READ of a load whose peer is ready (see [`Loads::issue`](super::loads::Loads::issue)).
+    /// Posts the READ of a load whose peer is ready (see `Loads::issue`).
     pub(super) fn issue(&mut self, now: Instant, key: &LoadKey) {
         let effects = self.issue_effects(now, key);
         self.apply(now, effects);
@@ -128,6 +130,7 @@ impl ConnectorWorker {
             .map(|conn| conn.instance);
         self.loads.issue(now, key, instance)
     }
+
     /// The prefill ranks this rank reads `req`'s heads from and releases: refused as
     /// `Incompatible` when the heads do not split over the prefill engine's ranks or must be
     /// sliced out of a layout that cannot be (NHD).
@@ -233,7 +236,7 @@ impl ConnectorWorker {
     }
 
     /// Collects the READs that ended since the last step (the agent's completions: the step
-    /// costs what completed, not what is in flight) and hands each to [`Loads::read_ended`](super::loads::Loads::read_ended).
+    /// costs what completed, not what is in flight) and hands each to `Loads::read_ended`.
     pub(super) fn collect_transfers(&mut self, now: Instant) {
         let mut completions = std::mem::take(&mut self.completions);
         completions.clear();
@@ -344,7 +347,7 @@ impl ConnectorWorker {
         Ok(ReadLists { local, remote, heads: Some((local_heads, remote_heads)) })
     }
 
-    /// Posts a READ for [`Loads`](super::loads::Loads): its release asks the prefill rank to answer on this engine's
+    /// Posts a READ for `Loads`: its release asks the prefill rank to answer on this engine's
     /// side channel whether the hold lived through the READ.
     fn post_read(&mut self, peer: &PeerKey, load: &PostRead) -> Result<Posted> {
         let req = &load.req;
