@@ -110,10 +110,12 @@ impl ConnectorWorker {
 
     /// Ends the loads, holds and connections; returns what the agent must give back.
     fn end_everything(&mut self) -> Leftovers {
-        let mut left = Leftovers::default();
-        self.close_loads(&mut left.transfers);
-        self.close_holds();
-        for conn in self.take_connections() {
+        let mut left = Leftovers { transfers: self.close_loads(), ..Leftovers::default() };
+        let ended = self.holds.close(&self.config);
+        self.finished.sending.extend(ended);
+        let peers = self.peers.close();
+        self.stats.unsent_messages += peers.unsent;
+        for conn in peers.connections {
             left.dlists.push(conn.dlist);
             left.dlists.extend(conn.head_dlist);
             left.peers.push(conn.agent);
@@ -123,8 +125,6 @@ impl ConnectorWorker {
             left.dlists.extend(registered.head_dlist);
             left.registrations = registered.registrations;
         }
-        self.commands.clear();
-        self.instances.clear();
         left
     }
 }

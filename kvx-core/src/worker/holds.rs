@@ -4,6 +4,10 @@
 //! are, and the hold ends with the last distinct reader. A release that asks is answered whether
 //! the hold was still alive: the release comes only after the READ completed, so "held" means
 //! the lease covered the whole READ.
+//!
+//! [`Holds`] keeps that state with no I/O: its methods take the events (a hold from the
+//! scheduler, a release, a heartbeat, the time) and return [`HoldEffect`]s, which the worker
+//! carries out (reporting a hold freed, answering a release).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -14,9 +18,10 @@ use super::early::{Early, EarlyReleases};
 use super::ttl::{Key, TtlMap};
 use super::{ConnectorWorker, WorkerConfig, WorkerStats};
 use crate::auth::Nonce;
-use crate::ids::{AgentName, RequestId};
+use crate::ids::{AgentName, EngineId, RequestId};
 use crate::meta::{HeldRequest, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
 use crate::params::MAX_ID_LEN;
+use crate::params::RemoteCoordinates;
 use crate::tp::MAX_TP;
 use crate::wire;
 
@@ -29,9 +34,21 @@ struct Hold {
     released: Vec<u32>,
 }
 
+/// What the worker does for [`Holds`], in the order given.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum HoldEffect {
+    /// Report the held request finished: its blocks are free.
+    Freed(RequestId),
+    /// Send `status` to rank `rank` of the decode engine at `engine`, handshaking again first if
+    /// that peer is not at `instance` (the decode engine restarted).
+    Answer { engine: RemoteCoordinates, rank: u32, instance: u64, status: HoldStatus },
+}
+
 /// Held requests, releases that came before their hold, and holds that ended recently.
 #[derive(Debug)]
 pub(super) struct Holds {
+    /// This engine: an answer is never sent to it.
+    engine_id: EngineId,
     lease: Duration,
     live: HashMap<RequestId, Hold>,
     /// When the live holds' leases run out.
@@ -48,6 +65,7 @@ pub(super) struct Holds {
 impl Holds {
     pub(super) fn new(config: &WorkerConfig) -> Self {
         Holds {
+            engine_id: config.engine_id.clone(),
             lease: config.lease_duration,
             live: HashMap::new(),
             due: Deadlines::default(),
@@ -84,24 +102,28 @@ impl Holds {
         stats.stray_notifications += self.early.expire(now);
         self.ended.expire(now);
     }
-}
 
-impl ConnectorWorker {
     /// A hold from the scheduler: its lease starts now, unless its release already came.
-    pub(super) fn hold(&mut self, now: Instant, held: &HeldRequest) {
+    pub(super) fn hold(
+        &mut self,
+        now: Instant,
+        held: &HeldRequest,
+        stats: &mut WorkerStats,
+    ) -> Vec<HoldEffect> {
         let key = (held.request_id.clone(), held.nonce);
-        let hold =
-            Hold { until: now + self.holds.lease, nonce: held.nonce, readers: None, released: Vec::new() };
-        self.holds.due.push(hold.until, held.request_id.clone());
-        self.holds.live.insert(held.request_id.clone(), hold);
-        for early in self.holds.early.take(&key) {
-            if self.holds.live.contains_key(&key.0) {
-                self.release_live(now, &key, early.reader, early.readers, early.reply_to);
+        let hold = Hold { until: now + self.lease, nonce: held.nonce, readers: None, released: Vec::new() };
+        self.due.push(hold.until, held.request_id.clone());
+        self.live.insert(held.request_id.clone(), hold);
+        let mut effects = Vec::new();
+        for early in self.early.take(&key) {
+            if self.live.contains_key(&key.0) {
+                self.release_live(now, &key, early, stats, &mut effects);
             } else {
                 // The hold ended with an earlier one of these releases: a duplicate.
-                self.stats.stray_notifications += 1;
+                stats.stray_notifications += 1;
             }
         }
+        effects
     }
 
     /// Counts a live hold's release by `reader` of `readers`, answers it if asked, and frees the
@@ -111,137 +133,167 @@ impl ConnectorWorker {
         &mut self,
         now: Instant,
         key: &Key,
-        reader: u32,
-        readers: u32,
-        reply_to: Option<ReplyTo>,
+        Early { reader, readers, reply_to }: Early,
+        stats: &mut WorkerStats,
+        effects: &mut Vec<HoldEffect>,
     ) {
-        let Some(hold) = self.holds.live.get_mut(&key.0) else { return };
+        let Some(hold) = self.live.get_mut(&key.0) else { return };
         if *hold.readers.get_or_insert(readers) != readers {
             debug!(request_id = %key.0, reader, readers, "release with another count of readers refused");
-            self.stats.rejected_notifications += 1;
+            stats.rejected_notifications += 1;
             return;
         }
         if hold.released.contains(&reader) {
             // A reader's second release: answered again (its first answer may have been lost),
             // counted as a duplicate.
-            self.stats.stray_notifications += 1;
+            stats.stray_notifications += 1;
         } else {
             hold.released.push(reader);
-            self.stats.notifications += 1;
+            stats.notifications += 1;
             if hold.released.len() as u32 >= readers {
-                self.holds.live.remove(&key.0);
-                self.finished.sending.push(key.0.clone());
-                self.holds.ended.insert(now, key.clone(), false);
+                self.live.remove(&key.0);
+                effects.push(HoldEffect::Freed(key.0.clone()));
+                self.ended.insert(now, key.clone(), false);
             }
         }
-        self.answer(now, key, reply_to, true);
+        effects.extend(self.answer(key, reply_to, true, stats));
     }
 
-    pub(super) fn on_release(&mut self, now: Instant, from: &AgentName, release: HoldRelease) {
+    /// A release from `from` (the agent the transport names as the notification's sender).
+    pub(super) fn release(
+        &mut self,
+        now: Instant,
+        from: &AgentName,
+        release: HoldRelease,
+        stats: &mut WorkerStats,
+    ) -> Vec<HoldEffect> {
+        let mut effects = Vec::new();
         let (reader, readers) = (release.reader, release.readers);
         if release.request_id.as_str().len() > MAX_ID_LEN
             || readers == 0
             || readers > MAX_TP
             || reader >= MAX_TP
         {
-            self.stats.stray_notifications += 1;
-            return;
+            stats.stray_notifications += 1;
+            return effects;
         }
         let key = (release.request_id, release.nonce);
-        match self.holds.live.get(&key.0) {
+        match self.live.get(&key.0) {
             Some(hold) if hold.nonce == key.1 => {
-                self.release_live(now, &key, reader, readers, release.reply_to)
+                let early = Early { reader, readers, reply_to: release.reply_to };
+                self.release_live(now, &key, early, stats, &mut effects)
             }
             Some(_) => {
                 // Counted, and logged at debug only: a flood of forged releases must not flood
                 // the log.
                 debug!(request_id = %key.0, %from, "release with a wrong nonce refused: the hold stays");
-                self.stats.rejected_notifications += 1;
+                stats.rejected_notifications += 1;
             }
-            None if self.holds.ended.contains(&key) => {
+            None if self.ended.contains(&key) => {
                 // Its lease ran out (or it was released) before this release came: the READ may
                 // have copied reused blocks. Answered once: replays cost no more handshakes.
-                self.stats.stray_notifications += 1;
+                stats.stray_notifications += 1;
                 let asks = release.reply_to.is_some();
-                if let Some(answered) = self.holds.ended.get_mut(&key).filter(|a| asks && !**a) {
+                if let Some(answered) = self.ended.get_mut(&key).filter(|a| asks && !**a) {
                     *answered = true;
-                    self.answer(now, &key, release.reply_to, false);
+                    effects.extend(self.answer(&key, release.reply_to, false, stats));
                 }
             }
             None => {
-                self.stats.early_notifications += 1;
+                stats.early_notifications += 1;
                 let early = Early { reader, readers, reply_to: release.reply_to };
-                let kept = self.holds.early.insert(now, from, key, early);
-                self.stats.stray_notifications += kept.stray;
-                self.stats.early_notifications_dropped += kept.dropped;
+                let kept = self.early.insert(now, from, key, early);
+                stats.stray_notifications += kept.stray;
+                stats.early_notifications_dropped += kept.dropped;
             }
         }
+        effects
     }
 
-    /// Sends `status` to the decode worker that asked. A decode engine that restarted (a new
-    /// instance) is handshaken again first.
-    fn answer(&mut self, now: Instant, key: &Key, reply_to: Option<ReplyTo>, held: bool) {
-        let Some(ReplyTo { engine, rank, instance, token }) = reply_to else { return };
+    /// The answer to the decode worker that asked, if it can be sent.
+    fn answer(
+        &self,
+        key: &Key,
+        reply_to: Option<ReplyTo>,
+        held: bool,
+        stats: &mut WorkerStats,
+    ) -> Option<HoldEffect> {
+        let ReplyTo { engine, rank, instance, token } = reply_to?;
         let status = HoldStatus { request_id: key.0.clone(), nonce: key.1, held, token };
-        if engine.check().is_err() || engine.engine_id == self.config.engine_id {
-            self.stats.unsent_messages += 1;
-            return;
+        if engine.check().is_err() || engine.engine_id == self.engine_id || rank >= MAX_TP {
+            stats.unsent_messages += 1;
+            return None;
         }
-        if rank >= MAX_TP {
-            self.stats.unsent_messages += 1;
-            return;
-        }
-        let peer = (engine.engine_id.clone(), rank);
-        if matches!(self.peers.get(&peer), Some(super::Peer::Ready(c)) if c.instance != instance) {
-            self.invalidate(&peer);
-        }
-        match wire::encode(&status) {
-            Ok(msg) => {
-                self.stats.hold_answers += 1;
-                self.send_to(now, &engine, rank, msg);
-            }
-            Err(e) => debug!(error = %e, "encoding an answer failed"),
-        }
+        Some(HoldEffect::Answer { engine, rank, instance, status })
     }
 
     /// A heartbeat: extends the leases of the holds it names with their nonces.
-    pub(super) fn on_renew(&mut self, now: Instant, renew: RenewLeases) {
-        let until = now + self.holds.lease;
+    pub(super) fn renew(&mut self, now: Instant, renew: RenewLeases, stats: &mut WorkerStats) {
+        let until = now + self.lease;
         for held in renew.holds {
-            if let Some(hold) = self.holds.live.get_mut(&held.request_id).filter(|h| h.nonce == held.nonce) {
+            if let Some(hold) = self.live.get_mut(&held.request_id).filter(|h| h.nonce == held.nonce) {
                 hold.until = hold.until.max(until);
-                self.holds.due.push(hold.until, held.request_id.clone());
-                self.stats.leases_renewed += 1;
+                self.due.push(hold.until, held.request_id.clone());
+                stats.leases_renewed += 1;
             }
         }
-    }
-
-    /// At close: every hold ends (nobody can read its blocks any more) and the buffers of
-    /// early releases and ended holds are emptied.
-    pub(super) fn close_holds(&mut self) {
-        let mut ended: Vec<RequestId> = self.holds.live.drain().map(|(id, _)| id).collect();
-        ended.sort();
-        self.finished.sending.extend(ended);
-        self.holds = Holds::new(&self.config);
     }
 
     /// Frees the holds whose lease ran out.
     /// Looks only at the holds whose lease entries came due: O(what is due), not O(holds).
-    pub(super) fn expire_holds(&mut self, now: Instant) {
+    pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<HoldEffect> {
         let mut due = Vec::new();
-        self.holds.due.take_due(now, &mut due);
+        self.due.take_due(now, &mut due);
         due.sort_unstable();
         due.dedup();
+        let mut effects = Vec::new();
         for id in due {
             // An entry whose hold ended, or whose lease was renewed, is stale.
-            if self.holds.live.get(&id).is_none_or(|h| h.until > now) {
+            if self.live.get(&id).is_none_or(|h| h.until > now) {
                 continue;
             }
-            let Some(hold) = self.holds.live.remove(&id) else { continue };
+            let Some(hold) = self.live.remove(&id) else { continue };
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
-            self.stats.expired_holds += 1;
-            self.finished.sending.push(id.clone());
-            self.holds.ended.insert(now, (id, hold.nonce), false);
+            stats.expired_holds += 1;
+            effects.push(HoldEffect::Freed(id.clone()));
+            self.ended.insert(now, (id, hold.nonce), false);
+        }
+        effects
+    }
+
+    /// At close: every hold ends (nobody can read its blocks any more), in request order, and the
+    /// buffers of early releases and ended holds are emptied.
+    pub(super) fn close(&mut self, config: &WorkerConfig) -> Vec<RequestId> {
+        let mut ended: Vec<RequestId> = self.live.drain().map(|(id, _)| id).collect();
+        ended.sort();
+        *self = Holds::new(config);
+        ended
+    }
+}
+
+impl ConnectorWorker {
+    /// Carries out what [`Holds`] asked for, in order.
+    pub(super) fn apply_holds(&mut self, now: Instant, effects: Vec<HoldEffect>) {
+        for effect in effects {
+            match effect {
+                HoldEffect::Freed(id) => self.finished.sending.push(id),
+                HoldEffect::Answer { engine, rank, instance, status } => {
+                    let peer = (engine.engine_id.clone(), rank);
+                    if self.peers.ready(&peer).is_some_and(|c| c.instance != instance) {
+                        self.invalidate(&peer);
+                    }
+                    match wire::encode(&status) {
+                        Ok(msg) => {
+                            self.stats.hold_answers += 1;
+                            self.send_to(now, &engine, rank, msg);
+                        }
+                        Err(e) => debug!(error = %e, "encoding an answer failed"),
+                    }
+                }
+            }
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

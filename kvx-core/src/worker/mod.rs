@@ -7,13 +7,17 @@
 //! completions once and polls only the READs that ended, so it costs what completed, not what is
 //! in flight.
 //!
-//! - `loads`: the decode side (admit, READ from each prefill rank that holds the heads,
-//!   lease confirmation, heartbeats).
-//! - `holds`: the prefill side (leases, releases, their answers).
-//! - `peers`: handshakes, instance epochs, and sending to a peer once it is ready.
+//! Each side's state is a type with no I/O that takes events and returns effects; the worker
+//! routes events to it and carries the effects out (calling the agent, sending to peers):
+//!
+//! - `loads`: the decode side's state (`Loads`: admit, READ from each prefill rank that holds the
+//!   heads, lease confirmation); `decode` checks loads, posts their READs, carries out their
+//!   effects, and sends heartbeats.
+//! - `holds`: the prefill side (`Holds`: leases, releases, their answers).
+//! - `peers`: handshakes, instance epochs, and messages waiting for a peer to be ready (`Peers`);
+//!   `peers::handshake` checks payloads, loads and forgets peers' agents, and sends.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::debug;
@@ -32,6 +36,7 @@ use crate::wire::{self, HandshakePayload, MessageKind};
 mod aggregator;
 mod close;
 mod deadlines;
+mod decode;
 mod early;
 mod holds;
 mod loads;
@@ -47,10 +52,9 @@ pub use stats::{CounterUnit, StatCounter, StatTiming, WorkerStats};
 pub use crate::params::{MAX_HOST_LEN, MAX_ID_LEN};
 
 use close::Leftovers;
-use deadlines::Deadlines;
 use holds::Holds;
-use loads::{Load, LoadKey};
-use peers::{Peer, PeerKey};
+use loads::Loads;
+use peers::Peers;
 
 /// Configuration of one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,10 +157,6 @@ pub struct LoadTimes {
     pub confirmed: Instant,
 }
 
-/// At most this many [`LoadTimes`] wait for [`ConnectorWorker::take_load_times`] (the oldest go
-/// first).
-const LOAD_TIMES_KEPT: usize = 1024;
-
 /// One READ that completed and whose hold the prefill engine confirmed (decode side), as vLLM's
 /// NixlConnector records each transfer: [`ConnectorWorker::take_transfers`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,10 +168,6 @@ pub struct TransferRecord {
     /// Descriptors it was posted with, after coalescing (as `descriptors`).
     pub descriptors: u64,
 }
-
-/// At most this many [`TransferRecord`]s wait for [`ConnectorWorker::take_transfers`] (the oldest
-/// go first; each is in the counters and histograms regardless).
-const TRANSFERS_KEPT: usize = 4096;
 
 #[derive(Debug)]
 struct Registered {
@@ -209,34 +205,17 @@ pub struct ConnectorWorker {
     /// Decode side: each READ's token (see `ReplyTo::token`).
     tokens: crate::auth::NonceSource,
     registered: Option<Registered>,
-    peers: HashMap<PeerKey, Peer>,
-    /// Peers dropped while READs to them were still in flight: forgotten once those end.
-    retired: Vec<peers::Connected>,
-    /// The last instance seen of each peer, to count restarts.
-    instances: HashMap<PeerKey, u64>,
-    /// Decode side: every request whose load is not yet reported.
-    requests: HashMap<RequestId, loads::Pending>,
-    /// Decode side: the READ of each request from each prefill rank, until it ends.
-    loads: HashMap<LoadKey, Load>,
-    /// Decode side: when READs or confirmations are due.
-    load_deadlines: Deadlines<LoadKey>,
-    /// Decode side: the READ of each transfer in flight (in `Stage::Reading`): what the agent's
-    /// completions are matched to.
-    reading: HashMap<XferId, LoadKey>,
+    /// Handshakes, ready and retired connections.
+    peers: Peers,
+    /// Decode side: loads, their READs and confirmations.
+    loads: Loads,
     /// Decode side: the buffer `drain_completions` fills each step.
     completions: Vec<XferId>,
-    /// Decode side: the nonce of each load's offer, to its request (one load per offer).
-    offers: HashMap<crate::auth::Nonce, RequestId>,
     /// Prefill side: holds, early releases and ended holds.
     holds: Holds,
     finished: Finished,
-    commands: VecDeque<WorkerCommand>,
     notifications: Vec<Notification>,
     stats: WorkerStats,
-    /// Decode side: the stage times of the loads completed since the last `take_load_times`.
-    load_times: VecDeque<LoadTimes>,
-    /// Decode side: the READs confirmed since the last `take_transfers`.
-    transfers: VecDeque<TransferRecord>,
     /// Once closed: what the agent has not yet given back (retried by the next `close`).
     closed: Option<Leftovers>,
 }
@@ -275,28 +254,21 @@ impl ConnectorWorker {
             None => u64::from_le_bytes(crate::auth::random_bytes()?),
         };
         let holds = Holds::new(&config);
+        let loads = Loads::new(&config);
+        let peers = Peers::new(&config);
         Ok(ConnectorWorker {
             config,
             agent,
             instance,
             tokens,
             registered: None,
-            peers: HashMap::new(),
-            retired: Vec::new(),
-            instances: HashMap::new(),
-            requests: HashMap::new(),
-            loads: HashMap::new(),
-            load_deadlines: Deadlines::default(),
-            reading: HashMap::new(),
+            peers,
+            loads,
             completions: Vec::new(),
-            offers: HashMap::new(),
             holds,
             finished: Finished::default(),
-            commands: VecDeque::new(),
             notifications: Vec::new(),
             stats: WorkerStats::default(),
-            load_times: VecDeque::new(),
-            transfers: VecDeque::new(),
             closed: None,
         })
     }
@@ -347,13 +319,13 @@ impl ConnectorWorker {
     /// Decode side: the stage times of the loads completed since the last call, oldest first (at
     /// most the last 1024).
     pub fn take_load_times(&mut self) -> Vec<LoadTimes> {
-        self.load_times.drain(..).collect()
+        self.loads.take_times()
     }
 
     /// Decode side: the READs completed and confirmed since the last call, oldest first (at most
     /// the last 4096).
     pub fn take_transfers(&mut self) -> Vec<TransferRecord> {
-        self.transfers.drain(..).collect()
+        self.loads.take_transfers()
     }
 
     /// Prefill side: holds whose blocks are held now (neither released nor expired).
@@ -363,21 +335,18 @@ impl ConnectorWorker {
 
     /// Peers handshaken and ready for READs and notifications.
     pub fn num_peers(&self) -> usize {
-        self.peers.values().filter(|p| matches!(p, Peer::Ready(_))).count()
+        self.peers.num_ready()
     }
 
     /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
     /// engine's confirmation. Their local blocks must not be reused.
     pub fn num_in_flight(&self) -> usize {
-        self.requests.len()
+        self.loads.len()
     }
 
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
-        self.requests.is_empty()
-            && self.holds.is_empty()
-            && self.peers.values().all(|p| matches!(p, Peer::Ready(_)))
-            && self.finished.is_empty()
+        self.loads.is_empty() && self.holds.is_empty() && self.peers.all_ready() && self.finished.is_empty()
     }
 
     /// Detects the layout, registers every layer's memory with the agent, prepares the local
@@ -473,7 +442,8 @@ impl ConnectorWorker {
             return self.refuse(meta);
         }
         for held in &meta.reqs_to_send {
-            self.hold(now, held);
+            let effects = self.holds.hold(now, held, &mut self.stats);
+            self.apply_holds(now, effects);
         }
         for req in &meta.reqs_to_recv {
             self.admit(now, req);
@@ -485,7 +455,7 @@ impl ConnectorWorker {
 
     /// The next network command for the driver.
     pub fn poll_command(&mut self) -> Option<WorkerCommand> {
-        self.commands.pop_front()
+        self.peers.poll_command()
     }
 
     /// What finished since the last call: held requests whose reader released them (or whose
@@ -501,7 +471,8 @@ impl ConnectorWorker {
         self.collect_transfers(now);
         self.retry_deferred_handshakes(now);
         self.expire_loads(now);
-        self.expire_holds(now);
+        let effects = self.holds.expire(now, &mut self.stats);
+        self.apply_holds(now, effects);
         std::mem::take(&mut self.finished)
     }
 
@@ -514,11 +485,15 @@ impl ConnectorWorker {
         }
         for n in std::mem::take(&mut self.notifications) {
             let handled = match wire::open(&n.msg).map(|m| (m.kind(), m)) {
-                Ok((MessageKind::HoldRelease, m)) => {
-                    m.decode::<HoldRelease>().map(|r| self.on_release(now, &n.from, r)).is_ok()
-                }
+                Ok((MessageKind::HoldRelease, m)) => m
+                    .decode::<HoldRelease>()
+                    .map(|r| {
+                        let effects = self.holds.release(now, &n.from, r, &mut self.stats);
+                        self.apply_holds(now, effects);
+                    })
+                    .is_ok(),
                 Ok((MessageKind::RenewLeases, m)) => {
-                    m.decode::<RenewLeases>().map(|r| self.on_renew(now, r)).is_ok()
+                    m.decode::<RenewLeases>().map(|r| self.holds.renew(now, r, &mut self.stats)).is_ok()
                 }
                 Ok((MessageKind::HoldStatus, m)) => {
                     m.decode::<HoldStatus>().map(|s| self.on_hold_status(now, &n.from, s)).is_ok()
@@ -536,12 +511,10 @@ impl ConnectorWorker {
     /// The earliest time at which [`get_finished`](Self::get_finished) has something to expire,
     /// for drivers that sleep between steps.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let handshakes = self.peers.values().filter_map(|p| match p {
-            Peer::Handshaking(h) => Some(h.deadline),
-            Peer::Ready(_) => None,
-        });
-        let loads = self.loads.values().filter_map(Load::deadline);
-        handshakes.chain(loads).chain(self.holds.next_deadline()).min()
+        [self.peers.next_deadline(), self.loads.next_deadline(), self.holds.next_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 

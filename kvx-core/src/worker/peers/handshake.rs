@@ -1,115 +1,29 @@
-//! Peers: handshakes, instance epochs, and messages that wait for a peer to be ready.
-//!
-//! A peer is one rank of an engine this worker READs from (decode side) or answers (prefill
-//! side); with tensor-parallel sizes that differ, a worker has several peers of one engine. It is
-//! `Handshaking` until its payload is fetched and checked, then `Ready`. A failed READ,
-//! notification or confirmation invalidates it: the next request for that engine handshakes
-//! again, so a restarted engine (a new instance in its payload) is found again. The old
-//! connection is forgotten once no READ of it is in flight.
+//! The worker's side of its peers: checking a fetched payload and loading the peer's agent,
+//! sending to a peer once it is ready, and forgetting the connections [`Peers`](super::Peers) retired.
 
 use std::time::Instant;
 use tracing::{debug, info};
 
-use super::{ConnectorWorker, WorkerCommand};
+use super::{Connected, Deferred, PeerKey, Waiter};
 use crate::error::{Error, ErrorKind, Result};
-use crate::exchange::PeerLocator;
-use crate::ids::{AgentName, EngineId};
+use crate::ids::EngineId;
 use crate::meta::HoldRelease;
-use crate::params::{Endpoint, RemoteCoordinates};
+use crate::params::RemoteCoordinates;
 use crate::tp::{HeadSplit, MAX_TP};
-use crate::transfer::{BlockList, DlistId, DlistOwner};
+use crate::transfer::{BlockList, DlistOwner};
 use crate::wire::{self, HandshakePayload};
-
-use super::loads::LoadKey;
-
-/// A peer: one rank of an engine.
-pub(super) type PeerKey = (EngineId, u32);
-
-/// A peer's loaded agent and prepared descriptor lists.
-#[derive(Debug)]
-pub(super) struct Connected {
-    pub(super) agent: AgentName,
-    /// The peer's blocks, whole.
-    pub(super) dlist: DlistId,
-    /// The peer's blocks one head at a time (descriptor `region * num_blocks * heads + block *
-    /// heads + head`), prepared at the first READ of part of its heads.
-    pub(super) head_dlist: Option<DlistId>,
-    /// The peer's blocks' list (what `dlist` was prepared from).
-    pub(super) list: BlockList,
-    /// The peer engine's tensor-parallel size, and the heads of each of its ranks.
-    pub(super) split: HeadSplit,
-    pub(super) instance: u64,
-}
-
-/// What waits for a peer's handshake.
-#[derive(Debug)]
-pub(super) enum Waiter {
-    /// A load's READ from this peer, posted once the peer is ready.
-    Load(LoadKey),
-    /// An encoded notification, sent once the peer is ready.
-    Message(Vec<u8>),
-}
-
-#[derive(Debug)]
-pub(super) struct Handshaking {
-    started: Instant,
-    pub(super) deadline: Instant,
-    waiting: Vec<Waiter>,
-    /// A payload fetched while READs of the previous connection to the same agent were still in
-    /// flight: connected once they end (or the deadline passes).
-    fetched: Option<Vec<u8>>,
-}
-
-#[derive(Debug)]
-pub(super) enum Peer {
-    Handshaking(Handshaking),
-    Ready(Connected),
-}
+use crate::worker::ConnectorWorker;
 
 impl ConnectorWorker {
-    /// Hands `waiter` back when rank `rank` of `remote` is ready (the caller acts now); otherwise
-    /// queues it on the peer's handshake, starting one if needed.
-    pub(super) fn when_ready(
+    /// Sends an encoded notification to rank `rank` of `remote`, now or once it is ready.
+    pub(in crate::worker) fn send_to(
         &mut self,
         now: Instant,
         remote: &RemoteCoordinates,
         rank: u32,
-        waiter: Waiter,
-    ) -> Result<Option<Waiter>> {
-        let key = (remote.engine_id.clone(), rank);
-        match self.peers.get_mut(&key) {
-            Some(Peer::Ready(_)) => return Ok(Some(waiter)),
-            Some(Peer::Handshaking(h)) => {
-                h.waiting.push(waiter);
-                return Ok(None);
-            }
-            None => {}
-        }
-        let endpoint = match &remote.endpoint {
-            Some(Endpoint { host, port }) => {
-                let port = u16::try_from(u32::from(*port) + rank).map_err(|_| {
-                    Error::invalid_peer_data(format!("side-channel port {port} + rank {rank} overflows"))
-                })?;
-                Some(Endpoint::new(host.clone(), port))
-            }
-            None => None,
-        };
-        let engine_id = &remote.engine_id;
-        debug!(%engine_id, rank, ?endpoint, "handshake queued");
-        self.commands.push_back(WorkerCommand::FetchHandshake(PeerLocator {
-            engine_id: engine_id.clone(),
-            rank,
-            endpoint,
-        }));
-        let deadline = now + self.config.handshake_timeout;
-        let h = Handshaking { started: now, deadline, waiting: vec![waiter], fetched: None };
-        self.peers.insert(key, Peer::Handshaking(h));
-        Ok(None)
-    }
-
-    /// Sends an encoded notification to rank `rank` of `remote`, now or once it is ready.
-    pub(super) fn send_to(&mut self, now: Instant, remote: &RemoteCoordinates, rank: u32, msg: Vec<u8>) {
-        match self.when_ready(now, remote, rank, Waiter::Message(msg)) {
+        msg: Vec<u8>,
+    ) {
+        match self.peers.when_ready(now, remote, rank, Waiter::Message(msg)) {
             Ok(Some(Waiter::Message(msg))) => self.notify_peer(&(remote.engine_id.clone(), rank), &msg),
             Ok(_) => {}
             Err(e) => {
@@ -120,9 +34,9 @@ impl ConnectorWorker {
     }
 
     /// Sends to a ready peer; a failed send invalidates it.
-    pub(super) fn notify_peer(&mut self, key: &PeerKey, msg: &[u8]) {
+    pub(in crate::worker) fn notify_peer(&mut self, key: &PeerKey, msg: &[u8]) {
         let (engine_id, rank) = key;
-        let Some(Peer::Ready(conn)) = self.peers.get(key) else {
+        let Some(conn) = self.peers.ready(key) else {
             debug!(%engine_id, rank, "notification not sent: the peer was dropped");
             self.stats.unsent_messages += 1;
             return;
@@ -136,42 +50,20 @@ impl ConnectorWorker {
 
     /// Drops a ready peer (the next request handshakes again); its connection is forgotten once
     /// no READ of it is in flight.
-    pub(super) fn invalidate(&mut self, key: &PeerKey) {
-        if let Some(Peer::Ready(conn)) = self.peers.remove(key) {
+    pub(in crate::worker) fn invalidate(&mut self, key: &PeerKey) {
+        if let Some(agent) = self.peers.retire(key) {
             let (engine_id, rank) = key;
-            debug!(%engine_id, rank, agent = %conn.agent, "peer invalidated");
+            debug!(%engine_id, rank, %agent, "peer invalidated");
             self.stats.peers_invalidated += 1;
-            self.retired.push(conn);
             self.forget_retired();
         }
     }
 
     /// Forgets the dropped connections that no READ uses any more.
-    pub(super) fn forget_retired(&mut self) {
-        let retired = std::mem::take(&mut self.retired);
-        for conn in retired {
-            if self.loads.values().any(|l| l.reads_from(&conn.agent)) {
-                self.retired.push(conn);
-            } else {
-                self.forget(&conn);
-            }
+    pub(in crate::worker) fn forget_retired(&mut self) {
+        for conn in self.peers.take_unused(|agent| self.loads.reads_from(agent)) {
+            self.forget(&conn);
         }
-    }
-
-    /// At close: takes every connection, ready or dropped, for the agent to release; messages
-    /// still waiting for a handshake are dropped (counted unsent).
-    pub(super) fn take_connections(&mut self) -> Vec<Connected> {
-        let mut conns = std::mem::take(&mut self.retired);
-        for (_, peer) in self.peers.drain() {
-            match peer {
-                Peer::Ready(conn) => conns.push(conn),
-                Peer::Handshaking(h) => {
-                    let messages = h.waiting.iter().filter(|w| matches!(w, Waiter::Message(_))).count();
-                    self.stats.unsent_messages += messages as u64;
-                }
-            }
-        }
-        conns
     }
 
     fn forget(&self, conn: &Connected) {
@@ -198,7 +90,7 @@ impl ConnectorWorker {
         result: Result<Vec<u8>>,
     ) {
         let key = (engine_id.clone(), rank);
-        if !matches!(self.peers.get(&key), Some(Peer::Handshaking(_))) {
+        if !self.peers.is_handshaking(&key) {
             debug!(%engine_id, rank, "late or unexpected handshake result ignored");
             return;
         }
@@ -208,34 +100,28 @@ impl ConnectorWorker {
         };
         match self.connect(&key, &bytes) {
             Ok(Some(conn)) => self.handshake_done(now, &key, conn),
-            Ok(None) => {
-                if let Some(Peer::Handshaking(h)) = self.peers.get_mut(&key) {
-                    h.fetched = Some(bytes);
-                }
-            }
+            Ok(None) => self.peers.defer(&key, bytes),
             Err(e) => self.handshake_failed(now, &key, e, Some(&bytes)),
         }
     }
 
     fn handshake_done(&mut self, now: Instant, key: &PeerKey, conn: Connected) {
-        let instance = conn.instance;
-        let Some(Peer::Handshaking(h)) = self.peers.insert(key.clone(), Peer::Ready(conn)) else {
-            return;
-        };
+        let Some(connection) = self.peers.connected(now, key, conn) else { return };
         let (engine_id, rank) = key;
-        if let Some(old) = self.instances.insert(key.clone(), instance).filter(|old| *old != instance) {
+        if let Some(old) = connection.restarted_from {
             info!(%engine_id, rank, "peer engine restarted: connected to its new instance");
             self.stats.peer_restarts += 1;
-            self.fail_confirmations_of(now, key, old);
+            let effects = self.loads.peer_restarted(now, key, old, &mut self.stats);
+            self.apply(now, effects);
         }
-        let took = now.saturating_duration_since(h.started);
+        let took = connection.took;
         debug!(%engine_id, rank, ?took, "handshake done");
         self.stats.handshakes += 1;
         self.stats.handshake_times.push(took);
         // Messages first: a load may drop the peer again (an offer of a newer instance, a refused
         // post), and the loads after it wait for the next handshake, but a message would be lost.
         let (loads, messages): (Vec<Waiter>, Vec<Waiter>) =
-            h.waiting.into_iter().partition(|w| matches!(w, Waiter::Load(_)));
+            connection.waiting.into_iter().partition(|w| matches!(w, Waiter::Load(_)));
         for waiter in messages.into_iter().chain(loads) {
             match waiter {
                 Waiter::Load(id) => self.issue(now, &id),
@@ -245,7 +131,7 @@ impl ConnectorWorker {
     }
 
     fn handshake_failed(&mut self, now: Instant, key: &PeerKey, e: Error, payload: Option<&[u8]>) {
-        let Some(Peer::Handshaking(h)) = self.peers.remove(key) else { return };
+        let Some(waiting) = self.peers.failed(key) else { return };
         let (engine_id, rank) = key;
         self.stats.handshake_failures += 1;
         // Refusals keep their kind (timeout, incompatible, unauthenticated, ...); a malformed
@@ -256,12 +142,12 @@ impl ConnectorWorker {
             _ => e.context(format!("with engine {engine_id} rank {rank}")),
         };
         let mut releases = Vec::new();
-        for waiter in h.waiting {
+        for waiter in waiting {
             match waiter {
                 Waiter::Load(id) => {
-                    if let Some(release) = self.end_load(now, &id, Err(e.clone()), false) {
-                        releases.push(release);
-                    }
+                    let failed = self.loads.handshake_failed(now, &id, e.clone());
+                    releases.extend(failed.release);
+                    self.apply(now, failed.effects);
                 }
                 // A notify-only request's release: a refused peer can still be told below.
                 Waiter::Message(msg) if wire::decode::<HoldRelease>(&msg).is_ok() => releases.push(msg),
@@ -287,14 +173,8 @@ impl ConnectorWorker {
         let _ = self.agent.forget_remote(&agent);
     }
 
-    pub(super) fn expire_handshakes(&mut self, now: Instant) {
-        let expired: Vec<PeerKey> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| matches!(p, Peer::Handshaking(h) if h.deadline <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in expired {
+    pub(in crate::worker) fn expire_handshakes(&mut self, now: Instant) {
+        for key in self.peers.expired(now) {
             let timeout = self.config.handshake_timeout;
             let e = Error::new(ErrorKind::Timeout, format!("handshake took over {timeout:?}"));
             self.handshake_failed(now, &key, e, None);
@@ -302,17 +182,9 @@ impl ConnectorWorker {
     }
 
     /// Connects the payloads that waited for an old connection's READs to end.
-    pub(super) fn retry_deferred_handshakes(&mut self, now: Instant) {
-        let deferred: Vec<(PeerKey, Vec<u8>)> = self
-            .peers
-            .iter_mut()
-            .filter_map(|(k, p)| match p {
-                Peer::Handshaking(h) => h.fetched.take().map(|b| (k.clone(), b)),
-                Peer::Ready(_) => None,
-            })
-            .collect();
-        for ((engine_id, rank), bytes) in deferred {
-            self.handle_handshake(now, &engine_id, rank, Ok(bytes));
+    pub(in crate::worker) fn retry_deferred_handshakes(&mut self, now: Instant) {
+        for Deferred { peer: (engine_id, rank), payload } in self.peers.take_deferred() {
+            self.handle_handshake(now, &engine_id, rank, Ok(payload));
         }
     }
 
@@ -385,15 +257,13 @@ impl ConnectorWorker {
             )));
         }
         // The same instance under the same name: it did not restart; the connection stands.
-        if let Some(i) = self.retired.iter().position(|c| c.agent == p.agent_name && c.instance == p.instance)
-        {
-            return Ok(Some(self.retired.swap_remove(i)));
+        if let Some(conn) = self.peers.reuse_retired(&p.agent_name, p.instance) {
+            return Ok(Some(conn));
         }
-        if self.loads.values().any(|l| l.reads_from(&p.agent_name)) {
+        if self.loads.reads_from(&p.agent_name) {
             return Ok(None);
         }
-        if let Some(i) = self.retired.iter().position(|c| c.agent == p.agent_name) {
-            let old = self.retired.swap_remove(i);
+        if let Some(old) = self.peers.take_retired(&p.agent_name) {
             self.forget(&old);
         }
         let list = BlockList {
