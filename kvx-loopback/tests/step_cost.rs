@@ -14,15 +14,17 @@ use kvx_core::{
     HexBytes, HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
     RemoteCoordinates, Result, TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
 };
-use kvx_loopback::{Fabric, Faults, LoopbackAgent};
+use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::chaos::{Chaos, ChaosNet, Faults};
 
 const LOADS: usize = 20_000;
 const BLOCKS: u64 = 8;
 
-/// A loopback agent that counts the calls that poll a transfer or drive progress.
+/// A loopback agent (in the chaos layer, which delays its READs) that counts the calls that poll a
+/// transfer or drive progress.
 #[derive(Debug)]
 struct Counting {
-    inner: LoopbackAgent,
+    inner: Chaos<LoopbackAgent>,
     polls: AtomicU64,
     /// `progress`, `drain_completions` and `drain_notifications`: one loopback pass each.
     passes: AtomicU64,
@@ -137,7 +139,7 @@ fn load(i: usize) -> RecvRequest {
 fn a_step_costs_what_completed() {
     let fabric = Fabric::new();
     let (_prefill, prefill_payload) = worker("prefill", Arc::new(fabric.agent("prefill-0").unwrap()));
-    let inner = fabric.agent("decode-0").unwrap();
+    let inner = Chaos::new(Arc::new(fabric.agent("decode-0").unwrap()), &ChaosNet::new());
     // Every READ stays pending through 4 passes: two steps of the worker (each drains the
     // notifications and the completions once).
     inner.set_faults(Faults::none().delay_completion(4)).unwrap();

@@ -7,7 +7,8 @@ use kvx_core::{
     AgentName, ConnectorMetadata, ConnectorWorker, Finished, HostMemory, RecvRequest, RequestId,
     TransferAgent, WorkerCommand, WorkerConfig, WorkerStats,
 };
-use kvx_loopback::{Fabric, Faults, LoopbackAgent};
+use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::chaos::{Chaos, ChaosNet, Faults};
 
 use super::model::{Kind, Model, kind};
 use crate::input::ByteSource;
@@ -29,14 +30,14 @@ fn lease_loads() -> Vec<RecvRequest> {
 pub(super) struct Rank {
     pub(super) worker: ConnectorWorker,
     recorder: Arc<Recorder>,
-    agent: Arc<LoopbackAgent>,
+    agent: Arc<Chaos<LoopbackAgent>>,
     keys: Arc<HostMemory>,
     pub(super) payload: Vec<u8>,
 }
 
 impl Rank {
-    fn new(fabric: &Fabric, name: &str, config: WorkerConfig, blocks: u32) -> Self {
-        let agent = Arc::new(must(fabric.agent(name), "an agent"));
+    fn new(fabric: &Fabric, chaos: &ChaosNet, name: &str, config: WorkerConfig, blocks: u32) -> Self {
+        let agent = Arc::new(Chaos::new(Arc::new(must(fabric.agent(name), "an agent")), chaos));
         let recorder = Arc::new(Recorder::new(agent.clone()));
         let mut worker = must(ConnectorWorker::new(config, recorder.clone()), "a worker");
         let (layers, keys) = caches(blocks);
@@ -87,9 +88,9 @@ impl Session {
             max_early_senders: 2,
             ..c
         };
-        let fabric = Fabric::new();
-        let mut prefill = Rank::new(&fabric, "prefill-agent", small(config(PREFILL)), PREFILL_BLOCKS);
-        let decode = Rank::new(&fabric, "decode-agent", small(decode_config()), DECODE_BLOCKS);
+        let (fabric, chaos) = (Fabric::new(), ChaosNet::new());
+        let mut prefill = Rank::new(&fabric, &chaos, "prefill-agent", small(config(PREFILL)), PREFILL_BLOCKS);
+        let decode = Rank::new(&fabric, &chaos, "decode-agent", small(decode_config()), DECODE_BLOCKS);
         must(decode.agent.set_faults(Faults::none().delay_completion(delay)), "delaying the READs");
         let mallory = must(fabric.agent("mallory"), "a third agent");
         let prefill_name =
