@@ -35,213 +35,25 @@
 //! ```
 
 mod faults;
+mod net;
+mod state;
 
-use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvx_core::clock::system_clock;
 use kvx_core::{
-    AgentName, BlockList, BlockPost, Capabilities, Clock, DlistId, DlistOwner, Error, ErrorKind, KvMemory,
+    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory,
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
-use crate::sim::SimBackend;
 use faults::{Delivery, FaultPlan, TransferFate, message_key, stray_message};
+use net::lock;
+use state::{Outgoing, Shared, State, Xfer};
 
 pub use faults::{FaultCounts, Faults};
-
-/// Locks `mutex`; a lock poisoned by a panicking thread is a `State` error, not a panic.
-fn lock<'a, T>(mutex: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
-    mutex.lock().map_err(|_| {
-        Error::new(ErrorKind::State, format!("the chaos {what} lock is poisoned: a thread panicked"))
-    })
-}
-
-/// The agents whose faults, clock and counts are shared: faults set on the net strike every
-/// agent of it, and an agent that refuses handshakes is refused by every agent of it.
-///
-/// Cheap to clone; clones are the same net.
-#[derive(Clone)]
-pub struct ChaosNet {
-    inner: Arc<NetInner>,
-}
-
-struct NetInner {
-    /// The time of late transfers and notifications.
-    clock: Arc<dyn Clock>,
-    faults: Mutex<FaultPlan>,
-    /// Faults injected so far, by the net's faults and its agents'.
-    injected: Mutex<FaultCounts>,
-    /// The live agents, by name.
-    agents: Mutex<HashMap<AgentName, Weak<Shared>>>,
-}
-
-impl ChaosNet {
-    /// A net on the system clock, without faults.
-    pub fn new() -> Self {
-        ChaosNet::with_clock(system_clock())
-    }
-
-    /// A net whose late transfers and notifications follow `clock`: a simulation's
-    /// [`ManualClock`](kvx_core::ManualClock), say.
-    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        ChaosNet {
-            inner: Arc::new(NetInner {
-                clock,
-                faults: Mutex::new(FaultPlan::default()),
-                injected: Mutex::new(FaultCounts::default()),
-                agents: Mutex::new(HashMap::new()),
-            }),
-        }
-    }
-
-    /// Sets faults for every agent of this net, replacing earlier net faults and restarting their
-    /// counts. [`Faults::none`] clears them.
-    pub fn set_faults(&self, faults: Faults) -> Result<()> {
-        lock(&self.inner.faults, "net faults")?.set(faults);
-        Ok(())
-    }
-
-    /// Sets the faults of the live agent named `agent` (as [`Chaos::set_faults`]); a `NotFound`
-    /// error when this net has none.
-    pub fn set_agent_faults(&self, agent: &str, faults: Faults) -> Result<()> {
-        let shared = self.live(agent)?.ok_or_else(|| {
-            Error::new(ErrorKind::NotFound, format!("no live chaos agent {agent} on this net"))
-        })?;
-        lock(&shared.faults, "agent faults")?.set(faults);
-        Ok(())
-    }
-
-    /// The faults injected so far (by the net's faults and by its agents').
-    pub fn fault_counts(&self) -> Result<FaultCounts> {
-        Ok(*lock(&self.inner.injected, "fault counts")?)
-    }
-
-    /// The earliest time at which an agent of this net has something to do: the clock's now when
-    /// a transfer is in flight, a completion waits to be drained or a notification sent to an
-    /// agent of the net has not been drained yet, else when the first late transfer or
-    /// notification is due; `None` when nothing waits. A simulation on a manual clock may jump to
-    /// it.
-    pub fn next_event(&self) -> Result<Option<Instant>> {
-        let agents: Vec<Arc<Shared>> =
-            lock(&self.inner.agents, "agent table")?.values().filter_map(Weak::upgrade).collect();
-        let now = self.inner.clock.now();
-        let mut next = None;
-        for agent in agents {
-            let unread = (agent.unread.load(Ordering::Relaxed) > 0).then_some(now);
-            let own = lock(&agent.state, "agent state")?.next_event(now);
-            next = next.into_iter().chain(unread).chain(own).min();
-        }
-        Ok(next)
-    }
-
-    /// `backend` with every agent wrapped in a [`Chaos`] of this net (its memory unchanged).
-    pub fn backend(&self, backend: SimBackend) -> SimBackend {
-        let (net, agents) = (self.clone(), backend.clone());
-        SimBackend::new(move |engine, rank| {
-            Ok(Arc::new(Chaos::new(agents.agent(engine, rank)?, &net)) as Arc<dyn TransferAgent>)
-        })
-        .with_memory(move |engine, rank, len| backend.memory(engine, rank, len))
-    }
-
-    fn live(&self, agent: &str) -> Result<Option<Arc<Shared>>> {
-        Ok(lock(&self.inner.agents, "agent table")?.get(&AgentName::new(agent)).and_then(Weak::upgrade))
-    }
-
-    fn refuses_handshakes(&self) -> Result<bool> {
-        Ok(lock(&self.inner.faults, "net faults")?.refuses_handshakes())
-    }
-}
-
-impl Default for ChaosNet {
-    fn default() -> Self {
-        ChaosNet::new()
-    }
-}
-
-impl fmt::Debug for ChaosNet {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let agents = self.inner.agents.lock().map(|a| a.len()).unwrap_or(0);
-        f.debug_struct("ChaosNet").field("agents", &agents).finish_non_exhaustive()
-    }
-}
-
-/// The part of a [`Chaos`] agent that its net reaches.
-struct Shared {
-    faults: Mutex<FaultPlan>,
-    state: Mutex<State>,
-    /// Notifications agents of the net sent it, less those it drained: while above zero, some
-    /// wait to be drained. (Apart from the state: senders add to it holding their own state.)
-    unread: AtomicI64,
-}
-
-/// A transfer of the layer.
-#[derive(Debug)]
-struct Xfer {
-    /// The wrapped agent's transfer; none for a transfer made to fail.
-    inner: Option<XferId>,
-    /// Why it fails, when a fault made it.
-    fail: Option<String>,
-    /// The pass after which it may complete, when it waits for passes.
-    after_pass: Option<u64>,
-    /// When it may complete, when it waits for the clock.
-    not_before: Option<Instant>,
-    /// Its transport is done with it.
-    inner_ended: bool,
-    /// It completed for the caller (and went to `ended`).
-    visible: bool,
-    /// The notification the layer sends once it is done, taken off the transfer by faults.
-    notification: Option<Outgoing>,
-    /// Where the notification that the transfer carries itself goes.
-    carried_to: Option<AgentName>,
-}
-
-/// A notification faults struck, and what they decided.
-#[derive(Debug)]
-struct Outgoing {
-    to: AgentName,
-    msg: Vec<u8>,
-    key: u64,
-    delivery: Delivery,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    /// Progress passes so far.
-    passes: u64,
-    next_id: u64,
-    xfers: HashMap<u64, Xfer>,
-    /// The layer's transfer of each transfer of the wrapped agent.
-    by_inner: HashMap<XferId, u64>,
-    /// Transfers whose transport is done but whose completion waits.
-    waiting: BTreeSet<u64>,
-    /// Transfers that completed and that `drain_completions` has not reported yet.
-    ended: Vec<u64>,
-    /// The peer of each remote list.
-    remote_lists: HashMap<DlistId, AgentName>,
-    /// Late notifications: when, their key (which orders those due together), to whom, what.
-    late: Vec<(Instant, u64, AgentName, Vec<u8>)>,
-}
-
-impl State {
-    fn ready(&self, x: &Xfer, now: Instant) -> bool {
-        x.inner_ended && x.after_pass.is_none_or(|p| self.passes > p) && x.not_before.is_none_or(|t| t <= now)
-    }
-
-    fn next_event(&self, now: Instant) -> Option<Instant> {
-        let transfers =
-            self.xfers.values().filter(|x| !x.visible).map(|x| match (x.inner_ended, x.after_pass) {
-                (true, None) => x.not_before.unwrap_or(now).max(now),
-                _ => now,
-            });
-        let ended = (!self.ended.is_empty()).then_some(now);
-        let late = self.late.iter().map(|(due, ..)| (*due).max(now));
-        transfers.chain(ended).chain(late).min()
-    }
-}
+pub use net::ChaosNet;
 
 /// A [`TransferAgent`] that injects [`Faults`] into the agent it wraps: see the
 /// [module documentation](self).
