@@ -39,8 +39,8 @@ mod net;
 mod state;
 
 use std::fmt;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use kvx_core::{
@@ -48,7 +48,7 @@ use kvx_core::{
     Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
-use faults::{Delivery, FaultPlan, TransferFate, message_key, stray_message};
+use faults::{Delivery, TransferFate, message_key, stray_message};
 use net::lock;
 use state::{Outgoing, Shared, State, Xfer};
 
@@ -69,16 +69,8 @@ impl<A: TransferAgent + ?Sized> Chaos<A> {
     /// it is dropped (a later agent of that name takes the name over).
     pub fn new(inner: Arc<A>, net: &ChaosNet) -> Self {
         let name = inner.name().clone();
-        let shared = Arc::new(Shared {
-            faults: Mutex::new(FaultPlan::default()),
-            state: Mutex::default(),
-            unread: AtomicI64::new(0),
-        });
-        // A poisoned table is still a valid map.
-        let mut agents = net.inner.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        agents.retain(|_, w| w.strong_count() > 0);
-        agents.insert(name.clone(), Arc::downgrade(&shared));
-        drop(agents);
+        let shared = Arc::new(Shared::default());
+        net.join(&name, &shared);
         Chaos { name, shared, net: net.clone(), inner }
     }
 
@@ -263,10 +255,7 @@ impl<A: TransferAgent + ?Sized> Chaos<A> {
 
 impl<A: ?Sized> Drop for Chaos<A> {
     fn drop(&mut self) {
-        let mut agents = self.net.inner.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if agents.get(&self.name).is_some_and(|w| w.as_ptr() == Arc::as_ptr(&self.shared)) {
-            agents.remove(&self.name);
-        }
+        self.net.leave(&self.name, &self.shared);
     }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Instant;
 
 use kvx_core::clock::system_clock;
@@ -106,6 +106,22 @@ impl ChaosNet {
             Ok(Arc::new(Chaos::new(agents.agent(engine, rank)?, &net)) as Arc<dyn TransferAgent>)
         })
         .with_memory(move |engine, rank, len| backend.memory(engine, rank, len))
+    }
+
+    /// Knows `shared` as the agent `name` from now on (and forgets the dropped agents).
+    pub(super) fn join(&self, name: &AgentName, shared: &Arc<Shared>) {
+        // A poisoned table is still a valid map.
+        let mut agents = self.inner.agents.lock().unwrap_or_else(PoisonError::into_inner);
+        agents.retain(|_, w| w.strong_count() > 0);
+        agents.insert(name.clone(), Arc::downgrade(shared));
+    }
+
+    /// Forgets the agent `name` when it is still `shared` (a later agent may have taken the name).
+    pub(super) fn leave(&self, name: &AgentName, shared: &Arc<Shared>) {
+        let mut agents = self.inner.agents.lock().unwrap_or_else(PoisonError::into_inner);
+        if agents.get(name).is_some_and(|w| w.as_ptr() == Arc::as_ptr(shared)) {
+            agents.remove(name);
+        }
     }
 
     pub(super) fn live(&self, agent: &str) -> Result<Option<Arc<Shared>>> {

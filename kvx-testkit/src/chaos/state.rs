@@ -10,6 +10,7 @@ use kvx_core::{AgentName, DlistId, XferId};
 use super::faults::{Delivery, FaultPlan};
 
 /// The part of a [`Chaos`] agent that its net reaches.
+#[derive(Default)]
 pub(super) struct Shared {
     pub(super) faults: Mutex<FaultPlan>,
     pub(super) state: Mutex<State>,
