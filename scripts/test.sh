@@ -34,6 +34,19 @@ cargo test --workspace
 step "one kvx binary with both native backends and etcd (demo, two processes, restarts, etcd discovery; ucx and nixl agents in one process)"
 cargo test -p kvx-cli --features ucx,nixl,etcd
 
+# That one binary (built by the step above) serves the steps below.
+KVX_BIN="$(realpath "${CARGO_TARGET_DIR:-target}/debug/kvx")"
+export KVX_BIN
+
+step "the fault soak over each real transport of that binary: 20 000 requests under every fault (the chaos layer over tcp, ucx, nixl), none unresolved, no byte mismatched, no block leaked (about 20-30 s each)"
+soak_dir="$(mktemp -d)"
+for backend in tcp ucx nixl; do
+    UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL "$KVX_BIN" soak --requests 20000 --seed 1 --backend "$backend" \
+        >"$soak_dir/$backend.txt" || { cat "$soak_dir/$backend.txt"; exit 1; }
+    grep -E '^  (finished|unresolved|blocks mismatched|blocks leaked) ' "$soak_dir/$backend.txt"
+done
+rm -r "$soak_dir"
+
 step "fuzzing ucx and nixl agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
 # The libraries' own error lines for the refused inputs are silenced.
 KVX_FUZZ_TARGETS=ucx_metadata,nixl_metadata UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL \
@@ -43,10 +56,6 @@ step "demo smoke run (the same binary on each backend)"
 for backend in loopback tcp ucx nixl; do
     cargo run -q -p kvx-cli --features ucx,nixl,etcd -- demo --requests 64 --backend "$backend"
 done
-
-# That one binary serves the steps below.
-KVX_BIN="$(realpath "${CARGO_TARGET_DIR:-target}/debug/kvx")"
-export KVX_BIN
 
 step "kvx bench, short: every backend of that binary over shm and tcp (the CSV's shape and that every row's bytes were verified, not the speed)"
 bench_dir="$(mktemp -d)"

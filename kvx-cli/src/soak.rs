@@ -1,11 +1,14 @@
-//! `kvx soak`: the deterministic fault soak (`kvx_testkit::soak`) from the command line.
+//! `kvx soak`: the deterministic fault soak (`kvx_testkit::soak`) from the command line, on any
+//! backend (the chaos layer injects the transport's faults into each).
 
 use clap::Args;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use kvx_core::Result;
-use kvx_testkit::soak::{FaultRates, SoakConfig, run_soak};
+use kvx_testkit::soak::{FaultRates, SoakConfig, run_soak_on};
+
+use crate::backend::Backend;
 
 /// Options of `kvx soak`.
 #[derive(Debug, Args)]
@@ -25,6 +28,11 @@ pub(crate) struct SoakArgs {
     /// Inject no faults (the soak's own sanity check: every request must finish).
     #[arg(long)]
     no_faults: bool,
+    /// Transfer backend: the engines' agents, in the chaos layer. Loopback replays a seed exactly;
+    /// over a real transport the READs take real time and a replay may differ in what completes
+    /// when, never in what must be zero.
+    #[arg(long, value_enum, default_value_t = Backend::Loopback)]
+    backend: Backend,
 }
 
 /// Runs the soak, prints its report (the wall time goes to stderr, so that two runs of a seed
@@ -36,17 +44,22 @@ pub(crate) fn run(args: &SoakArgs) -> Result<ExitCode> {
     if args.no_faults {
         config.faults = FaultRates::none();
     }
+    let backend = args.backend.sim_backend(false, &kvx_tcp::TcpConfig::default())?;
     let start = Instant::now();
-    let report = run_soak(&config)?;
+    let report = run_soak_on(&config, &backend)?;
     let wall = start.elapsed();
     print!("{report}");
-    let flags = if args.no_faults { " --no-faults" } else { "" };
+    let mut flags = if args.no_faults { " --no-faults".to_owned() } else { String::new() };
+    if args.backend != Backend::Loopback {
+        flags += &format!(" --backend {}", args.backend.name());
+    }
     println!(
         "  {:<22} kvx soak --requests {} --seed {} --prefills {} --decodes {}{flags}",
         "replay", args.requests, args.seed, config.prefills, config.decodes
     );
     eprintln!(
-        "kvx soak: wall time {:.3} s ({:.0} requests/s, {:.0}x simulated time)",
+        "kvx soak: {} backend, wall time {:.3} s ({:.0} requests/s, {:.0}x simulated time)",
+        args.backend.name(),
         wall.as_secs_f64(),
         args.requests as f64 / wall.as_secs_f64().max(1e-9),
         report.virtual_time.as_secs_f64() / wall.as_secs_f64().max(1e-9)

@@ -779,6 +779,27 @@ fn soak_replays_a_seed_and_succeeds() {
     assert_eq!(stdout, text(&second.stdout), "the same seed, the same report");
 }
 
+/// `kvx soak --backend tcp`: the soak over a real transport (the chaos layer over TCP agents) ends
+/// clean, and its replay line names the backend.
+#[test]
+fn soak_runs_over_tcp() {
+    let child = Command::new(KVX)
+        .args(["soak", "--requests", "200", "--seed", "3", "--backend", "tcp"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("unresolved             0 (must be 0)"), "{stdout}");
+    assert!(
+        stdout.contains("kvx soak --requests 200 --seed 3 --prefills 2 --decodes 2 --backend tcp"),
+        "{stdout}"
+    );
+    assert!(text(&out.stderr).contains("tcp backend"), "{}", text(&out.stderr));
+}
+
 /// Reads `child`'s stdout (on a thread, within [`LIMIT`]) until it says its final metrics are
 /// served, scrapes them over HTTP, then reads the rest of its stdout and waits for it: the metrics
 /// text, the whole stdout and whether it succeeded.

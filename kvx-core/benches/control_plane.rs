@@ -3,22 +3,22 @@
 //! per-request cost that should not grow with them), and a decode worker's `get_finished` step
 //! while 0 / 100 / 1000 / 10000 READs are in flight.
 //!
-//! The agent is a stub that moves no bytes and never completes a READ: these are kvx-core's own
-//! costs. (Posting READs and first contact with a peer have their own benches.)
+//! The agent is `kvx_core::testing::NoopAgent`, which moves no bytes and never completes a READ:
+//! these are kvx-core's own costs. (Posting READs and first contact with a peer have their own benches.)
 //!
 //! `cargo bench -p kvx-core --bench control_plane`
 #![allow(clippy::unwrap_used, clippy::expect_used)] // Benchmark driver: panics are failures.
 
 use std::hint::black_box;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kvx_core::testing::NoopAgent;
 use kvx_core::{
-    AgentName, BlockId, BlockList, Capabilities, ConnectorMetadata, ConnectorScheduler, ConnectorWorker,
-    DlistId, DlistOwner, Endpoint, FinishReason, Finished, GroupBlocks, HostMemory, KvMemory, LayerCache,
-    Notification, RegistrationId, RemoteCoordinates, RequestId, Result, SchedulerConfig, TransferAgent,
-    TransferParams, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
+    BlockId, ConnectorMetadata, ConnectorScheduler, ConnectorWorker, Endpoint, FinishReason, Finished,
+    GroupBlocks, HostMemory, LayerCache, RemoteCoordinates, RequestId, SchedulerConfig, TransferParams,
+    WorkerCommand, WorkerConfig,
 };
 
 /// Tokens per block.
@@ -27,88 +27,6 @@ const BS: u32 = 16;
 const CACHE_BLOCKS: u32 = 10_000;
 /// Blocks of each request that stays in flight while the measured one runs.
 const IN_FLIGHT_BLOCKS: usize = 16;
-
-/// A transfer agent that accepts everything, moves nothing, and never completes a READ.
-#[derive(Debug)]
-struct StubAgent {
-    name: AgentName,
-    next: Mutex<u64>,
-}
-
-impl StubAgent {
-    fn new(name: &str) -> Self {
-        StubAgent { name: name.into(), next: Mutex::new(0) }
-    }
-
-    fn next(&self) -> u64 {
-        let mut next = self.next.lock().unwrap();
-        *next += 1;
-        *next
-    }
-}
-
-impl TransferAgent for StubAgent {
-    fn name(&self) -> &AgentName {
-        &self.name
-    }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "stub",
-            dram: true,
-            vram: false,
-            read: true,
-            write: true,
-            notifications: true,
-        }
-    }
-    fn register(&self, _: Arc<dyn KvMemory>) -> Result<RegistrationId> {
-        Ok(RegistrationId(self.next()))
-    }
-    fn deregister(&self, _: RegistrationId) -> Result<()> {
-        Ok(())
-    }
-    fn local_metadata(&self) -> Result<Vec<u8>> {
-        Ok(self.name.to_string().into_bytes())
-    }
-    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
-        Ok(String::from_utf8_lossy(metadata).as_ref().into())
-    }
-    fn forget_remote(&self, _: &AgentName) -> Result<()> {
-        Ok(())
-    }
-    fn prep_dlist(&self, _: &DlistOwner, _: &BlockList) -> Result<DlistId> {
-        Ok(DlistId(self.next()))
-    }
-    fn release_dlist(&self, _: DlistId) -> Result<()> {
-        Ok(())
-    }
-    fn post(
-        &self,
-        _: XferOp,
-        _: DlistId,
-        _: &[u32],
-        _: DlistId,
-        _: &[u32],
-        _: Option<&[u8]>,
-    ) -> Result<XferId> {
-        Ok(XferId(self.next()))
-    }
-    fn poll(&self, _: XferId) -> Result<XferState> {
-        Ok(XferState::Pending)
-    }
-    fn drain_completions(&self, _: &mut Vec<XferId>) -> Result<()> {
-        Ok(())
-    }
-    fn release(&self, _: XferId) -> Result<()> {
-        Ok(())
-    }
-    fn notify(&self, _: &AgentName, _: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    fn drain_notifications(&self, _: &mut Vec<Notification>) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// The prefill engine's and the decode engine's schedulers.
 struct Schedulers {
@@ -221,7 +139,7 @@ fn worker(engine: &str, port: u16) -> ConnectorWorker {
         side_channel: Some(RemoteCoordinates::at(engine, "127.0.0.1", port)),
         ..WorkerConfig::new(engine.into(), 0, 1, BS)
     };
-    let mut w = ConnectorWorker::new(config, Arc::new(StubAgent::new(engine))).unwrap();
+    let mut w = ConnectorWorker::new(config, Arc::new(NoopAgent::new(engine))).unwrap();
     let memory = Arc::new(HostMemory::new((2 * CACHE_BLOCKS * BS * 2) as usize).unwrap());
     let cache = LayerCache {
         memory,

@@ -44,6 +44,10 @@ pub use worker::{
     TransferRecord, WorkerCommand, WorkerConfig, WorkerStats,
 };
 
+/// Test doubles of `TransferAgent` (feature `testing`).
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
 /// mockall mocks of the three traits (feature `mock`).
 #[cfg(any(test, feature = "mock"))]
 pub mod mock {

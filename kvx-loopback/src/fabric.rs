@@ -4,14 +4,11 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Instant;
 
-use kvx_core::clock::system_clock;
 use kvx_core::wire::agent_metadata;
-use kvx_core::{AgentName, Clock, Error, ErrorKind, Result};
+use kvx_core::{AgentName, Error, ErrorKind, Result};
 
 use crate::agent::{AgentOptions, AgentShared, LoopbackAgent};
-use crate::faults::{FaultCounts, FaultPlan, Faults};
 use crate::{BACKEND, lock};
 
 static NEXT_FABRIC: AtomicU64 = AtomicU64::new(1);
@@ -31,30 +28,16 @@ pub(crate) struct FabricInner {
     next_instance: AtomicU64,
     /// Live agents by name, with the instance number that tells a restarted agent from the old one.
     agents: Mutex<HashMap<AgentName, (u64, Weak<AgentShared>)>>,
-    pub(crate) faults: Mutex<FaultPlan>,
-    /// Faults injected so far, by the fabric's faults and its agents'.
-    pub(crate) injected: Mutex<FaultCounts>,
-    /// The time of time-based faults.
-    pub(crate) clock: Arc<dyn Clock>,
 }
 
 impl Fabric {
-    /// A new, empty fabric on the system clock.
+    /// A new, empty fabric.
     pub fn new() -> Self {
-        Fabric::with_clock(system_clock())
-    }
-
-    /// A new, empty fabric whose time-based faults (delayed transfers and notifications) follow
-    /// `clock`: a simulation's [`ManualClock`](kvx_core::ManualClock), say.
-    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
         Fabric {
             inner: Arc::new(FabricInner {
                 id: NEXT_FABRIC.fetch_add(1, Ordering::Relaxed),
                 next_instance: AtomicU64::new(1),
                 agents: Mutex::new(HashMap::new()),
-                faults: Mutex::new(FaultPlan::default()),
-                injected: Mutex::new(FaultCounts::default()),
-                clock,
             }),
         }
     }
@@ -83,35 +66,6 @@ impl Fabric {
         agents.insert(name, (instance, Arc::downgrade(&shared)));
         drop(agents);
         LoopbackAgent::start(shared, options)
-    }
-
-    /// Sets faults for every agent of this fabric, replacing earlier fabric faults and restarting
-    /// their counts. [`Faults::none`] clears them.
-    pub fn set_faults(&self, faults: Faults) -> Result<()> {
-        lock(&self.inner.faults, "fabric's faults")?.set(faults);
-        Ok(())
-    }
-
-    /// The faults injected on this fabric so far (by its faults and by its agents').
-    pub fn fault_counts(&self) -> Result<FaultCounts> {
-        Ok(*lock(&self.inner.injected, "fabric fault counts")?)
-    }
-
-    /// The earliest time at which an agent of this fabric has something to do: the clock's now
-    /// when a transfer waits for a progress pass or a notification for its target to drain it,
-    /// else when the first delayed transfer or notification is due; `None` when nothing waits.
-    /// A simulation on a manual clock may jump to it.
-    pub fn next_event(&self) -> Result<Option<Instant>> {
-        let agents: Vec<Arc<AgentShared>> = lock(&self.inner.agents, "fabric's agent table")?
-            .values()
-            .filter_map(|(_, w)| w.upgrade())
-            .collect();
-        let now = self.inner.clock.now();
-        let mut next = None;
-        for agent in agents {
-            next = next.into_iter().chain(agent.next_event(now)?).min();
-        }
-        Ok(next)
     }
 }
 

@@ -4,12 +4,10 @@
 mod agent;
 mod copy;
 mod fabric;
-mod faults;
 mod metadata;
 
 pub use agent::{AgentOptions, LoopbackAgent};
 pub use fabric::Fabric;
-pub use faults::{FaultCounts, Faults};
 
 use std::sync::{Mutex, MutexGuard};
 

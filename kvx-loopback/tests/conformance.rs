@@ -1,62 +1,73 @@
 //! kvx-loopback runs the whole conformance suite, one `#[test]` per check: with explicit progress,
 //! through `dyn TransferAgent`, with background progress threads, and with its two agents on two
-//! clones of one fabric. Every configuration can make a transfer fail (an injected fault).
+//! clones of one fabric. The agents are in kvx-testkit's chaos layer (without faults, it must
+//! change nothing the suite sees), so every configuration can make a transfer fail (an injected
+//! fault).
 #![allow(clippy::unwrap_used)] // Test setup: a failed unwrap is a failed test.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use kvx_core::{Result, TransferAgent};
-use kvx_loopback::{AgentOptions, Fabric, Faults, LoopbackAgent};
+use kvx_loopback::{AgentOptions, Fabric, LoopbackAgent};
+use kvx_testkit::chaos::{Chaos, ChaosNet, Faults};
 use kvx_testkit::conformance::{Dyn, Harness};
 
-/// Two loopback agents. `drive`: whether the suite's progress calls drive them (with progress
+/// Two loopback agents, each in the chaos layer. `drive`: whether the suite's progress calls drive them (with progress
 /// threads they need not: every transfer the suite sees complete was then performed by the
 /// initiator's thread).
 #[derive(Debug)]
 struct Loopback {
-    initiator: LoopbackAgent,
-    target: LoopbackAgent,
+    initiator: Chaos<LoopbackAgent>,
+    target: Chaos<LoopbackAgent>,
     drive: bool,
+}
+
+fn chaos(net: &ChaosNet, agent: LoopbackAgent) -> Chaos<LoopbackAgent> {
+    Chaos::new(Arc::new(agent), net)
 }
 
 impl Loopback {
     fn explicit() -> Self {
-        let fabric = Fabric::new();
+        let (fabric, net) = (Fabric::new(), ChaosNet::new());
         Loopback {
-            initiator: fabric.agent("decode").unwrap(),
-            target: fabric.agent("prefill").unwrap(),
+            initiator: chaos(&net, fabric.agent("decode").unwrap()),
+            target: chaos(&net, fabric.agent("prefill").unwrap()),
             drive: true,
         }
     }
 
     fn threads() -> Self {
-        let fabric = Fabric::new();
-        let options = AgentOptions::progress_thread(Duration::from_micros(100));
+        let (fabric, net) = (Fabric::new(), ChaosNet::new());
+        let options = AgentOptions::progress_thread();
         let h = Loopback {
-            initiator: fabric.agent_with("decode", options.clone()).unwrap(),
-            target: fabric.agent_with("prefill", options).unwrap(),
+            initiator: chaos(&net, fabric.agent_with("decode", options.clone()).unwrap()),
+            target: chaos(&net, fabric.agent_with("prefill", options).unwrap()),
             drive: false,
         };
-        assert!(h.initiator.has_progress_thread());
+        assert!(h.initiator.inner().has_progress_thread());
         h
     }
 
     /// Agents on two clones of one fabric: the same network.
     fn fabric_clones() -> Self {
-        let fabric = Fabric::new();
+        let (fabric, net) = (Fabric::new(), ChaosNet::new());
         let other = fabric.clone();
-        Loopback { initiator: fabric.agent("a").unwrap(), target: other.agent("b").unwrap(), drive: true }
+        Loopback {
+            initiator: chaos(&net, fabric.agent("a").unwrap()),
+            target: chaos(&net, other.agent("b").unwrap()),
+            drive: true,
+        }
     }
 }
 
 impl Harness for Loopback {
-    type Agent = LoopbackAgent;
+    type Agent = Chaos<LoopbackAgent>;
 
-    fn initiator(&self) -> &LoopbackAgent {
+    fn initiator(&self) -> &Chaos<LoopbackAgent> {
         &self.initiator
     }
 
-    fn target(&self) -> &LoopbackAgent {
+    fn target(&self) -> &Chaos<LoopbackAgent> {
         &self.target
     }
 

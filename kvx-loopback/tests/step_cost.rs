@@ -6,100 +6,18 @@
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use kvx_core::testing::Recording;
 use kvx_core::{
-    AgentName, BlockList, Capabilities, ConnectorMetadata, ConnectorWorker, DlistId, DlistOwner, GroupBlocks,
-    HexBytes, HostMemory, KvMemory, LayerCache, Notification, PeerLocator, RecvRequest, RegistrationId,
-    RemoteCoordinates, Result, TransferAgent, WorkerCommand, WorkerConfig, XferId, XferOp, XferState,
+    ConnectorMetadata, ConnectorWorker, GroupBlocks, HexBytes, HostMemory, LayerCache, PeerLocator,
+    RecvRequest, RemoteCoordinates, TransferAgent, WorkerCommand, WorkerConfig,
 };
-use kvx_loopback::{Fabric, Faults, LoopbackAgent};
+use kvx_loopback::Fabric;
+use kvx_testkit::chaos::{Chaos, ChaosNet, Faults};
 
 const LOADS: usize = 20_000;
 const BLOCKS: u64 = 8;
-
-/// A loopback agent that counts the calls that poll a transfer or drive progress.
-#[derive(Debug)]
-struct Counting {
-    inner: LoopbackAgent,
-    polls: AtomicU64,
-    /// `progress`, `drain_completions` and `drain_notifications`: one loopback pass each.
-    passes: AtomicU64,
-}
-
-impl Counting {
-    fn counts(&self) -> (u64, u64) {
-        (self.polls.load(Ordering::Relaxed), self.passes.load(Ordering::Relaxed))
-    }
-
-    fn pass(&self) {
-        self.passes.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl TransferAgent for Counting {
-    fn name(&self) -> &AgentName {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn register(&self, memory: Arc<dyn KvMemory>) -> Result<RegistrationId> {
-        self.inner.register(memory)
-    }
-    fn deregister(&self, registration: RegistrationId) -> Result<()> {
-        self.inner.deregister(registration)
-    }
-    fn local_metadata(&self) -> Result<Vec<u8>> {
-        self.inner.local_metadata()
-    }
-    fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
-        self.inner.load_remote(metadata)
-    }
-    fn forget_remote(&self, agent: &AgentName) -> Result<()> {
-        self.inner.forget_remote(agent)
-    }
-    fn prep_dlist(&self, owner: &DlistOwner, blocks: &BlockList) -> Result<DlistId> {
-        self.inner.prep_dlist(owner, blocks)
-    }
-    fn release_dlist(&self, dlist: DlistId) -> Result<()> {
-        self.inner.release_dlist(dlist)
-    }
-    fn post(
-        &self,
-        op: XferOp,
-        local: DlistId,
-        local_descs: &[u32],
-        remote: DlistId,
-        remote_descs: &[u32],
-        notify: Option<&[u8]>,
-    ) -> Result<XferId> {
-        self.inner.post(op, local, local_descs, remote, remote_descs, notify)
-    }
-    fn poll(&self, xfer: XferId) -> Result<XferState> {
-        self.polls.fetch_add(1, Ordering::Relaxed);
-        self.inner.poll(xfer)
-    }
-    fn drain_completions(&self, out: &mut Vec<XferId>) -> Result<()> {
-        self.pass();
-        self.inner.drain_completions(out)
-    }
-    fn release(&self, xfer: XferId) -> Result<()> {
-        self.inner.release(xfer)
-    }
-    fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
-        self.inner.notify(agent, msg)
-    }
-    fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
-        self.pass();
-        self.inner.drain_notifications(out)
-    }
-    fn progress(&self) -> Result<()> {
-        self.pass();
-        self.inner.progress()
-    }
-}
 
 fn coordinates(engine: &str) -> RemoteCoordinates {
     RemoteCoordinates::at(engine, "in-process", 5600)
@@ -137,11 +55,12 @@ fn load(i: usize) -> RecvRequest {
 fn a_step_costs_what_completed() {
     let fabric = Fabric::new();
     let (_prefill, prefill_payload) = worker("prefill", Arc::new(fabric.agent("prefill-0").unwrap()));
-    let inner = fabric.agent("decode-0").unwrap();
+    let inner = Chaos::new(Arc::new(fabric.agent("decode-0").unwrap()), &ChaosNet::new());
     // Every READ stays pending through 4 passes: two steps of the worker (each drains the
     // notifications and the completions once).
     inner.set_faults(Faults::none().delay_completion(4)).unwrap();
-    let agent = Arc::new(Counting { inner, polls: AtomicU64::new(0), passes: AtomicU64::new(0) });
+    // The agent counts the calls that poll a transfer or drive progress.
+    let agent = Arc::new(Recording::new(Arc::new(inner)));
     let (mut decode, _) = worker("decode", agent.clone());
     let now = Instant::now();
     let reqs_to_recv = (0..LOADS).map(load).collect();
@@ -153,11 +72,11 @@ fn a_step_costs_what_completed() {
     assert_eq!((decode.stats().reads_posted, decode.num_in_flight()), (LOADS as u64, LOADS));
 
     let step = |decode: &mut ConnectorWorker| {
-        let before = agent.counts();
+        let before = agent.calls();
         let f = decode.get_finished(now);
         assert!(f.failed_recving.is_empty(), "{:?}", f.failed_recving.first());
-        let after = agent.counts();
-        (after.0 - before.0, after.1 - before.1)
+        let after = agent.calls();
+        (after.polls - before.polls, after.passes - before.passes)
     };
     // (polls, passes) of each step: nothing is polled while nothing completed, all 20 000 READs
     // once in the step they complete, none after; every step two passes, whatever is in flight.

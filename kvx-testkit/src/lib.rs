@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod baseline;
+pub mod chaos;
 pub mod child;
 pub mod conformance;
 pub mod etcd;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvx_core::{ErrorKind, FinishReason, RequestId};
-use kvx_loopback::Faults;
+use kvx_testkit::chaos::Faults;
 use kvx_testkit::matrix::assert_failed;
 use kvx_testkit::sim::{Cluster, EngineConfig, ModelSpec, RequestState, SideChannel, SimEngine};
 use rand::rngs::StdRng;

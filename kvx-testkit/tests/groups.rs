@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use kvx_core::{FinishReason, GroupBlocks, RequestId};
-use kvx_loopback::Faults;
+use kvx_testkit::chaos::Faults;
 use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, LoadFailurePolicy, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -16,7 +16,7 @@ mod common;
 
 use common::*;
 use kvx_core::{ErrorKind, FinishReason};
-use kvx_loopback::Faults;
+use kvx_testkit::chaos::Faults;
 use kvx_testkit::matrix::{assert_failed, step_until};
 use kvx_testkit::sim::{EngineConfig, HeadLayout, ModelSpec, RequestState};
 use rand::rngs::StdRng;

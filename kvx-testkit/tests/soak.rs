@@ -39,7 +39,7 @@ fn without_faults_every_request_finishes() {
 fn two_thousand_requests_under_every_fault_end_cleanly_and_replay_exactly() {
     let config = SoakConfig::new(2000, 1);
     let r = clean(&config);
-    let (f, h) = (&r.faults.fabric, &r.faults.handshakes);
+    let (f, h) = (&r.faults.transport, &r.faults.handshakes);
     for (what, n) in [
         ("failed READ", f.transfers_failed),
         ("late READ", f.transfers_delayed),

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use kvx_core::{ErrorKind, FinishReason, RequestId};
-use kvx_loopback::Faults;
+use kvx_testkit::chaos::Faults;
 use kvx_testkit::matrix::assert_failed;
 use kvx_testkit::sim::{Cluster, EngineConfig, EngineStats, RequestState, SimEngine};
 use rand::rngs::StdRng;

@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvx_core::post::{BlockPostRequest, DlistView};
+use kvx_core::testing::NoopAgent;
 use kvx_core::{
-    AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, HostMemory, KvMemory, Notification,
-    PostRequest, RegionBlocks, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    AgentName, BlockList, BlockPost, DlistId, DlistOwner, HostMemory, KvMemory, PostRequest, RegionBlocks,
+    TransferAgent, XferId, XferOp, XferState,
 };
 use kvx_loopback::Fabric;
 use kvx_ucx::UcxAgent;
@@ -197,101 +198,12 @@ fn ucx(c: &mut Criterion) {
     bench_agent(c, "ucx", &ini, &lists, settle);
 }
 
-/// An agent that does nothing: the numbering (or naming) of the blocks is all a post costs.
-#[derive(Debug)]
-struct NoOp(AgentName);
-
-impl TransferAgent for NoOp {
-    fn name(&self) -> &AgentName {
-        &self.0
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "noop",
-            dram: true,
-            vram: false,
-            read: true,
-            write: true,
-            notifications: true,
-        }
-    }
-
-    fn register(&self, _: Arc<dyn KvMemory>) -> Result<RegistrationId> {
-        Ok(RegistrationId(0))
-    }
-
-    fn deregister(&self, _: RegistrationId) -> Result<()> {
-        Ok(())
-    }
-
-    fn local_metadata(&self) -> Result<Vec<u8>> {
-        Ok(Vec::new())
-    }
-
-    fn load_remote(&self, _: &[u8]) -> Result<AgentName> {
-        Ok(AgentName::new("peer"))
-    }
-
-    fn forget_remote(&self, _: &AgentName) -> Result<()> {
-        Ok(())
-    }
-
-    fn prep_dlist(&self, owner: &DlistOwner, _: &BlockList) -> Result<DlistId> {
-        Ok(DlistId(u64::from(matches!(owner, DlistOwner::Remote(_)))))
-    }
-
-    fn release_dlist(&self, _: DlistId) -> Result<()> {
-        Ok(())
-    }
-
-    fn post(
-        &self,
-        _: XferOp,
-        _: DlistId,
-        l: &[u32],
-        _: DlistId,
-        r: &[u32],
-        _: Option<&[u8]>,
-    ) -> Result<XferId> {
-        Ok(XferId(black_box(l.len() + r.len()) as u64))
-    }
-
-    fn post_blocks(
-        &self,
-        _: XferOp,
-        _: DlistId,
-        _: DlistId,
-        blocks: &BlockPost<'_>,
-        _: Option<&[u8]>,
-    ) -> Result<XferId> {
-        Ok(XferId(black_box(blocks.local_blocks.len()) as u64))
-    }
-
-    fn poll(&self, _: XferId) -> Result<XferState> {
-        Ok(XferState::Done)
-    }
-
-    fn drain_completions(&self, _: &mut Vec<XferId>) -> Result<()> {
-        Ok(())
-    }
-
-    fn release(&self, _: XferId) -> Result<()> {
-        Ok(())
-    }
-
-    fn notify(&self, _: &AgentName, _: &[u8]) -> Result<()> {
-        Ok(())
-    }
-
-    fn drain_notifications(&self, _: &mut Vec<Notification>) -> Result<()> {
-        Ok(())
-    }
-}
-
+/// An agent that does nothing (`kvx_core::testing::NoopAgent`): the numbering (or naming) of the
+/// blocks is all a post costs.
 fn noop(c: &mut Criterion) {
-    let agent = NoOp(AgentName::new("noop"));
-    let lists = Lists { local: DlistId(0), remote: DlistId(1) };
+    let (agent, peer) = (NoopAgent::new("noop"), NoopAgent::new("peer"));
+    let mem = || -> Arc<dyn KvMemory> { Arc::new(HostMemory::new(pool_len()).unwrap()) };
+    let lists = connect(&agent, &peer, mem(), mem());
     bench_agent(c, "noop", &agent, &lists, |_| {});
 }
 
@@ -310,7 +222,7 @@ impl CoreLists {
 
 /// kvx-core's checks alone, on the lists the agents above hold.
 fn core_check(c: &mut Criterion) {
-    let caps = NoOp(AgentName::new("noop")).capabilities();
+    let caps = NoopAgent::new("noop").capabilities();
     let (ini, tgt) = (HostMemory::new(pool_len()).unwrap(), HostMemory::new(pool_len()).unwrap());
     let core = CoreLists {
         owners: [DlistOwner::Local, DlistOwner::Remote(AgentName::new("peer"))],

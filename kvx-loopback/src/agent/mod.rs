@@ -1,9 +1,9 @@
 //! [`LoopbackAgent`]: a [`TransferAgent`] whose transport is a memcpy between agents of one
 //! [`Fabric`](crate::Fabric).
 //!
-//! Locking: an agent's `state`, its `inbox`, its `faults`, the fabric's table and the fabric's
-//! faults are separate mutexes. A thread holds at most one agent's `state` at a time (a progress
-//! pass releases its own before taking a peer's), and takes a faults or inbox lock only briefly,
+//! Locking: an agent's `state`, its `inbox` and the fabric's table are separate mutexes. A thread
+//! holds at most one agent's `state` at a time (a progress pass releases its own before taking a
+//! peer's), and takes an inbox lock only briefly,
 //! never while holding a peer's lock: no lock-order cycle, so no deadlock, also with two agents
 //! transferring to each other from two threads.
 //!
@@ -11,12 +11,10 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvx_core::{Capabilities, Error, ErrorKind, Result};
 
-use crate::faults::Faults;
-use crate::{BACKEND, lock};
+use crate::BACKEND;
 
 mod progress;
 mod shared;
@@ -32,7 +30,7 @@ const CAPABILITIES: Capabilities =
 /// How an agent is progressed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AgentOptions {
-    progress_thread: Option<Duration>,
+    progress_thread: bool,
 }
 
 impl AgentOptions {
@@ -40,15 +38,14 @@ impl AgentOptions {
     /// `drain_completions` and `drain_notifications`, one pass per call (`poll` is a lookup).
     /// Deterministic.
     pub fn explicit() -> Self {
-        AgentOptions { progress_thread: None }
+        AgentOptions { progress_thread: false }
     }
 
-    /// A background thread performs the transfers: it runs a pass as soon as a transfer is posted
-    /// and, while delayed transfers wait, every `retry` (bounded below by 10 µs). `progress`,
-    /// `drain_completions` and `drain_notifications` then only wake it. The thread is stopped and joined when the
-    /// agent is dropped.
-    pub fn progress_thread(retry: Duration) -> Self {
-        AgentOptions { progress_thread: Some(retry.max(Duration::from_micros(10))) }
+    /// A background thread performs the transfers: it runs a pass as soon as a transfer is
+    /// posted. `progress`, `drain_completions` and `drain_notifications` then only wake it. The
+    /// thread is stopped and joined when the agent is dropped.
+    pub fn progress_thread() -> Self {
+        AgentOptions { progress_thread: true }
     }
 }
 
@@ -56,7 +53,7 @@ impl AgentOptions {
 /// the registered memory of two agents of one [`Fabric`](crate::Fabric).
 ///
 /// Create it with [`Fabric::agent`](crate::Fabric::agent). See the crate documentation for the
-/// progress model and [`Faults`] for fault injection.
+/// progress model.
 ///
 /// [`TransferAgent`]: kvx_core::TransferAgent
 pub struct LoopbackAgent {
@@ -71,18 +68,9 @@ fn err(kind: ErrorKind, msg: impl Into<String>) -> Error {
 
 impl LoopbackAgent {
     pub(crate) fn start(shared: Arc<AgentShared>, options: AgentOptions) -> Result<Self> {
-        let thread = match options.progress_thread {
-            Some(retry) => Some(ProgressThread::spawn(shared.clone(), retry)?),
-            None => None,
-        };
+        let thread =
+            if options.progress_thread { Some(ProgressThread::spawn(shared.clone())?) } else { None };
         Ok(LoopbackAgent { thread, shared })
-    }
-
-    /// Sets faults for this agent, replacing earlier ones and restarting their counts.
-    /// [`Faults::none`] clears them.
-    pub fn set_faults(&self, faults: Faults) -> Result<()> {
-        lock(&self.shared.faults, "agent faults")?.set(faults);
-        Ok(())
     }
 
     /// Whether a background thread progresses this agent.
@@ -94,7 +82,7 @@ impl LoopbackAgent {
     fn drive(&self) -> Result<()> {
         match &self.thread {
             Some(t) => t.wake(),
-            None => self.shared.pass().map(|_| ()),
+            None => self.shared.pass(),
         }
     }
 

@@ -34,12 +34,12 @@ pub(super) struct WakeFlags {
 pub(super) const IDLE_WAIT: Duration = Duration::from_millis(100);
 
 impl ProgressThread {
-    pub(super) fn spawn(shared: Arc<AgentShared>, retry: Duration) -> Result<Self> {
+    pub(super) fn spawn(shared: Arc<AgentShared>) -> Result<Self> {
         let wake = Arc::new(Wake::default());
         let thread_wake = wake.clone();
         let handle = std::thread::Builder::new()
             .name(format!("kvx-loopback-{}", shared.name))
-            .spawn(move || progress_loop(&shared, &thread_wake, retry))
+            .spawn(move || progress_loop(&shared, &thread_wake))
             .map_err(|e| err(ErrorKind::Io, format!("spawning the progress thread: {e}")).with_source(e))?;
         Ok(ProgressThread { wake, handle: Some(handle) })
     }
@@ -51,14 +51,12 @@ impl ProgressThread {
     }
 }
 
-pub(super) fn progress_loop(shared: &AgentShared, wake: &Wake, retry: Duration) {
-    let mut queued = 0;
+pub(super) fn progress_loop(shared: &AgentShared, wake: &Wake) {
     loop {
         {
             let Ok(mut flags) = wake.flags.lock() else { return };
             if !flags.stop && !flags.kicked {
-                let wait = if queued > 0 { retry } else { IDLE_WAIT };
-                flags = match wake.cv.wait_timeout(flags, wait) {
+                flags = match wake.cv.wait_timeout(flags, IDLE_WAIT) {
                     Ok((flags, _)) => flags,
                     Err(_) => return,
                 };
@@ -69,7 +67,7 @@ pub(super) fn progress_loop(shared: &AgentShared, wake: &Wake, retry: Duration) 
             flags.kicked = false;
         }
         match shared.pass() {
-            Ok(n) => queued = n,
+            Ok(()) => {}
             Err(e) => {
                 // Only a poisoned lock fails a pass, and it stays poisoned: stop rather than spin.
                 tracing::error!(agent = %shared.name, error = %e, "loopback progress thread stops");

@@ -1,10 +1,9 @@
-//! The part of an agent that its peers and its progress thread reach ([`AgentShared`]): its state,
-//! inbox and faults, and the progress pass that runs its transfers.
+//! The part of an agent that its peers and its progress thread reach ([`AgentShared`]): its state
+//! and inbox, and the progress pass that runs its transfers.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use kvx_core::post::{BlockRuns, DlistView};
 use kvx_core::{
@@ -13,7 +12,6 @@ use kvx_core::{
 
 use crate::copy::{Pinned, PinnedSet, copy_checked};
 use crate::fabric::FabricInner;
-use crate::faults::{FaultPlan, message_key, stray_message};
 use crate::lock;
 use crate::metadata::RemoteRegion;
 
@@ -25,16 +23,8 @@ pub(crate) struct AgentShared {
     pub(super) instance: u64,
     pub(super) fabric: Arc<FabricInner>,
     pub(super) state: Mutex<AgentState>,
-    pub(super) inbox: Mutex<Inbox>,
-    pub(super) faults: Mutex<FaultPlan>,
-}
-
-/// Notifications that reached an agent: ready to drain, or delayed by a fault until a time of
-/// the fabric's clock (with their event key, which orders those due at the same time).
-#[derive(Debug, Default)]
-pub(super) struct Inbox {
-    pub(super) ready: Vec<Notification>,
-    pub(super) delayed: Vec<(Instant, u64, Notification)>,
+    /// Notifications that reached the agent, in arrival order.
+    pub(super) inbox: Mutex<Vec<Notification>>,
 }
 
 #[derive(Debug, Default)]
@@ -87,12 +77,8 @@ pub(super) struct Xfer {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Stage {
-    /// Waiting for a progress pass; it is skipped while `passes_left > 0` or the fabric's clock
-    /// is before `not_before`.
-    Queued {
-        passes_left: u32,
-        not_before: Option<Instant>,
-    },
+    /// Waiting for a progress pass.
+    Queued,
     /// A pass has taken the job and is copying.
     Copying,
     Done,
@@ -132,8 +118,6 @@ pub(super) struct Job {
     /// What to copy.
     pub(super) copies: Copies,
     pub(super) notify: Option<Vec<u8>>,
-    /// Injected failure: what the fault says.
-    pub(super) fail: Option<String>,
 }
 
 impl AgentShared {
@@ -143,8 +127,7 @@ impl AgentShared {
             instance,
             fabric,
             state: Mutex::new(AgentState::default()),
-            inbox: Mutex::new(Inbox::default()),
-            faults: Mutex::new(FaultPlan::default()),
+            inbox: Mutex::new(Vec::new()),
         }
     }
 
@@ -152,39 +135,24 @@ impl AgentShared {
         lock(&self.state, "agent state")
     }
 
-    pub(super) fn refuses_handshakes(&self) -> Result<bool> {
-        Ok(lock(&self.faults, "agent faults")?.refuses_handshakes())
-    }
-
-    /// One progress pass: runs every queued transfer whose delay is over, and queues the ids of
-    /// those that ended for `drain_completions`. Looks at the queued transfers only, so its cost
-    /// is linear in them. Returns how many transfers are still queued (delayed) afterwards.
-    pub(super) fn pass(&self) -> Result<usize> {
-        let (jobs, still_queued) = {
-            let now = self.fabric.clock.now();
+    /// One progress pass: runs every queued transfer, and queues the ids of those that ended for
+    /// `drain_completions`. Looks at the queued transfers only, so its cost is linear in them.
+    pub(super) fn pass(&self) -> Result<()> {
+        let jobs = {
             let mut st = self.state()?;
             let AgentState { xfers, queued, .. } = &mut *st;
             let mut jobs = Vec::new();
-            queued.retain(|id| {
-                let Some(xfer) = xfers.get_mut(id) else { return false };
-                let Stage::Queued { passes_left, not_before } = &mut xfer.stage else { return false };
-                if *passes_left > 0 {
-                    *passes_left -= 1;
-                    true
-                } else if not_before.is_some_and(|t| t > now) {
-                    true
-                } else if let Some(job) = xfer.job.take() {
+            for id in std::mem::take(queued) {
+                let Some(xfer) = xfers.get_mut(&id).filter(|x| x.stage == Stage::Queued) else { continue };
+                if let Some(job) = xfer.job.take() {
                     xfer.stage = Stage::Copying;
-                    jobs.push((*id, job));
-                    false
-                } else {
-                    false
+                    jobs.push((id, job));
                 }
-            });
-            (jobs, queued.len())
+            }
+            jobs
         };
         if jobs.is_empty() {
-            return Ok(still_queued);
+            return Ok(());
         }
         // Each job, and with it its hold on the local memory, is dropped once it has run.
         let outcomes: Vec<(u64, Stage)> = jobs.into_iter().map(|(id, job)| (id, self.run(job))).collect();
@@ -202,16 +170,13 @@ impl AgentShared {
             let AgentState { xfers, completed, .. } = &mut *st;
             completed.retain(|id| xfers.contains_key(id));
         }
-        Ok(still_queued)
+        Ok(())
     }
 
     /// Performs one transfer: checks that the peer still serves the remote blocks, copies every
     /// block, then delivers the notification. Holds no lock of this agent.
     pub(super) fn run(&self, job: Job) -> Stage {
         let failed = |msg: String| Stage::Failed(err(ErrorKind::Transfer, msg));
-        if let Some(reason) = job.fail {
-            return failed(reason);
-        }
         let peer = match self.fabric.lookup(&job.peer, job.peer_instance) {
             Ok(Some(peer)) => peer,
             Ok(None) => return failed(format!("peer {} is gone (dropped or restarted)", job.peer)),
@@ -249,54 +214,10 @@ impl AgentShared {
         Stage::Done
     }
 
-    /// Puts a notification from this agent into `peer`'s inbox, as the faults say.
+    /// Puts a notification from this agent into `peer`'s inbox.
     pub(super) fn deliver(&self, peer: &AgentShared, msg: Vec<u8>) -> Result<()> {
-        let key = message_key(self.name.as_str(), peer.name.as_str(), &msg);
-        let mine = lock(&self.faults, "agent faults")?.next_notification(key);
-        let fabric = lock(&self.fabric.faults, "fabric faults")?.next_notification(key);
-        let delivery = mine.combine(fabric);
-        lock(&self.fabric.injected, "fabric fault counts")?.count_delivery(&delivery);
-        if delivery.copies == 0 {
-            tracing::debug!(from = %self.name, to = %peer.name, "loopback: injected fault drops a notification");
-        }
-        let stray = delivery.stray.map(|seed| stray_message(seed, &msg));
-        let due = (!delivery.delay.is_zero()).then(|| self.fabric.clock.now() + delivery.delay);
-        let mut inbox = lock(&peer.inbox, "agent inbox")?;
-        for _ in 0..delivery.copies {
-            let n = Notification { from: self.name.clone(), msg: msg.clone() };
-            match due {
-                Some(due) => inbox.delayed.push((due, key, n)),
-                None => inbox.ready.push(n),
-            }
-        }
-        if let Some(stray) = stray {
-            inbox.ready.push(Notification { from: self.name.clone(), msg: stray });
-        }
+        lock(&peer.inbox, "agent inbox")?.push(Notification { from: self.name.clone(), msg });
         Ok(())
-    }
-
-    /// When this agent next has something to do: `now` for a transfer a pass would run or a
-    /// notification to drain, else the earliest time a delayed one is due.
-    pub(crate) fn next_event(&self, now: Instant) -> Result<Option<Instant>> {
-        let st = self.state()?;
-        let transfers = st
-            .queued
-            .iter()
-            .filter_map(|id| st.xfers.get(id))
-            .filter_map(|x| match x.stage {
-                Stage::Queued { passes_left: 0, not_before } => Some(not_before.unwrap_or(now).max(now)),
-                Stage::Queued { .. } => Some(now),
-                _ => None,
-            })
-            .min();
-        drop(st);
-        let inbox = lock(&self.inbox, "agent inbox")?;
-        let notifications = if inbox.ready.is_empty() {
-            inbox.delayed.iter().map(|(due, ..)| (*due).max(now)).min()
-        } else {
-            Some(now)
-        };
-        Ok(transfers.into_iter().chain(notifications).min())
     }
 }
 

@@ -12,7 +12,6 @@ use kvx_core::{
 };
 
 use crate::copy::{Pinned, PinnedSet};
-use crate::faults::{TransferFate, message_key};
 use crate::metadata::{AgentMetadata, RemoteRegion};
 use crate::{BACKEND, lock};
 
@@ -68,22 +67,13 @@ impl TransferAgent for LoopbackAgent {
 
     fn load_remote(&self, metadata: &[u8]) -> Result<AgentName> {
         let handshake = |msg: String| err(ErrorKind::Handshake, msg);
-        if self.shared.refuses_handshakes()?
-            || lock(&self.shared.fabric.faults, "fabric faults")?.refuses_handshakes()
-        {
-            return Err(handshake(format!("injected fault: {} refuses handshakes", self.shared.name)));
-        }
         let (name, md) = AgentMetadata::open(metadata)?;
         if md.fabric != self.shared.fabric.id {
             return Err(handshake(format!("agent {name} lives on another fabric: unreachable")));
         }
-        let peer = self.shared.fabric.lookup(&name, md.instance)?.ok_or_else(|| {
-            handshake(format!("agent {name} is gone (dropped or restarted): stale metadata"))
-        })?;
-        if peer.refuses_handshakes()? {
-            return Err(handshake(format!("injected fault: {name} refuses handshakes")));
+        if self.shared.fabric.lookup(&name, md.instance)?.is_none() {
+            return Err(handshake(format!("agent {name} is gone (dropped or restarted): stale metadata")));
         }
-        drop(peer);
         let mut st = self.shared.state()?;
         if st.remotes.contains_key(&name) {
             return Err(err(ErrorKind::State, format!("agent {name} is already loaded: forget it first")));
@@ -177,7 +167,7 @@ impl TransferAgent for LoopbackAgent {
         let x =
             st.xfers.get(&xfer.0).ok_or_else(|| err(ErrorKind::NotFound, format!("no transfer {xfer}")))?;
         Ok(match &x.stage {
-            Stage::Queued { .. } | Stage::Copying => XferState::Pending,
+            Stage::Queued | Stage::Copying => XferState::Pending,
             Stage::Done => XferState::Done,
             Stage::Failed(e) => XferState::Failed(e.clone()),
         })
@@ -222,16 +212,7 @@ impl TransferAgent for LoopbackAgent {
 
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
         self.drive()?;
-        let mut inbox = lock(&self.shared.inbox, "agent inbox")?;
-        out.append(&mut inbox.ready);
-        if !inbox.delayed.is_empty() {
-            let now = self.shared.fabric.clock.now();
-            let (mut due, later): (Vec<_>, Vec<_>) =
-                std::mem::take(&mut inbox.delayed).into_iter().partition(|(t, ..)| *t <= now);
-            inbox.delayed = later;
-            due.sort_by_key(|(t, key, _)| (*t, *key));
-            out.extend(due.into_iter().map(|(.., n)| n));
-        }
+        out.append(&mut *lock(&self.shared.inbox, "agent inbox")?);
         Ok(())
     }
 
@@ -241,8 +222,8 @@ impl TransferAgent for LoopbackAgent {
 }
 
 impl LoopbackAgent {
-    /// Queues a checked transfer: pins the local registrations `used`, draws its faults, and
-    /// wakes the progress thread.
+    /// Queues a checked transfer: pins the local registrations `used`, and wakes the progress
+    /// thread.
     fn queue(
         &self,
         mut st: MutexGuard<'_, AgentState>,
@@ -263,15 +244,6 @@ impl LoopbackAgent {
             .filter_map(|id| st.registrations.get(id))
             .map(|r| Pinned { region: r.region, memory: r.memory.clone() })
             .collect();
-        // Everything is valid: count the transfer for the faults and queue it. Its notification
-        // names it for the seeded faults.
-        let key = notify.map(|m| message_key(self.shared.name.as_str(), peer.as_str(), m));
-        let mine = lock(&self.shared.faults, "agent faults")?.next_transfer(key);
-        let fabric = lock(&self.shared.fabric.faults, "fabric faults")?.next_transfer(key);
-        let fate = mine.combine(fabric);
-        lock(&self.shared.fabric.injected, "fabric fault counts")?.count_transfer(&fate);
-        let TransferFate { fail, delay_passes, delay } = fate;
-        let not_before = (!delay.is_zero()).then(|| self.shared.fabric.clock.now() + delay);
         let job = Job {
             op,
             peer,
@@ -279,13 +251,9 @@ impl LoopbackAgent {
             local: PinnedSet::new(pinned),
             copies,
             notify: notify.map(<[u8]>::to_vec),
-            fail,
         };
         let id = Self::next_id(&mut st);
-        st.xfers.insert(
-            id,
-            Xfer { stage: Stage::Queued { passes_left: delay_passes, not_before }, job: Some(job) },
-        );
+        st.xfers.insert(id, Xfer { stage: Stage::Queued, job: Some(job) });
         st.queued.insert(id);
         drop(st);
         if let Some(t) = &self.thread {

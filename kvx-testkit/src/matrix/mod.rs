@@ -1,5 +1,6 @@
-//! The fault matrix: every fault that can be injected without transport hooks, run end to end on
-//! any backend.
+//! The fault matrix: every fault the connector must survive, run end to end on any backend: those
+//! injected through the engines, the client or the engines' lifetimes, and those inside the
+//! transport, injected by the [`Chaos`](crate::chaos::Chaos) layer over the backend.
 //!
 //! Each case is a plain function over a [`Matrix`] (a [`SimBackend`] and the tensor-parallel size
 //! to run it at): it builds its own [`Cluster`] (a prefill and a decode [`SimEngine`] on
@@ -285,8 +286,10 @@ pub fn add_to_decode(c: &mut Cluster, (rid, prompt, max_new_tokens, params): Cli
 }
 
 mod cases;
+mod injected;
 
 pub use cases::*;
+pub use injected::*;
 
 /// The names of the cases, in the order [`fault_matrix!`](crate::fault_matrix) runs them.
 pub const CASES: &[&str] = &[
@@ -305,6 +308,10 @@ pub const CASES: &[&str] = &[
     "abort_on_prefill",
     "duplicate_offer",
     "replayed_offer",
+    "lost_answer",
+    "lost_release",
+    "doubled_release",
+    "unreachable_answer_path",
 ];
 
 /// One `#[test]` per case of the matrix ([`CASES`]), named after the case. `$setup` is called
@@ -348,6 +355,10 @@ macro_rules! fault_matrix {
         __kvx_fault_matrix_case!(abort_on_prefill);
         __kvx_fault_matrix_case!(duplicate_offer);
         __kvx_fault_matrix_case!(replayed_offer);
+        __kvx_fault_matrix_case!(lost_answer);
+        __kvx_fault_matrix_case!(lost_release);
+        __kvx_fault_matrix_case!(doubled_release);
+        __kvx_fault_matrix_case!(unreachable_answer_path);
 
         #[test]
         fn fault_matrix_runs_every_case() {
@@ -356,7 +367,8 @@ macro_rules! fault_matrix {
                 "prefill_restart_unnamed_instance", "prefill_restart_is_safe", "decode_restart",
                 "out_of_range_read", "layout_refusal", "abort_queued_on_decode",
                 "abort_before_the_read", "abort_during_read", "abort_running", "abort_on_prefill",
-                "duplicate_offer", "replayed_offer",
+                "duplicate_offer", "replayed_offer", "lost_answer", "lost_release",
+                "doubled_release", "unreachable_answer_path",
             ];
             assert_eq!(listed, $crate::matrix::CASES, "fault_matrix! and matrix::CASES differ");
         }

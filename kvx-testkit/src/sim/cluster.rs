@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{Clock, Error, ErrorKind, ManualClock, RequestId, Result, TransferParams};
-use kvx_loopback::Fabric;
 use kvx_net::Handshakes;
 
 use super::config::{EngineConfig, RequestState};
 use super::engine::SimEngine;
 use super::side_channel::InProcessSideChannels;
+use crate::chaos::ChaosNet;
 
 /// A request a client hands the decode engine: id, prompt, tokens to generate, params.
 pub type ClientRequest = (RequestId, Vec<u32>, usize, TransferParams);
@@ -20,8 +20,8 @@ pub type ClientRequest = (RequestId, Vec<u32>, usize, TransferParams);
 /// requests it submits instead (for tests of hostile clients: forged, replayed or edited params).
 pub type ClientHook = Box<dyn FnMut(ClientRequest) -> Vec<ClientRequest> + Send>;
 
-/// When something outside the engines happens next on a [`SimTime`]'s clock (the loopback
-/// fabric's delayed transfers and notifications, an in-process side channel's late answers);
+/// When something outside the engines happens next on a [`SimTime`]'s clock (a chaos net's
+/// transfers in flight and late notifications, an in-process side channel's late answers);
 /// `None` when nothing waits.
 pub type NextEvent = Arc<dyn Fn() -> Result<Option<Instant>> + Send + Sync>;
 
@@ -31,10 +31,12 @@ pub type NextEvent = Arc<dyn Fn() -> Result<Option<Instant>> + Send + Sync>;
 /// deadline of an engine or event, so a lease or a timeout is waited out in steps, not in wall
 /// time.
 ///
-/// Only for engines whose network work is done on the step thread, in the clock's time: the
-/// loopback backend on a fabric of this clock, in-process side channels, and
-/// [`Handshakes::OnStepThread`](kvx_net::Handshakes). Over a real transport or TCP side
-/// channels, simulated time would pass while a transfer or a handshake is still on its way.
+/// Only for engines whose handshakes are done on the step thread, in the clock's time: in-process
+/// side channels and [`Handshakes::OnStepThread`](kvx_net::Handshakes). Over TCP side channels,
+/// simulated time would pass while a handshake is still on its way. Transfers may use a real
+/// transport: time is real for the transfer itself, and while one is in flight an engine is busy
+/// (and a [`ChaosNet`] reports it), so the clock moves a step at a time then, never jumping past
+/// its completion.
 #[derive(Clone)]
 pub struct SimTime {
     clock: ManualClock,
@@ -57,18 +59,13 @@ impl SimTime {
         self
     }
 
-    /// Time for engines on the loopback `fabric` of `clock` and the in-process side channels
-    /// `net`, `step` per cluster step: never moved past the fabric's delayed transfers and
-    /// notifications or the side channels' late answers.
-    pub fn loopback(
-        clock: ManualClock,
-        step: Duration,
-        fabric: &Fabric,
-        net: &InProcessSideChannels,
-    ) -> Self {
-        let (fabric, net) = (fabric.clone(), net.clone());
+    /// Time for engines whose agents are on `chaos` (a net of `clock`) and on the in-process side
+    /// channels `net`, `step` per cluster step: never moved past the transfers in flight and late
+    /// notifications of the net or the side channels' late answers.
+    pub fn chaos(clock: ManualClock, step: Duration, chaos: &ChaosNet, net: &InProcessSideChannels) -> Self {
+        let (chaos, net) = (chaos.clone(), net.clone());
         SimTime::new(clock, step)
-            .with_events(move || fabric.next_event())
+            .with_events(move || chaos.next_event())
             .with_events(move || net.next_event())
     }
 

@@ -1,19 +1,23 @@
-//! The deterministic fault soak: prefill and decode [`SimEngine`](crate::sim::SimEngine)s on the
-//! loopback backend, thousands of requests, and a seeded schedule of every fault the connector
-//! must survive; then the figures that must be zero.
+//! The deterministic fault soak: prefill and decode [`SimEngine`](crate::sim::SimEngine)s on any
+//! backend (loopback by default), thousands of requests, and a seeded schedule of every fault the
+//! connector must survive; then the figures that must be zero.
 //!
 //! Everything runs on one thread, in one order, on a [`ManualClock`](kvx_core::ManualClock): an
 //! engine step costs [`SoakConfig::step_time`] of simulated time, and when no engine has work the
 //! clock jumps to the next deadline (a lease, a handshake timeout, a late message), so a 30 s
 //! lease costs no wall time. Handshakes are polled on the step thread
 //! ([`Handshakes::OnStepThread`](kvx_net::Handshakes)), hold nonces are seeded, and the faults'
-//! fates are functions of the seed and of the event: the same seed gives the same run, and the
-//! same [`SoakReport::digest`].
+//! fates are functions of the seed and of the event: on loopback, the same seed gives the same
+//! run, and the same [`SoakReport::digest`]. Over a real transport ([`run_soak_on`]) time is real
+//! for the transfers themselves: a READ completes when the transport completes it, polled by the
+//! engines' steps, while leases and timeouts stay in simulated time (an engine with a READ in
+//! flight is busy, so the clock only moves a step at a time then). Such a run can differ from one
+//! replay to the next in what completes in which step, not in what must be zero.
 //!
 //! What the schedule injects (rates in [`FaultRates`]):
-//! - on the fabric (seeded [`Faults`](kvx_loopback::Faults)): failed and delayed READs; dropped,
-//!   duplicated and delayed notifications, and stray ones (garbage, an unknown request's
-//!   release, a forged nonce);
+//! - on every agent, by the [`Chaos`](crate::chaos::Chaos) layer (seeded
+//!   [`Faults`](crate::chaos::Faults)): failed and delayed READs; dropped, duplicated and delayed
+//!   notifications, and stray ones (garbage, an unknown request's release, a forged nonce);
 //! - on the side channel ([`HandshakeFaults`](crate::sim::HandshakeFaults)): refused, late and
 //!   unanswered handshakes;
 //! - per request: a client abort at a random time, so at every stage (waiting on the prefill
@@ -49,10 +53,11 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::{Clock, Result};
-use kvx_loopback::Faults;
+use kvx_core::{Clock, Result, TransferAgent};
+use kvx_loopback::Fabric;
 
-use crate::sim::{HandshakeFaults, ModelSpec};
+use crate::chaos::Faults;
+use crate::sim::{HandshakeFaults, ModelSpec, SimBackend};
 
 pub use report::{Aborts, InjectedFaults, Lost, ProtocolCounts, SoakReport};
 
@@ -175,8 +180,8 @@ pub struct FaultRates {
 }
 
 impl FaultRates {
-    /// The loopback fabric's faults at these rates, seeded with `seed`.
-    fn fabric(&self, seed: u64) -> Faults {
+    /// The [`Chaos`](crate::chaos::Chaos) layer's faults at these rates, seeded with `seed`.
+    fn transport(&self, seed: u64) -> Faults {
         Faults::none()
             .seed(seed)
             .transfer_failures(self.transfer_failure)
@@ -259,8 +264,19 @@ impl Default for FaultRates {
     }
 }
 
-/// Runs a soak and reports what happened. An `Err` means the soak could not run (an engine did
-/// not start); whatever went wrong inside the run is in the report.
+/// Runs a soak on the loopback backend and reports what happened. An `Err` means the soak could
+/// not run (an engine did not start); whatever went wrong inside the run is in the report.
 pub fn run_soak(config: &SoakConfig) -> Result<SoakReport> {
-    run::Soak::new(config)?.run()
+    let fabric = Fabric::new();
+    let backend = SimBackend::new(move |engine, rank| {
+        Ok(Arc::new(fabric.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
+    });
+    run_soak_on(config, &backend)
+}
+
+/// Runs a soak on `backend` (its agents wrapped in the [`Chaos`](crate::chaos::Chaos) layer) and
+/// reports what happened, as [`run_soak`]. The backend must let an engine's agents go when the
+/// engine is dropped (a restarted engine takes their names again).
+pub fn run_soak_on(config: &SoakConfig, backend: &SimBackend) -> Result<SoakReport> {
+    run::Soak::new(config, backend)?.run()
 }

@@ -3,10 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use kvx_core::{ErrorKind, WorkerStats};
-use kvx_loopback::FaultCounts;
-
+use crate::chaos::FaultCounts;
 use crate::sim::{HandshakeFaultCounts, SimEngine};
+use kvx_core::{ErrorKind, WorkerStats};
 
 /// Requests aborted by their client, by where they were.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -43,8 +42,8 @@ pub struct Lost {
 /// The faults a soak injected.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InjectedFaults {
-    /// On the loopback fabric: READs and notifications.
-    pub fabric: FaultCounts,
+    /// By the [`Chaos`](crate::chaos::Chaos) layer over the transport: READs and notifications.
+    pub transport: FaultCounts,
     /// On the side channel: handshake fetches.
     pub handshakes: HandshakeFaultCounts,
     /// Prefill engine restarts.
@@ -210,7 +209,7 @@ impl fmt::Display for SoakReport {
             secs(self.lease)
         )?;
         let (a, l, fl, hs, pc) =
-            (&self.aborted, &self.lost, &self.faults.fabric, &self.faults.handshakes, &self.protocol);
+            (&self.aborted, &self.lost, &self.faults.transport, &self.faults.handshakes, &self.protocol);
         let must = |n: u64| format!("{n} (must be 0)");
         let [p50, p99, max] = self.finish_times;
         let mut rows = vec![("finished", self.finished.to_string())];

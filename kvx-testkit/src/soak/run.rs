@@ -6,10 +6,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{
-    Clock, EngineId, FinishReason, ManualClock, RequestId, Result, TransferAgent, TransferParams,
-};
-use kvx_loopback::Fabric;
+use kvx_core::{Clock, FinishReason, ManualClock, RequestId, Result, TransferParams};
 use kvx_net::Handshakes;
 
 use super::SoakConfig;
@@ -17,6 +14,7 @@ use super::report::{InjectedFaults, SoakReport};
 use super::slot::{Slot, panic_message};
 use super::tally::{AbortStage, Outcome, Role, Tally};
 use super::workload::{plan, request_id};
+use crate::chaos::ChaosNet;
 use crate::sim::{
     EndedRequest, EngineConfig, InProcessSideChannels, LoadFailurePolicy, RequestState, SideChannel,
     SimBackend, SimEngine, SimRng,
@@ -48,7 +46,7 @@ struct Live {
 pub(super) struct Soak<'c> {
     cfg: &'c SoakConfig,
     clock: ManualClock,
-    fabric: Fabric,
+    transport: ChaosNet,
     net: InProcessSideChannels,
     backend: SimBackend,
     slots: Vec<Slot>,
@@ -66,17 +64,14 @@ pub(super) struct Soak<'c> {
 }
 
 impl<'c> Soak<'c> {
-    pub(super) fn new(cfg: &'c SoakConfig) -> Result<Self> {
+    pub(super) fn new(cfg: &'c SoakConfig, backend: &SimBackend) -> Result<Self> {
         let clock = ManualClock::new();
         let mut seeds = SimRng::stream(cfg.seed, FAULTS);
-        let fabric = Fabric::with_clock(Arc::new(clock.clone()));
-        fabric.set_faults(cfg.faults.fabric(seeds.next_u64()))?;
+        let chaos = ChaosNet::with_clock(Arc::new(clock.clone()));
+        chaos.set_faults(cfg.faults.transport(seeds.next_u64()))?;
         let side_channel_faults = cfg.faults.side_channel(Arc::new(clock.clone()), seeds.next_u64());
         let net = InProcessSideChannels::with_faults(side_channel_faults);
-        let agents = fabric.clone();
-        let backend = SimBackend::new(move |engine: &EngineId, rank| {
-            Ok(Arc::new(agents.agent(format!("{engine}-{rank}"))?) as Arc<dyn TransferAgent>)
-        });
+        let backend = chaos.backend(backend.clone());
         let slot = |role, index| Slot {
             role,
             index,
@@ -93,7 +88,7 @@ impl<'c> Soak<'c> {
             cfg,
             next_arrival: clock.now(),
             clock,
-            fabric,
+            transport: chaos,
             net,
             backend,
             slots,
@@ -467,7 +462,7 @@ impl<'c> Soak<'c> {
         let mut next = now + self.cfg.step_time;
         let busy = self.slots.iter_mut().any(|s| s.running(now).is_some_and(|e| e.is_busy()));
         if !busy {
-            let fabric = self.fabric.next_event().unwrap_or(Some(now));
+            let transport = self.transport.next_event().unwrap_or(Some(now));
             let net = self.net.next_event().unwrap_or(Some(now));
             let arrival = (self.arrived < self.cfg.requests).then_some(self.next_arrival);
             let slots = self.slots.iter().flat_map(|s| {
@@ -475,7 +470,7 @@ impl<'c> Soak<'c> {
                 [deadline, s.down_until, s.stalled_until.filter(|t| *t > now)]
             });
             let due = [
-                fabric,
+                transport,
                 net,
                 arrival,
                 self.handoffs.keys().next().map(|k| k.0),
@@ -533,7 +528,7 @@ impl<'c> Soak<'c> {
             }
         }
         let faults = InjectedFaults {
-            fabric: self.fabric.fault_counts()?,
+            transport: self.transport.fault_counts()?,
             handshakes: self.net.fault_counts()?,
             ..self.tally.faults
         };

@@ -201,7 +201,7 @@ impl Tally {
 
 /// Every figure of a report but its digest and its error texts.
 fn figures(r: &SoakReport) -> Vec<u64> {
-    let (a, l, f, h, p) = (&r.aborted, &r.lost, &r.faults.fabric, &r.faults.handshakes, &r.protocol);
+    let (a, l, f, h, p) = (&r.aborted, &r.lost, &r.faults.transport, &r.faults.handshakes, &r.protocol);
     vec![
         r.seed,
         r.requests,

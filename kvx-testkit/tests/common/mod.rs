@@ -1,5 +1,6 @@
-//! What the loopback end-to-end suites share: agents on one fabric kept by (engine, rank) so
-//! tests can inject faults, a small model, prompts, and the final cleanliness check.
+//! What the loopback end-to-end suites share: agents on one fabric, each in the chaos layer and
+//! kept by (engine, rank) so tests can inject faults, a small model, prompts, and the final
+//! cleanliness check.
 
 #![allow(clippy::unwrap_used, dead_code, unreachable_pub)] // Shared test helpers; each suite uses some.
 
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use kvx_core::{EngineId, FinishReason, ManualClock, RequestId, TransferAgent};
 use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::chaos::{Chaos, ChaosNet};
 use kvx_testkit::matrix::step_until;
 use kvx_testkit::sim::{
     Cluster, EngineConfig, InProcessSideChannels, ModelSpec, RequestState, SimBackend, SimEngine, SimTime,
@@ -20,12 +22,14 @@ pub const BS: usize = 16;
 pub const LIMIT: Duration = Duration::from_secs(60);
 
 /// Agents by (engine, rank).
-pub type Agents = Arc<Mutex<HashMap<(String, u32), Arc<LoopbackAgent>>>>;
+pub type Agents = Arc<Mutex<HashMap<(String, u32), Arc<Chaos<LoopbackAgent>>>>>;
 
-/// Loopback agents on one fabric, kept by (engine, rank) so tests can inject faults.
+/// Loopback agents on one fabric, in the chaos layer of one net, kept by (engine, rank) so tests
+/// can inject faults.
 #[derive(Default)]
 pub struct Loopback {
     pub fabric: Fabric,
+    pub chaos: ChaosNet,
     pub agents: Agents,
     pub net: InProcessSideChannels,
     /// Simulated time of the engines and clusters, or `None`: the system clock.
@@ -37,22 +41,22 @@ impl Loopback {
     /// out cost steps, not wall time.
     pub fn simulated() -> Self {
         let clock = ManualClock::new();
-        let fabric = Fabric::with_clock(Arc::new(clock.clone()));
+        let chaos = ChaosNet::with_clock(Arc::new(clock.clone()));
         let net = InProcessSideChannels::new();
-        let time = SimTime::loopback(clock, Duration::from_millis(10), &fabric, &net);
-        Loopback { fabric, agents: Agents::default(), net, time: Some(time) }
+        let time = SimTime::chaos(clock, Duration::from_millis(10), &chaos, &net);
+        Loopback { fabric: Fabric::new(), chaos, agents: Agents::default(), net, time: Some(time) }
     }
 
     pub fn backend(&self) -> SimBackend {
-        let (fabric, agents) = (self.fabric.clone(), self.agents.clone());
+        let (fabric, chaos, agents) = (self.fabric.clone(), self.chaos.clone(), self.agents.clone());
         SimBackend::new(move |engine: &EngineId, rank| {
-            let agent = Arc::new(fabric.agent(format!("{engine}-{rank}"))?);
+            let agent = Arc::new(Chaos::new(Arc::new(fabric.agent(format!("{engine}-{rank}"))?), &chaos));
             agents.lock().unwrap().insert((engine.to_string(), rank), agent.clone());
             Ok(agent as Arc<dyn TransferAgent>)
         })
     }
 
-    pub fn agent(&self, engine: &str, rank: u32) -> Arc<LoopbackAgent> {
+    pub fn agent(&self, engine: &str, rank: u32) -> Arc<Chaos<LoopbackAgent>> {
         self.agents.lock().unwrap()[&(engine.to_owned(), rank)].clone()
     }
 

@@ -3,16 +3,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvx_core::testing::Recording;
 use kvx_core::{
     AgentName, ConnectorMetadata, ConnectorWorker, Finished, HostMemory, RecvRequest, RequestId,
     TransferAgent, WorkerCommand, WorkerConfig, WorkerStats,
 };
-use kvx_loopback::{Fabric, Faults, LoopbackAgent};
+use kvx_loopback::{Fabric, LoopbackAgent};
+use kvx_testkit::chaos::{Chaos, ChaosNet, Faults};
 
 use super::model::{Kind, Model, kind};
 use crate::input::ByteSource;
 use crate::targets::fixture::{
-    BLOCK_LEN, DECODE, DECODE_BLOCKS, Holds, Lease, PREFILL, PREFILL_BLOCKS, Recorder, caches, check_bytes,
+    BLOCK_LEN, DECODE, DECODE_BLOCKS, Holds, Lease, PREFILL, PREFILL_BLOCKS, caches, check_bytes,
     check_session, config, decode_config, fill_pattern, must, nonce_of, other_nonce, recv, unreachable_peer,
 };
 
@@ -28,16 +30,16 @@ fn lease_loads() -> Vec<RecvRequest> {
 /// layer.
 pub(super) struct Rank {
     pub(super) worker: ConnectorWorker,
-    recorder: Arc<Recorder>,
-    agent: Arc<LoopbackAgent>,
+    recorder: Arc<Recording<Chaos<LoopbackAgent>>>,
+    agent: Arc<Chaos<LoopbackAgent>>,
     keys: Arc<HostMemory>,
     pub(super) payload: Vec<u8>,
 }
 
 impl Rank {
-    fn new(fabric: &Fabric, name: &str, config: WorkerConfig, blocks: u32) -> Self {
-        let agent = Arc::new(must(fabric.agent(name), "an agent"));
-        let recorder = Arc::new(Recorder::new(agent.clone()));
+    fn new(fabric: &Fabric, chaos: &ChaosNet, name: &str, config: WorkerConfig, blocks: u32) -> Self {
+        let agent = Arc::new(Chaos::new(Arc::new(must(fabric.agent(name), "an agent")), chaos));
+        let recorder = Arc::new(Recording::new(agent.clone()));
         let mut worker = must(ConnectorWorker::new(config, recorder.clone()), "a worker");
         let (layers, keys) = caches(blocks);
         let payload = must(worker.register_kv_caches(&layers), "registering caches");
@@ -87,9 +89,9 @@ impl Session {
             max_early_senders: 2,
             ..c
         };
-        let fabric = Fabric::new();
-        let mut prefill = Rank::new(&fabric, "prefill-agent", small(config(PREFILL)), PREFILL_BLOCKS);
-        let decode = Rank::new(&fabric, "decode-agent", small(decode_config()), DECODE_BLOCKS);
+        let (fabric, chaos) = (Fabric::new(), ChaosNet::new());
+        let mut prefill = Rank::new(&fabric, &chaos, "prefill-agent", small(config(PREFILL)), PREFILL_BLOCKS);
+        let decode = Rank::new(&fabric, &chaos, "decode-agent", small(decode_config()), DECODE_BLOCKS);
         must(decode.agent.set_faults(Faults::none().delay_completion(delay)), "delaying the READs");
         let mallory = must(fabric.agent("mallory"), "a third agent");
         let prefill_name =
@@ -153,7 +155,7 @@ impl Session {
     /// One step of the prefill rank, checked against the model.
     fn prefill_step(&mut self) {
         let sent = self.prefill.worker.get_finished(self.now);
-        let drained = self.prefill.recorder.take();
+        let drained = self.prefill.recorder.take_notifications();
         let mut expected = self.model.step(self.now, &drained);
         let mut got = sent.sending.clone();
         expected.sort();
@@ -198,7 +200,7 @@ impl Session {
         self.decode_done.extend(finished);
         // Releases and other messages are stray (a release once out of the buffer); answers are,
         // unless they come from the READ's peer and name one of its loads (request and nonce).
-        for n in self.decode.recorder.take() {
+        for n in self.decode.recorder.take_notifications() {
             match kind(&n.msg) {
                 Kind::Release(_) | Kind::Other => self.decode_strays += 1,
                 Kind::Status(s)

@@ -1,20 +1,20 @@
-//! Fault injection: make transfers fail or lag, notifications vanish, double, lag or come with
-//! strays, handshakes fail. Faults either name the n-th event, or strike each event with a
-//! seeded chance.
+//! What [`Chaos`](super::Chaos) injects: transfers that fail or lag, notifications that vanish,
+//! double, lag or come with strays, handshakes that fail. Faults either name the n-th event, or
+//! strike each event with a seeded chance.
 
 use std::time::Duration;
 
 use kvx_core::{HeldRequest, HexBytes, HoldRelease, HoldStatus, RenewLeases, ReplyTo, wire};
 
-/// Faults to inject, set on a whole [`Fabric`](crate::Fabric) or on one
-/// [`LoopbackAgent`](crate::LoopbackAgent).
+/// Faults to inject, set on a whole [`ChaosNet`](super::ChaosNet) or on one
+/// [`Chaos`](super::Chaos) agent.
 ///
 /// Counts start when the faults are set. Faults set on an agent count that agent's posts and
-/// notifications; faults set on the fabric count those of all its agents. When both are set, a
+/// notifications; faults set on the net count those of all its agents. When both are set, a
 /// fault of either applies (delays add up).
 ///
 /// ```
-/// use kvx_loopback::Faults;
+/// use kvx_testkit::chaos::Faults;
 /// // The second transfer posted from now on fails, and every transfer completes only on the
 /// // third progress pass after it was posted.
 /// let faults = Faults::none().fail_nth_transfer(2).delay_completion(2);
@@ -25,12 +25,12 @@ use kvx_core::{HeldRequest, HexBytes, HoldRelease, HoldStatus, RenewLeases, Repl
 /// The methods that take a chance (`0.0..=1.0`) strike each event independently. Whether an
 /// event is struck is a function of the [`seed`](Self::seed) and the event itself (the sending
 /// agent, the receiving agent and the notification's bytes), not of the order events happen in:
-/// the same run with the same seed meets the same faults. Delays are in the fabric's time
-/// ([`Fabric::with_clock`](crate::Fabric::with_clock)), uniform up to their maximum.
+/// the same run with the same seed meets the same faults. Delays are in the net's time
+/// ([`ChaosNet::with_clock`](super::ChaosNet::with_clock)), uniform up to their maximum.
 ///
 /// ```
 /// use std::time::Duration;
-/// use kvx_loopback::Faults;
+/// use kvx_testkit::chaos::Faults;
 /// let faults = Faults::none()
 ///     .seed(7)
 ///     .transfer_failures(0.01)
@@ -76,16 +76,17 @@ impl Faults {
         Faults::default()
     }
 
-    /// The `n`-th transfer posted (counting from 1) fails when progress runs it: its state becomes
-    /// `Failed`, no byte moves and no notification is sent.
+    /// The `n`-th transfer posted (counting from 1) fails: it is posted without its notification,
+    /// and once the transport is done with it its state becomes `Failed` (its bytes are not to be
+    /// trusted) and no notification is sent.
     pub fn fail_nth_transfer(mut self, n: u64) -> Self {
         self.fail_transfer = Some(n);
         self
     }
 
-    /// Every transfer stays `Pending` through `passes` progress passes and completes on the next.
-    /// A pass is one call of `progress`, `drain_completions` or `drain_notifications` (or one
-    /// round of the progress thread).
+    /// Every transfer stays `Pending` through `passes` progress passes and completes on the next
+    /// (or later, when its transport takes longer). A pass is one call of `progress`,
+    /// `drain_completions` or `drain_notifications`.
     pub fn delay_completion(mut self, passes: u32) -> Self {
         self.delay_passes = passes;
         self
@@ -105,7 +106,7 @@ impl Faults {
     }
 
     /// Handshakes fail with `ErrorKind::Handshake`: on an agent, its `load_remote` and every peer's
-    /// `load_remote` of its metadata; on the fabric, every `load_remote`.
+    /// `load_remote` of its metadata (for peers of the same net); on the net, every `load_remote`.
     pub fn refuse_handshakes(mut self) -> Self {
         self.refuse_handshakes = true;
         self
@@ -123,8 +124,9 @@ impl Faults {
         self
     }
 
-    /// Each transfer completes, with this chance, only once the fabric's clock has passed its
-    /// post time plus a delay of up to `max`.
+    /// Each transfer completes, with this chance, only once the net's clock has passed its post
+    /// time plus a delay of up to `max` (its bytes move when the transport moves them; its
+    /// completion and its notification wait).
     pub fn transfer_delays(mut self, chance: f64, max: Duration) -> Self {
         self.chances.delay_transfer = per_million(chance);
         self.chances.max_transfer_delay = max;
@@ -143,8 +145,9 @@ impl Faults {
         self
     }
 
-    /// Each notification reaches its target's queue, with this chance, only once the fabric's
-    /// clock has passed its send time plus a delay of up to `max`.
+    /// Each notification is sent, with this chance, only once the net's clock has passed its send
+    /// time (its transfer's completion, for a transfer's) plus a delay of up to `max`, at the
+    /// sender's first progress pass after that.
     pub fn notification_delays(mut self, chance: f64, max: Duration) -> Self {
         self.chances.delay_notification = per_million(chance);
         self.chances.max_notification_delay = max;
@@ -160,7 +163,7 @@ impl Faults {
     }
 }
 
-/// How many faults of each kind a fabric injected (its own faults and its agents').
+/// How many faults of each kind a net injected (its own faults and its agents').
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FaultCounts {
     /// Transfers made to fail.
@@ -178,12 +181,12 @@ pub struct FaultCounts {
 }
 
 impl FaultCounts {
-    pub(crate) fn count_transfer(&mut self, fate: &TransferFate) {
+    pub(super) fn count_transfer(&mut self, fate: &TransferFate) {
         self.transfers_failed += u64::from(fate.fail.is_some());
         self.transfers_delayed += u64::from(fate.delay_passes > 0 || !fate.delay.is_zero());
     }
 
-    pub(crate) fn count_delivery(&mut self, d: &Delivery) {
+    pub(super) fn count_delivery(&mut self, d: &Delivery) {
         self.notifications_dropped += u64::from(d.copies == 0);
         self.notifications_duplicated += u64::from(d.copies > 1);
         self.notifications_delayed += u64::from(d.copies > 0 && !d.delay.is_zero());
@@ -193,17 +196,17 @@ impl FaultCounts {
 
 /// What happens to one notification.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Delivery {
+pub(super) struct Delivery {
     /// 0 (lost), 1 or 2.
-    pub(crate) copies: u8,
-    pub(crate) delay: Duration,
+    pub(super) copies: u8,
+    pub(super) delay: Duration,
     /// The seed of a stray notification sent after it.
-    pub(crate) stray: Option<u64>,
+    pub(super) stray: Option<u64>,
 }
 
 /// Faults plus the counters they refer to.
 #[derive(Debug, Default)]
-pub(crate) struct FaultPlan {
+pub(super) struct FaultPlan {
     faults: Faults,
     transfers: u64,
     notifications: u64,
@@ -211,11 +214,11 @@ pub(crate) struct FaultPlan {
 
 /// What the plans decided for one posted transfer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct TransferFate {
+pub(super) struct TransferFate {
     /// Why the transfer fails, when it does.
-    pub(crate) fail: Option<String>,
-    pub(crate) delay_passes: u32,
-    pub(crate) delay: Duration,
+    pub(super) fail: Option<String>,
+    pub(super) delay_passes: u32,
+    pub(super) delay: Duration,
 }
 
 /// A 64-bit mixer (splitmix64's finaliser over `a` combined with `b`).
@@ -228,7 +231,7 @@ fn mix(a: u64, b: u64) -> u64 {
 }
 
 /// The key of an event: a hash of its parts (names, bytes), independent of when it happens.
-pub(crate) fn event_key(parts: &[&[u8]]) -> u64 {
+pub(super) fn event_key(parts: &[&[u8]]) -> u64 {
     parts.iter().fold(0x6b76_785f_6661_756c, |h, part| {
         part.iter().fold(mix(h, part.len() as u64), |h, &b| mix(h, u64::from(b)))
     })
@@ -238,7 +241,7 @@ pub(crate) fn event_key(parts: &[&[u8]]) -> u64 {
 /// decode worker draws for itself (its instance id and each READ's token, in a release's
 /// `reply_to` and echoed in the answer) count as zero, so that the same run meets the same
 /// faults.
-pub(crate) fn message_key(from: &str, to: &str, msg: &[u8]) -> u64 {
+pub(super) fn message_key(from: &str, to: &str, msg: &[u8]) -> u64 {
     let canonical = if let Ok(release @ HoldRelease { reply_to: Some(_), .. }) = wire::decode(msg) {
         let reply_to = release.reply_to.map(|r| ReplyTo { instance: 0, token: HexBytes([0; 16]), ..r });
         wire::encode(&HoldRelease { reply_to, ..release }).ok()
@@ -277,17 +280,17 @@ impl Draws {
 }
 
 impl FaultPlan {
-    pub(crate) fn set(&mut self, faults: Faults) {
+    pub(super) fn set(&mut self, faults: Faults) {
         *self = FaultPlan { faults, transfers: 0, notifications: 0 };
     }
 
-    pub(crate) fn refuses_handshakes(&self) -> bool {
+    pub(super) fn refuses_handshakes(&self) -> bool {
         self.faults.refuse_handshakes
     }
 
     /// Counts one posted transfer and says what becomes of it. `key` identifies the transfer
     /// (see [`event_key`]); without one, its ordinal among this plan's transfers does.
-    pub(crate) fn next_transfer(&mut self, key: Option<u64>) -> TransferFate {
+    pub(super) fn next_transfer(&mut self, key: Option<u64>) -> TransferFate {
         self.transfers = self.transfers.saturating_add(1);
         let c = &self.faults.chances;
         let mut draws = Draws::new(c.seed, key.unwrap_or(self.transfers));
@@ -307,7 +310,7 @@ impl FaultPlan {
 
     /// Counts one sent notification and says how it is delivered. `key` identifies it (see
     /// [`event_key`]).
-    pub(crate) fn next_notification(&mut self, key: u64) -> Delivery {
+    pub(super) fn next_notification(&mut self, key: u64) -> Delivery {
         self.notifications = self.notifications.saturating_add(1);
         let c = &self.faults.chances;
         let mut draws = Draws::new(c.seed, key);
@@ -333,7 +336,7 @@ impl FaultPlan {
 }
 
 impl TransferFate {
-    pub(crate) fn combine(self, other: TransferFate) -> TransferFate {
+    pub(super) fn combine(self, other: TransferFate) -> TransferFate {
         TransferFate {
             fail: self.fail.or(other.fail),
             delay_passes: self.delay_passes.saturating_add(other.delay_passes),
@@ -343,7 +346,7 @@ impl TransferFate {
 }
 
 impl Delivery {
-    pub(crate) fn combine(self, other: Delivery) -> Delivery {
+    pub(super) fn combine(self, other: Delivery) -> Delivery {
         Delivery {
             copies: if self.copies == 0 || other.copies == 0 { 0 } else { self.copies.max(other.copies) },
             delay: self.delay.saturating_add(other.delay),
@@ -355,7 +358,7 @@ impl Delivery {
 /// The stray notification of `seed` that follows `msg`: garbage, a release for a request nobody
 /// holds, or `msg` forged with other nonces (a release, a hold's status claiming the opposite, or
 /// a lease renewal; garbage when `msg` is none of them).
-pub(crate) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
+pub(super) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
     let mut draws = Draws(seed);
     let mut nonce = || {
         let mut bytes = [0u8; 16];
@@ -365,7 +368,7 @@ pub(crate) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
     };
     let stray = match seed % 3 {
         1 => Some(wire::encode(&HoldRelease {
-            request_id: format!("kvx-loopback-stray-{seed:016x}").into(),
+            request_id: format!("kvx-chaos-stray-{seed:016x}").into(),
             nonce: nonce(),
             reply_to: None,
             reader: 0,
@@ -513,7 +516,7 @@ mod tests {
                     kinds[2] += 1;
                 }
                 Ok(r) => {
-                    assert!(r.request_id.as_str().starts_with("kvx-loopback-stray-"));
+                    assert!(r.request_id.as_str().starts_with("kvx-chaos-stray-"));
                     kinds[1] += 1;
                 }
             }
