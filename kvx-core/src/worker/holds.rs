@@ -32,6 +32,8 @@ struct Hold {
     /// The readers the first release announced, and those that released so far.
     readers: Option<u32>,
     released: Vec<u32>,
+    /// Each reader's release's token (see [`Ended`]), for those that asked for an answer.
+    tokens: Vec<(u32, Nonce)>,
 }
 
 /// What the worker does for [`Holds`], in the order given.
@@ -55,11 +57,23 @@ pub(super) struct Holds {
     due: Deadlines<RequestId>,
     /// Releases that arrived before their hold, per sender.
     early: EarlyReleases,
-    /// Holds released or expired, and whether a "not held" answer went out for them: a late
-    /// release is answered "not held" at once, once (whoever asks, whichever reader it names, so
-    /// that replays and forged reader numbers cost no more handshakes; another late reader of
-    /// the same hold gets no answer and fails its load when its confirmation times out).
-    ended: TtlMap<bool>,
+    /// Holds released or expired (see [`Ended`]).
+    ended: TtlMap<Ended>,
+}
+
+/// A hold that ended, kept to answer releases that come after it: one answer per ended hold, so
+/// that replays and forged reader numbers cost no more handshakes (another late reader of the
+/// same hold gets no answer and fails its load when its confirmation times out).
+#[derive(Debug, Default)]
+struct Ended {
+    /// The readers whose releases ended it, with the token each release carried (none when its
+    /// lease ran out). A second copy of one of those releases (a doubled notification: the same
+    /// reader, the same token, which is random for each READ) is answered "held": its first copy
+    /// came while the hold was alive. Any other release, a replayed offer's READ included, is
+    /// answered "not held": that READ may have copied reused blocks.
+    released: Vec<(u32, Nonce)>,
+    /// Whether an answer went out for a late release.
+    answered: bool,
 }
 
 impl Holds {
@@ -111,7 +125,13 @@ impl Holds {
         stats: &mut WorkerStats,
     ) -> Vec<HoldEffect> {
         let key = (held.request_id.clone(), held.nonce);
-        let hold = Hold { until: now + self.lease, nonce: held.nonce, readers: None, released: Vec::new() };
+        let hold = Hold {
+            until: now + self.lease,
+            nonce: held.nonce,
+            readers: None,
+            released: Vec::new(),
+            tokens: Vec::new(),
+        };
         self.due.push(hold.until, held.request_id.clone());
         self.live.insert(held.request_id.clone(), hold);
         let mut effects = Vec::new();
@@ -149,11 +169,12 @@ impl Holds {
             stats.stray_notifications += 1;
         } else {
             hold.released.push(reader);
+            hold.tokens.extend(reply_to.as_ref().map(|r| (reader, r.token)));
             stats.notifications += 1;
             if hold.released.len() as u32 >= readers {
-                self.live.remove(&key.0);
+                let released = self.live.remove(&key.0).map(|h| h.tokens).unwrap_or_default();
                 effects.push(HoldEffect::Freed(key.0.clone()));
-                self.ended.insert(now, key.clone(), false);
+                self.ended.insert(now, key.clone(), Ended { released, answered: false });
             }
         }
         effects.extend(self.answer(key, reply_to, true, stats));
@@ -190,13 +211,16 @@ impl Holds {
                 stats.rejected_notifications += 1;
             }
             None if self.ended.contains(&key) => {
-                // Its lease ran out (or it was released) before this release came: the READ may
-                // have copied reused blocks. Answered once: replays cost no more handshakes.
+                // Its lease ran out, or its readers released it, before this release came: "held"
+                // only for a copy of a release that ended it (see `Ended`). Answered once.
                 stats.stray_notifications += 1;
                 let asks = release.reply_to.is_some();
-                if let Some(answered) = self.ended.get_mut(&key).filter(|a| asks && !**a) {
-                    *answered = true;
-                    effects.extend(self.answer(&key, release.reply_to, false, stats));
+                let held = self.ended.get_mut(&key).filter(|e| asks && !e.answered).map(|ended| {
+                    ended.answered = true;
+                    release.reply_to.as_ref().is_some_and(|r| ended.released.contains(&(reader, r.token)))
+                });
+                if let Some(held) = held {
+                    effects.extend(self.answer(&key, release.reply_to, held, stats));
                 }
             }
             None => {
@@ -256,7 +280,7 @@ impl Holds {
             warn!(request_id = %id, "lease ran out with no release: freeing the blocks");
             stats.expired_holds += 1;
             effects.push(HoldEffect::Freed(id.clone()));
-            self.ended.insert(now, (id, hold.nonce), false);
+            self.ended.insert(now, (id, hold.nonce), Ended::default());
         }
         effects
     }

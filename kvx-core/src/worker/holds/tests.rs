@@ -61,6 +61,24 @@ fn the_last_readers_release_frees_the_hold_and_each_is_answered_held() {
 }
 
 #[test]
+fn a_second_copy_of_a_release_that_ended_the_hold_is_answered_held_once() {
+    // A doubled release, or one whose copies took two connections: the copy that comes after
+    // the hold ended must not tell its reader that the blocks it read may have been reused.
+    let (mut h, mut stats) = (holds(), WorkerStats::default());
+    let now = Instant::now();
+    h.hold(now, &held("a"), &mut stats);
+    h.release(now, &sender(), release("a", 0, 2, Some(1)), &mut stats);
+    let effects = h.release(now, &sender(), release("a", 1, 2, Some(2)), &mut stats);
+    assert_eq!(effects, [HoldEffect::Freed("a".into()), answer("a", 2, true)]);
+    assert_eq!(h.release(now, &sender(), release("a", 1, 2, Some(2)), &mut stats), [answer("a", 2, true)]);
+    assert_eq!(h.release(now, &sender(), release("a", 0, 2, Some(1)), &mut stats), [], "answered once");
+    // A replayed offer's READ (the same reader, another token) is told "not held".
+    h.hold(now, &held("b"), &mut stats);
+    h.release(now, &sender(), release("b", 0, 1, Some(3)), &mut stats);
+    assert_eq!(h.release(now, &sender(), release("b", 0, 1, Some(4)), &mut stats), [answer("b", 4, false)]);
+}
+
+#[test]
 fn a_wrong_nonce_or_another_count_of_readers_frees_nothing() {
     let (mut h, mut stats) = (holds(), WorkerStats::default());
     let now = Instant::now();
