@@ -11,7 +11,7 @@
 #   memory and descriptors.
 # - 1p1d, 2p1d: scripts/bench-vllm.sh (guidellm against real vLLM, KVX_COMPARE_CONFIG, default
 #   kvx-ucx) through each router with one and with two prefill servers: TTFT p50/p99 per level.
-# - kill: 2P1D through each router, the second prefill server killed (SIGKILL) 5 s into the first
+# - kill: 2P1D through each router, the second prefill server killed (SIGKILL) after 4 KV transfers of the first
 #   concurrency level: how many requests failed, and for how long after the kill.
 #
 # Output under target/router-compare: floods.csv, <part>-<router>/bench-vllm.csv (and kill.csv),
@@ -45,7 +45,7 @@ for part in $PARTS; do
                 env=(KVX_VLLM_ROUTER="$router" KVX_BIN="$KVX" KVX_BENCH_CONFIGS="$CONFIG" KVX_VLLM_OUT="$OUT/$part-$router")
                 case $part in
                     2p1d) env+=(KVX_BENCH_PREFILLS=2) ;;
-                    kill) env+=(KVX_BENCH_PREFILLS=2 KVX_BENCH_KILL_AFTER_S=5 KVX_BENCH_CONCURRENCY=4 KVX_BENCH_RATES=- KVX_BENCH_REQUESTS=48) ;;
+                    kill) env+=(KVX_BENCH_PREFILLS=2 KVX_BENCH_KILL_AFTER=4 KVX_BENCH_CONCURRENCY=4 KVX_BENCH_RATES=- KVX_BENCH_REQUESTS=48) ;;
                 esac
                 env "${env[@]}" "$ROOT/scripts/bench-vllm.sh" || echo "compare-routers: $part through $router: bench-vllm.sh failed" >&2
             done ;;
