@@ -47,6 +47,8 @@
 #       with the kv_transfer_params the prefill server returned, kvx's own keys included), health
 #       checks every second (`--health-check-interval-secs 1`). Its Prometheus metrics (port 9320)
 #       must count every routed P/D request at the prefill and the decode server, and no error;
+#   kvx: `kvx router` (kvx-cli; its /metrics must count every routed request as done and none
+#       failed); 1 is the same (its old spelling);
 #   0: no router, the proxy steps in pd_check.py.
 # A router that does not start and become healthy fails the config. A router that mishandles the
 # params fails it too: outputs, the blocks loaded remotely and kvx-nixl's signed offers
@@ -336,7 +338,23 @@ for cfg in $CONFIGS; do
         echo "test-vllm: $cfg: no latency attribution (pd_latency.py):" >&2
         tail -5 "$OUT/$cfg-attribution.txt" >&2
     fi
-    if [ "$ROUTER" = vllm-router ]; then
+    if [ "$ROUTER" = kvx ]; then
+        # Every P/D request went through the router and came back whole.
+        curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
+        if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" <<'PY'
+import json, re, sys
+text, summary = open(sys.argv[1]).read(), json.loads(sys.argv[2])
+counts = {m.group(1): float(m.group(2)) for m in
+          re.finditer(r'^kvx_router_requests_total\{route="completions",outcome="([a-z_]+)"\} (\S+)$', text, re.M)}
+ok, others = counts.get("ok", 0), {k: v for k, v in counts.items() if k != "ok" and v}
+print(f"test-vllm: kvx router: {ok:.0f} completions ok, other outcomes {others or 'none'}")
+sys.exit(0 if ok >= (summary.get("requests") or 1) and not others else 1)
+PY
+        then
+            echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
+            is_kvx "$cfg" && status=1
+        fi
+    elif [ "$ROUTER" = vllm-router ]; then
         # Every P/D request went through vllm-router, to the prefill and then the decode server,
         # and it counted no error (its counters have no outcome of the decode stream itself: the
         # outputs and loads above are checked on what came back through it).

@@ -800,6 +800,96 @@ fn soak_runs_over_tcp() {
     assert!(text(&out.stderr).contains("tcp backend"), "{}", text(&out.stderr));
 }
 
+/// `kvx router` as a process: its options, its address lines, its two ports and its stop on
+/// SIGTERM. Routing, failover and streaming are tested against stub servers in the router
+/// module's own tests.
+mod router {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Child, Command, Stdio};
+    use std::sync::mpsc;
+
+    use super::{KVX, LIMIT, text, wait};
+
+    /// A URL where nothing listens.
+    fn closed_url() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        format!("http://127.0.0.1:{port}")
+    }
+
+    #[test]
+    fn bad_server_urls_are_refused() {
+        for url in ["https://127.0.0.1:8100", "127.0.0.1:8100", "http://127.0.0.1:8100/?x=1"] {
+            let child = Command::new(KVX)
+                .args(["router", "--port", "0", "--prefill", url, "--decode", "http://127.0.0.1:8200"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let out = wait(child);
+            assert_eq!(out.status.code(), Some(2), "{url}");
+            assert!(text(&out.stderr).contains("router: server"), "{}", text(&out.stderr));
+        }
+    }
+
+    /// The first `lines` lines of `child`'s stdout, within [`LIMIT`].
+    fn first_lines(child: &mut Child, lines: usize) -> Vec<String> {
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let read: Vec<String> =
+                BufReader::new(stdout).lines().take(lines).map_while(Result::ok).collect();
+            let _ = tx.send(read);
+        });
+        rx.recv_timeout(LIMIT).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("kvx router printed no address within {LIMIT:?}")
+        })
+    }
+
+    #[test]
+    fn the_router_serves_its_api_and_metrics_ports_and_stops_on_sigterm() {
+        let (prefill, decode) = (closed_url(), closed_url());
+        let mut child = Command::new(KVX)
+            .args(["router", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"])
+            .args(["--prefill", &prefill, "--decode", &decode, "--retries", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = first_lines(&mut child, 2);
+        let address = |prefix: &str, line: &str| {
+            let rest = line.strip_prefix(prefix).unwrap_or_else(|| panic!("{line:?}"));
+            rest.split_whitespace().next().unwrap().to_owned()
+        };
+        assert!(lines[0].ends_with("(0/1 prefill and 0/1 decode servers healthy)"), "{lines:?}");
+        let api = address("kvx router: serving on ", &lines[0]);
+        let metrics = address("kvx router: metrics on ", &lines[1]);
+
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let client = reqwest::Client::builder().no_proxy().timeout(LIMIT).build().unwrap();
+            let body = r#"{"model": "m", "prompt": "hello"}"#;
+            let post = client.post(format!("{api}/v1/completions")).body(body).send().await.unwrap();
+            // The health check before serving found no server: 503 at once.
+            assert_eq!(post.status(), 503);
+            assert!(post.text().await.unwrap().contains("no prefill server is healthy"));
+            let scrape = client.get(metrics).send().await.unwrap().text().await.unwrap();
+            let series = format!(r#"kvx_router_upstream_healthy{{role="prefill",upstream="{prefill}"}} 0"#);
+            assert!(scrape.contains(&series), "{scrape}");
+            let scrape = client.get(format!("{api}/metrics")).send().await.unwrap().text().await.unwrap();
+            assert!(scrape.contains(&series), "{scrape}");
+        });
+
+        let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let out = wait(child);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("stopping"), "{stderr}");
+        assert!(stderr.contains(&format!("prefill server {prefill} out of rotation")), "{stderr}");
+    }
+}
+
 /// Reads `child`'s stdout (on a thread, within [`LIMIT`]) until it says its final metrics are
 /// served, scrapes them over HTTP, then reads the rest of its stdout and waits for it: the metrics
 /// text, the whole stdout and whether it succeeded.

@@ -1,7 +1,7 @@
 //! Who gets a connection slot on a kvx server, and who gives one up: the policy that keeps a
 //! legitimate peer served while any number of other connections are open, idle, slow,
 //! unauthenticated or busy. Every server kvx runs on the network takes it: the side channel, the
-//! group's rank 0, the `kvx` request API, and the `/metrics` server.
+//! group's rank 0, the `kvx` request API, the `/metrics` server and `kvx router`.
 //!
 //! A connection is *pending* from its accept until it proves itself: with a key, until its proof of
 //! the key verifies; without one, until its first complete, well-formed request. Then it is

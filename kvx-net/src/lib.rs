@@ -147,7 +147,7 @@ impl NetConfig {
 pub const BACKLOG: u32 = 4096;
 
 /// Binds `host:port` (the first address it resolves to that binds) and listens with [`BACKLOG`]:
-/// how kvx's servers and `/metrics` listen.
+/// how kvx's servers, `/metrics` and `kvx router` listen.
 pub async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
     let mut last = None;
     for addr in tokio::net::lookup_host((host, port)).await? {
