@@ -47,7 +47,7 @@
 #       with the kv_transfer_params the prefill server returned, kvx's own keys included), health
 #       checks every second (`--health-check-interval-secs 1`). Its Prometheus metrics (port 9320)
 #       must count every routed P/D request at the prefill and the decode server, and no error;
-#   kvx: `kvx router` (kvx-cli; its /metrics must count every routed request as done and none
+#   kvx: `kvx router` (kvx-router; its /metrics must count every routed request as done and none
 #       failed); 1 is the same (its old spelling);
 #   0: no router, the proxy steps in pd_check.py.
 # A router that does not start and become healthy fails the config. A router that mishandles the

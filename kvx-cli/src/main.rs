@@ -6,7 +6,6 @@ mod bench;
 mod demo;
 mod discovery;
 mod roles;
-mod router;
 mod soak;
 mod summary;
 mod workload;
@@ -34,7 +33,7 @@ enum Command {
     Decode(roles::DecodeArgs),
     /// An OpenAI-compatible HTTP router in front of vLLM prefill and decode servers: each
     /// completion goes to a prefill server, then with its KV to a decode server.
-    Router(router::RouterArgs),
+    Router(kvx_router::RouterArgs),
     /// READ bandwidth of scattered blocks per backend, transport and block size, each beside a
     /// baseline measured in the same run (memcpy of the same blocks; a TCP stream over TCP).
     Bench(bench::BenchArgs),
@@ -59,7 +58,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args).map(report),
         Command::Prefill(args) => roles::prefill(args).map(report),
         Command::Decode(args) => roles::decode(args).map(report),
-        Command::Router(args) => router::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Router(args) => kvx_router::run(args).map(|()| ExitCode::SUCCESS),
         Command::Bench(args) => bench::run(args).map(|()| ExitCode::SUCCESS),
         Command::Soak(args) => soak::run(args),
     };

@@ -1,4 +1,4 @@
-//! `kvx router`: an OpenAI-compatible HTTP proxy in front of several vLLM prefill servers and
+//! kvx-router, the `kvx router` command: an OpenAI-compatible HTTP proxy in front of several vLLM prefill servers and
 //! decode servers (xPyD), what vLLM's disaggregated-serving toy proxy does, with health checks,
 //! failover and bounds.
 //!
@@ -80,7 +80,7 @@ pub(crate) use server::Limits;
 
 /// `kvx router`'s options.
 #[derive(Debug, Args)]
-pub(crate) struct RouterArgs {
+pub struct RouterArgs {
     /// Address the OpenAI-compatible API listens on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -226,7 +226,7 @@ async fn shutdown_signal() -> Result<()> {
 }
 
 /// Runs `kvx router` until SIGINT or SIGTERM.
-pub(crate) fn run(args: &RouterArgs) -> Result<()> {
+pub fn run(args: &RouterArgs) -> Result<()> {
     let shared = Shared::new(args.config())?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
