@@ -185,7 +185,7 @@ static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
 
 #[test]
 fn stalled_large_uploads_stay_within_the_body_budget() {
-    in_child("router::tests::floods::stalled_large_uploads_stay_within_the_body_budget", stalled_uploads);
+    in_child("tests::floods::stalled_large_uploads_stay_within_the_body_budget", stalled_uploads);
 }
 
 async fn stalled_uploads() {
@@ -466,7 +466,7 @@ async fn ten_thousand_idle_or_half_sent_connections_do_not_keep_health_out() {
     let half_sent = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-le".to_vec();
     for shape in [Shape::Idle, Shape::Stalled(half_sent)] {
         let source = [127, 0, 0, 2].into();
-        let mut flood = ChildFlood::start("router::tests::floods::flood", target, source, &shape, N).unwrap();
+        let mut flood = ChildFlood::start("tests::floods::flood", target, source, &shape, N).unwrap();
         tokio::task::block_in_place(|| flood.wait_connected(LIMIT)).unwrap();
         let before = status_kib("VmRSS:");
         legit_while(&url, quiet, 20, &AtomicBool::new(true)).await;
