@@ -381,7 +381,11 @@ fn launch_prefill(backend: &str, args: &[&str], env: &[(&str, &str)]) -> (Child,
     let mut first = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
     let api = first.trim().rsplit(' ').next().unwrap().to_owned();
-    assert!(api.starts_with("tcp://"), "{first}");
+    if !api.starts_with("tcp://") {
+        // It printed no address: say why (its stderr) rather than only that.
+        let out = wait(child);
+        panic!("kvx prefill printed {first:?}, then exited {:?}: {}", out.status, text(&out.stderr));
+    }
     (child, api, first)
 }
 
