@@ -252,7 +252,7 @@ def main():
         decode.shutdown()
     new = not os.path.exists(args.csv)
     with open(args.csv, "a", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
+        w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
         if new:
             w.writeheader()
         w.writerows(rows)
