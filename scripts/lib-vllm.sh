@@ -259,6 +259,8 @@ start_router() { # config [prefill_port...]: the router (KVX_VLLM_ROUTER) in fro
     local cfg=$1 port prefills=()
     shift
     for port in "${@:-$P_PORT}"; do prefills+=(--prefill "http://127.0.0.1:$port"); done
+    # The previous config's router may still hold its ports for a moment after stop_all (bounded).
+    for _ in $(seq 1 40); do port_free "$R_PORT" && port_free "$R_METRICS" && break; sleep 0.25; done
     case $ROUTER in
         kvx)
             setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" "${prefills[@]}" \
