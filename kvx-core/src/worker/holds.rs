@@ -31,9 +31,8 @@ struct Hold {
     nonce: Nonce,
     /// The readers the first release announced, and those that released so far.
     readers: Option<u32>,
-    released: Vec<u32>,
-    /// Each reader's release's token (see [`Ended`]), for those that asked for an answer.
-    tokens: Vec<(u32, Nonce)>,
+    /// With each the token its release carried, if it asked for an answer (see [`Ended`]).
+    released: Vec<(u32, Option<Nonce>)>,
 }
 
 /// What the worker does for [`Holds`], in the order given.
@@ -71,7 +70,7 @@ struct Ended {
     /// reader, the same token, which is random for each READ) is answered "held": its first copy
     /// came while the hold was alive. Any other release, a replayed offer's READ included, is
     /// answered "not held": that READ may have copied reused blocks.
-    released: Vec<(u32, Nonce)>,
+    released: Vec<(u32, Option<Nonce>)>,
     /// Whether an answer went out for a late release.
     answered: bool,
 }
@@ -125,13 +124,7 @@ impl Holds {
         stats: &mut WorkerStats,
     ) -> Vec<HoldEffect> {
         let key = (held.request_id.clone(), held.nonce);
-        let hold = Hold {
-            until: now + self.lease,
-            nonce: held.nonce,
-            readers: None,
-            released: Vec::new(),
-            tokens: Vec::new(),
-        };
+        let hold = Hold { until: now + self.lease, nonce: held.nonce, readers: None, released: Vec::new() };
         self.due.push(hold.until, held.request_id.clone());
         self.live.insert(held.request_id.clone(), hold);
         let mut effects = Vec::new();
@@ -163,16 +156,15 @@ impl Holds {
             stats.rejected_notifications += 1;
             return;
         }
-        if hold.released.contains(&reader) {
+        if hold.released.iter().any(|&(r, _)| r == reader) {
             // A reader's second release: answered again (its first answer may have been lost),
             // counted as a duplicate.
             stats.stray_notifications += 1;
         } else {
-            hold.released.push(reader);
-            hold.tokens.extend(reply_to.as_ref().map(|r| (reader, r.token)));
+            hold.released.push((reader, reply_to.as_ref().map(|r| r.token)));
             stats.notifications += 1;
             if hold.released.len() as u32 >= readers {
-                let released = self.live.remove(&key.0).map(|h| h.tokens).unwrap_or_default();
+                let released = self.live.remove(&key.0).map(|h| h.released).unwrap_or_default();
                 effects.push(HoldEffect::Freed(key.0.clone()));
                 self.ended.insert(now, key.clone(), Ended { released, answered: false });
             }
@@ -217,7 +209,10 @@ impl Holds {
                 let asks = release.reply_to.is_some();
                 let held = self.ended.get_mut(&key).filter(|e| asks && !e.answered).map(|ended| {
                     ended.answered = true;
-                    release.reply_to.as_ref().is_some_and(|r| ended.released.contains(&(reader, r.token)))
+                    release
+                        .reply_to
+                        .as_ref()
+                        .is_some_and(|r| ended.released.contains(&(reader, Some(r.token))))
                 });
                 if let Some(held) = held {
                     effects.extend(self.answer(&key, release.reply_to, held, stats));

@@ -198,6 +198,7 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
     assert_eq!(renewed, [128, 128, 44]);
     assert_eq!(w.stats().renewals_sent, 300);
 }
+
 #[test]
 fn an_offer_of_another_instance_is_never_read_through_the_old_connection() {
     let posts = Arc::new(Mutex::new(vec![]));
