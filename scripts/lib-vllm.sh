@@ -205,23 +205,9 @@ waited() { # command...: runs it in the background and waits (so that the traps 
     return $rc
 }
 
-worker_stat() { # log field: the field of the log's last "kvx worker stats" line (0 if none)
-    python3 - "$1" "$2" <<'PY'
-import json, sys
-v = 0
-for line in open(sys.argv[1], errors="replace"):
-    i = line.find("kvx worker stats: ")
-    if i >= 0:
-        try:
-            v = json.loads(line[i + len("kvx worker stats: "):]).get(sys.argv[2], 0)
-        except ValueError:
-            pass
-print(v)
-PY
-}
-
 now_s() { date +%s.%N; }
 since() { python3 -c "print(round($(now_s)-$1,1))"; }
+
 wait_ready() { # config name port t0 -> prints seconds since t0, fails after READY_TIMEOUT_S
     local cfg=$1 name=$2 port=$3 t0=$4 now
     while true; do

@@ -107,6 +107,21 @@ ME=test-vllm OUT_NAME=vllm-test
 # shellcheck source=scripts/lib-vllm.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib-vllm.sh"
 
+worker_stat() { # log field: the field of the log's last "kvx worker stats" line (0 if none)
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+v = 0
+for line in open(sys.argv[1], errors="replace"):
+    i = line.find("kvx worker stats: ")
+    if i >= 0:
+        try:
+            v = json.loads(line[i + len("kvx worker stats: "):]).get(sys.argv[2], 0)
+        except ValueError:
+            pass
+print(v)
+PY
+}
+
 restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if a check failed
     # Runs in this shell (not in a command substitution): the restarted server's process group
     # must reach PGIDS, which the EXIT trap stops.
