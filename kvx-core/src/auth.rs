@@ -4,7 +4,8 @@
 //!   side-channel handshakes are challenge-response authenticated in both directions, and the
 //!   prefill engine MACs (HMAC-SHA256) the `kv_transfer_params` it hands out, so a decode engine
 //!   READs only blocks that a prefill engine of the deployment really offered.
-//! - [`Nonce`] is a 128-bit random value per held request. It travels in the params and comes
+//! - [`Nonce`] is 128 bits per held request: the hold's place in the order its engine made them
+//!   (64 bits, see [`nonce_place`]) and 64 unpredictable bits. It travels in the params and comes
 //!   back in the notification; a notification frees a hold only when its nonce matches, with or
 //!   without a key, so a forged or replayed request id frees nothing.
 //!
@@ -185,8 +186,9 @@ impl<'de, const N: usize> Deserialize<'de> for HexBytes<N> {
 }
 
 /// Where per-hold nonces come from: unpredictable (seeded from the OS) in an engine, or
-/// reproducible from a seed in simulations. Nonces are HMAC-SHA256 of a counter under a 32-byte
-/// seed, so knowing some nonces tells nothing of the others.
+/// reproducible from a seed in simulations. A nonce is a counter (its first 8 bytes, little-endian:
+/// [`nonce_place`]) and the first 8 bytes of HMAC-SHA256 of that counter under a 32-byte seed, so
+/// knowing some nonces tells nothing of the others' secret half.
 #[derive(Clone)]
 pub struct NonceSource {
     seed: AuthKey,
@@ -213,11 +215,22 @@ impl NonceSource {
     /// The next nonce.
     pub fn next_nonce(&mut self) -> Nonce {
         self.counter += 1;
-        let tag = self.seed.tag(Purpose::TransferParams, &[b"nonce", &self.counter.to_le_bytes()]);
+        let place = self.counter.to_le_bytes();
+        let tag = self.seed.tag(Purpose::TransferParams, &[b"nonce", &place]);
         let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&tag[..16]);
+        bytes[..8].copy_from_slice(&place);
+        bytes[8..].copy_from_slice(&tag[..8]);
         HexBytes(bytes)
     }
+}
+
+/// The place of `nonce` in the order its [`NonceSource`] made nonces: 1 for the first. A prefill
+/// engine's scheduler hands its holds to the workers in that order, so a worker that has been
+/// handed the hold at place `p` has been handed every earlier one (see the worker's holds).
+pub(crate) fn nonce_place(nonce: &Nonce) -> u64 {
+    let mut place = [0u8; 8];
+    place.copy_from_slice(&nonce.as_bytes()[..8]);
+    u64::from_le_bytes(place)
 }
 
 #[cfg(test)]
@@ -264,5 +277,16 @@ mod tests {
         for bad in ["", "00", &"g".repeat(32), &"0".repeat(33), "é0000000000000000000000000000000"] {
             assert_eq!(Nonce::parse(bad).unwrap_err().kind(), ErrorKind::InvalidPeerData, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_nonce_names_its_place_and_its_secret_half_depends_on_the_seed() {
+        let mut src = NonceSource::from_seed([7; 32]);
+        let (a, b) = (src.next_nonce(), src.next_nonce());
+        assert_eq!((nonce_place(&a), nonce_place(&b)), (1, 2));
+        let other = NonceSource::from_seed([8; 32]).next_nonce();
+        assert_eq!(nonce_place(&other), 1);
+        assert_ne!(other.as_bytes()[8..], a.as_bytes()[8..], "the same place under another seed");
+        assert_ne!(a.as_bytes()[8..], b.as_bytes()[8..]);
     }
 }

@@ -90,6 +90,11 @@ impl RecvRequest {
         self.remote_request_id.as_ref().unwrap_or(&self.request_id)
     }
 
+    /// The prefill engine's instance the params named, as its workers publish it.
+    pub fn prefill_instance(&self) -> Option<u64> {
+        self.remote_instance.map(|i| u64::from_le_bytes(*i.as_bytes()))
+    }
+
     /// The prefill engine's offer, as its MAC covers it (once the params carried a nonce).
     pub fn offer(&self) -> Option<Offer<'_>> {
         Some(Offer {
@@ -132,6 +137,11 @@ pub struct HoldRelease {
     /// engine has more ranks than the prefill engine): the hold ends with the last of them.
     #[serde(default = "one")]
     pub readers: u32,
+    /// The prefill engine's instance that the READ's params named (`None`: they named none). A
+    /// prefill worker of that instance that has not been handed the hold yet answers at once
+    /// (see CONTRACT.md, "The lease lifecycle").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<u64>,
 }
 
 fn one() -> u32 {

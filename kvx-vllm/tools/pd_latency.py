@@ -26,7 +26,7 @@ Phases of one request (ms), from the client's send to its first token:
     decode       -> first token at the client (the decode step: scheduling, the forward of the
                     last prompt token, sampling, output, the stream back through the router)
 
-The connector's share, as issue 14 defines it: ``prefill done -> READ posted`` (handoff +
+The connector's share, as kvx measures it: ``prefill done -> READ posted`` (handoff +
 d_queue + dispatch + admit + post), ``READ`` (read) and ``READ done -> reported to the scheduler`` (confirm +
 hand_back + to_scheduler); and the connector's own part of it, from its worker's step with the
 load to the scheduler learning it finished (admit + post + read + confirm + hand_back +

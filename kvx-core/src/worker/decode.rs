@@ -363,6 +363,7 @@ impl ConnectorWorker {
             reply_to,
             reader: rank,
             readers: load.readers,
+            instance: req.prefill_instance(),
         })?;
         let (local, remote) = req.read_pairs()?;
         let prefill_tp = req.remote_tp_size.unwrap_or(self.config.world_size);

@@ -35,6 +35,9 @@ pub(super) struct Early {
     pub(super) reader: u32,
     pub(super) readers: u32,
     pub(super) reply_to: Option<ReplyTo>,
+    /// Answered "held" when it came (its hold had not been handed to the worker yet): the hold
+    /// that comes frees it without answering again.
+    pub(super) answered: bool,
 }
 
 /// What keeping one release cost, in releases: `stray` were not kept (a reader's earlier release
@@ -177,7 +180,7 @@ mod tests {
     }
 
     fn early(reader: u32) -> Early {
-        Early { reader, readers: 2, reply_to: None }
+        Early { reader, readers: 2, reply_to: None, answered: false }
     }
 
     fn releases(per_sender: usize, max_senders: usize) -> EarlyReleases {

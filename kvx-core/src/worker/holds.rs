@@ -5,6 +5,18 @@
 //! the hold was still alive: the release comes only after the READ completed, so "held" means
 //! the lease covered the whole READ.
 //!
+//! A release can come before the worker is handed its hold: vLLM hands a finished request's hold
+//! to the workers in the metadata of a later engine step, and a prefill engine's step can last
+//! seconds. Waiting for it would couple the decode engine's first token to the prefill engine's
+//! forward passes, so a release that names this worker's instance is placed by its nonce (see
+//! [`nonce_place`]): the scheduler hands holds over in the order it made their nonces, so a hold
+//! placed after the last one handed over has not come yet. Its blocks cannot have been freed
+//! (only this worker frees them, and only once it has the hold), so the READ, which ended before
+//! its release was sent, read them intact: "held" goes out at once and the release waits for its
+//! hold. A hold placed before it came and is gone: "not held" at once. These early answers go
+//! only to decode workers already connected at the instance they name: a release that does not
+//! name a live hold makes this engine handshake with nobody.
+//!
 //! [`Holds`] keeps that state with no I/O: its methods take the events (a hold from the
 //! scheduler, a release, a heartbeat, the time) and return [`HoldEffect`]s, which the worker
 //! carries out (reporting a hold freed, answering a release).
@@ -17,7 +29,7 @@ use super::deadlines::Deadlines;
 use super::early::{Early, EarlyReleases};
 use super::ttl::{Key, TtlMap};
 use super::{ConnectorWorker, WorkerConfig, WorkerStats};
-use crate::auth::Nonce;
+use crate::auth::{Nonce, nonce_place};
 use crate::ids::{AgentName, EngineId, RequestId};
 use crate::meta::{HeldRequest, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
 use crate::params::MAX_ID_LEN;
@@ -50,6 +62,10 @@ pub(super) enum HoldEffect {
 pub(super) struct Holds {
     /// This engine: an answer is never sent to it.
     engine_id: EngineId,
+    /// This worker's instance: releases naming it are placed by their nonce.
+    instance: u64,
+    /// The place of the last hold handed to this worker ([`nonce_place`]), 0 before the first.
+    handed: u64,
     lease: Duration,
     live: HashMap<RequestId, Hold>,
     /// When the live holds' leases run out.
@@ -76,9 +92,11 @@ struct Ended {
 }
 
 impl Holds {
-    pub(super) fn new(config: &WorkerConfig) -> Self {
+    pub(super) fn new(config: &WorkerConfig, instance: u64) -> Self {
         Holds {
             engine_id: config.engine_id.clone(),
+            instance,
+            handed: 0,
             lease: config.lease_duration,
             live: HashMap::new(),
             due: Deadlines::default(),
@@ -124,6 +142,7 @@ impl Holds {
         stats: &mut WorkerStats,
     ) -> Vec<HoldEffect> {
         let key = (held.request_id.clone(), held.nonce);
+        self.handed = self.handed.max(nonce_place(&held.nonce));
         let hold = Hold { until: now + self.lease, nonce: held.nonce, readers: None, released: Vec::new() };
         self.due.push(hold.until, held.request_id.clone());
         self.live.insert(held.request_id.clone(), hold);
@@ -146,7 +165,7 @@ impl Holds {
         &mut self,
         now: Instant,
         key: &Key,
-        Early { reader, readers, reply_to }: Early,
+        Early { reader, readers, reply_to, answered }: Early,
         stats: &mut WorkerStats,
         effects: &mut Vec<HoldEffect>,
     ) {
@@ -169,15 +188,20 @@ impl Holds {
                 self.ended.insert(now, key.clone(), Ended { released, answered: false });
             }
         }
-        effects.extend(self.answer(key, reply_to, true, stats));
+        if !answered {
+            effects.extend(self.answer(key, reply_to, true, stats));
+        }
     }
 
     /// A release from `from` (the agent the transport names as the notification's sender).
+    /// `connected` tells whether a decode worker is connected at the instance its [`ReplyTo`]
+    /// names: only those get an answer before their hold comes (see the module's documentation).
     pub(super) fn release(
         &mut self,
         now: Instant,
         from: &AgentName,
         release: HoldRelease,
+        connected: impl Fn(&ReplyTo) -> bool,
         stats: &mut WorkerStats,
     ) -> Vec<HoldEffect> {
         let mut effects = Vec::new();
@@ -193,7 +217,7 @@ impl Holds {
         let key = (release.request_id, release.nonce);
         match self.live.get(&key.0) {
             Some(hold) if hold.nonce == key.1 => {
-                let early = Early { reader, readers, reply_to: release.reply_to };
+                let early = Early { reader, readers, reply_to: release.reply_to, answered: false };
                 self.release_live(now, &key, early, stats, &mut effects)
             }
             Some(_) => {
@@ -219,14 +243,42 @@ impl Holds {
                 }
             }
             None => {
-                stats.early_notifications += 1;
-                let early = Early { reader, readers, reply_to: release.reply_to };
-                let kept = self.early.insert(now, from, key, early);
-                stats.stray_notifications += kept.stray;
-                stats.early_notifications_dropped += kept.dropped;
+                let mut early = Early { reader, readers, reply_to: release.reply_to, answered: false };
+                let connected = early.reply_to.as_ref().is_some_and(connected);
+                match self.not_handed_yet(&key.1, release.instance) {
+                    Some(false) => {
+                        // Handed over before, and ended longer ago than ended holds are kept (or
+                        // never a hold of this worker): it will not come again.
+                        stats.stray_notifications += 1;
+                        if connected {
+                            let answer = self.answer(&key, early.reply_to, false, stats);
+                            stats.early_answers += u64::from(answer.is_some());
+                            effects.extend(answer);
+                        }
+                    }
+                    not_yet => {
+                        if not_yet == Some(true) && connected {
+                            let answer = self.answer(&key, early.reply_to.clone(), true, stats);
+                            early.answered = answer.is_some();
+                            stats.early_answers += u64::from(early.answered);
+                            effects.extend(answer);
+                        }
+                        stats.early_notifications += 1;
+                        let kept = self.early.insert(now, from, key, early);
+                        stats.stray_notifications += kept.stray;
+                        stats.early_notifications_dropped += kept.dropped;
+                    }
+                }
             }
         }
         effects
+    }
+
+    /// For a release naming `instance` of a hold with `nonce` that is neither live nor recently
+    /// ended: whether that hold is yet to be handed to this worker (`Some(false)`: it was handed
+    /// over and is gone), or `None` when the release names another instance or none.
+    fn not_handed_yet(&self, nonce: &Nonce, instance: Option<u64>) -> Option<bool> {
+        (instance == Some(self.instance)).then(|| nonce_place(nonce) > self.handed)
     }
 
     /// The answer to the decode worker that asked, if it can be sent.
@@ -285,7 +337,7 @@ impl Holds {
     pub(super) fn close(&mut self, config: &WorkerConfig) -> Vec<RequestId> {
         let mut ended: Vec<RequestId> = self.live.drain().map(|(id, _)| id).collect();
         ended.sort();
-        *self = Holds::new(config);
+        *self = Holds::new(config, self.instance);
         ended
     }
 }

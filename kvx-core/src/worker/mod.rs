@@ -27,7 +27,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exchange::PeerLocator;
 use crate::ids::{EngineId, RequestId};
 use crate::layout::{AttentionKind, KvCacheLayout, LayerCache};
-use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases};
+use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
 use crate::params::RemoteCoordinates;
 use crate::tp::HeadSplit;
 use crate::transfer::{BlockList, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
@@ -253,7 +253,7 @@ impl ConnectorWorker {
             Some(i) => i,
             None => u64::from_le_bytes(crate::auth::random_bytes()?),
         };
-        let holds = Holds::new(&config);
+        let holds = Holds::new(&config, instance);
         let loads = Loads::new(&config);
         let peers = Peers::new(&config);
         Ok(ConnectorWorker {
@@ -488,7 +488,12 @@ impl ConnectorWorker {
                 Ok((MessageKind::HoldRelease, m)) => m
                     .decode::<HoldRelease>()
                     .map(|r| {
-                        let effects = self.holds.release(now, &n.from, r, &mut self.stats);
+                        let peers = &self.peers;
+                        let connected = |to: &ReplyTo| {
+                            let peer = (to.engine.engine_id.clone(), to.rank);
+                            peers.ready(&peer).is_some_and(|c| c.instance == to.instance)
+                        };
+                        let effects = self.holds.release(now, &n.from, r, connected, &mut self.stats);
                         self.apply_holds(now, effects);
                     })
                     .is_ok(),

@@ -189,6 +189,11 @@ worker_stats! {
             expired_holds => "holds_expired": "Prefill side: holds freed because their lease ran out",
             /// Prefill side: answers sent to decode workers ("held" or "not held").
             hold_answers => "hold_answers": "Prefill side: answers sent to decode workers (held or not held)",
+            /// Prefill side: answers to releases whose hold this worker had not been handed yet
+            /// ("held") or had been handed and forgotten ("not held"), sent without waiting for
+            /// the hold. Each is also counted in `hold_answers` once sent.
+            early_answers => "hold_answers_early":
+                "Prefill side: answers sent at once to releases that came before their hold (or long after it)",
             /// Messages for a peer dropped because its handshake failed or the send failed.
             unsent_messages => "messages_unsent":
                 "Messages for a peer dropped because its handshake failed or the send failed",

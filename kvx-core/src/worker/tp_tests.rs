@@ -369,7 +369,8 @@ fn release(reader: u32, readers: u32, asks: bool) -> Notification {
         instance: 3,
         token: crate::auth::HexBytes([reader as u8; 16]),
     });
-    let msg = HoldRelease { request_id: "r".into(), nonce: nonce(), reply_to, reader, readers };
+    let msg =
+        HoldRelease { request_id: "r".into(), nonce: nonce(), reply_to, reader, readers, instance: None };
     Notification { from: format!("decode{reader}").into(), msg: wire::encode(&msg).unwrap() }
 }
 

@@ -203,6 +203,7 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 reply_to: None,
                 reader: 0,
                 readers: 1,
+                instance: None,
             },
         ),
         (
@@ -213,6 +214,7 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 reply_to: None,
                 reader: 0,
                 readers: 1,
+                instance: None,
             },
         ),
         (
@@ -228,6 +230,7 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 }),
                 reader: 3,
                 readers: 4,
+                instance: Some(0x0fed_cba9_8765_4321),
             },
         ),
         (
@@ -243,6 +246,7 @@ pub(crate) fn hold_release_samples() -> Vec<(&'static str, HoldRelease)> {
                 }),
                 reader: u32::MAX,
                 readers: u32::MAX,
+                instance: Some(u64::MAX),
             },
         ),
     ]

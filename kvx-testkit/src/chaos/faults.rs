@@ -373,6 +373,7 @@ pub(super) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
             reply_to: None,
             reader: 0,
             readers: 1,
+            instance: None,
         })),
         2 => {
             if let Ok(real) = wire::decode::<HoldRelease>(msg) {
@@ -480,6 +481,7 @@ mod tests {
                 reply_to,
                 reader: 0,
                 readers: 1,
+                instance: None,
             })
             .unwrap()
         };
@@ -504,6 +506,7 @@ mod tests {
             reply_to: None,
             reader: 0,
             readers: 1,
+            instance: None,
         };
         let msg = wire::encode(&real).unwrap();
         let mut kinds = [0; 3];

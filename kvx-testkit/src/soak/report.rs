@@ -69,6 +69,8 @@ pub struct ProtocolCounts {
     pub released_holds: u64,
     /// Holds released because their lease ran out.
     pub expired_holds: u64,
+    /// Releases answered at once, before their hold came or long after it ended.
+    pub early_answers: u64,
     /// Notifications that matched no hold, or did not decode.
     pub stray_notifications: u64,
     /// Notifications refused for a wrong nonce.
@@ -92,6 +94,7 @@ impl ProtocolCounts {
         self.failed_loads += w.failed_loads;
         self.released_holds += w.notifications;
         self.expired_holds += w.expired_holds;
+        self.early_answers += w.early_answers;
         self.stray_notifications += w.stray_notifications;
         self.rejected_notifications += w.rejected_notifications;
     }
@@ -265,7 +268,13 @@ impl fmt::Display for SoakReport {
             ),
             ("handshakes", format!("{} ({} failed)", pc.handshakes, pc.handshake_failures)),
             ("READs", format!("{} posted, {} loads failed (per rank)", pc.reads, pc.failed_loads)),
-            ("holds", format!("{} released, {} expired", pc.released_holds, pc.expired_holds)),
+            (
+                "holds",
+                format!(
+                    "{} released, {} expired, {} releases answered before their hold came (or long after)",
+                    pc.released_holds, pc.expired_holds, pc.early_answers
+                ),
+            ),
             (
                 "notifications",
                 format!(

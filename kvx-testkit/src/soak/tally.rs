@@ -239,6 +239,7 @@ fn figures(r: &SoakReport) -> Vec<u64> {
         p.failed_loads,
         p.released_holds,
         p.expired_holds,
+        p.early_answers,
         p.stray_notifications,
         p.rejected_notifications,
         p.blocks_verified,

@@ -398,7 +398,7 @@ impl Loads {
             }
             debug!(request_id = %key.request_id, "the engine restarted: posting the READ again to its new instance");
         }
-        if let Some(want) = load.req.remote_instance.map(|i| u64::from_le_bytes(*i.as_bytes())) {
+        if let Some(want) = load.req.prefill_instance() {
             if want != instance {
                 let engine_id = &peer.0;
                 if load.rehandshaken {
@@ -478,6 +478,7 @@ impl Loads {
 pub(super) fn free_at_once(req: &RecvRequest, reader: u32, readers: u32) -> Option<Vec<u8>> {
     let nonce = req.nonce?;
     let request_id = req.prefill_request_id().clone();
-    let release = HoldRelease { request_id, nonce, reply_to: None, reader, readers };
+    let instance = req.prefill_instance();
+    let release = HoldRelease { request_id, nonce, reply_to: None, reader, readers, instance };
     wire::encode(&release).map_err(|e| debug!(error = %e, "encoding a release failed")).ok()
 }

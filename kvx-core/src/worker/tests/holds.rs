@@ -97,6 +97,48 @@ fn a_release_is_answered_held_only_while_the_lease_lives() {
 }
 
 #[test]
+fn a_release_that_comes_before_its_hold_is_answered_without_waiting_for_the_engine() {
+    // vLLM hands a finished request's hold to the workers in a later step's metadata; a READ can
+    // end before it. The answer must not wait for that step (it can last seconds).
+    let (mut w, inbox, sent) = answering_prefill(config(0));
+    let now = Instant::now();
+    let mut nonces = crate::auth::NonceSource::from_seed([3; 32]);
+    let hold = |id: &str, nonce| ConnectorMetadata {
+        reqs_to_send: vec![HeldRequest { request_id: id.into(), nonce }],
+        ..Default::default()
+    };
+    let (first, second, third) = (nonces.next_nonce(), nonces.next_nonce(), nonces.next_nonce());
+    let me = Some(w.instance());
+    // The decode worker's first release comes after its hold: answered once handshaken.
+    w.start_load_kv(now, &hold("first", first));
+    inbox.lock().unwrap().push(release_naming("first", first, 7, me));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("first")]);
+    assert!(matches!(w.poll_command(), Some(WorkerCommand::FetchHandshake(_))));
+    w.handle_handshake(now, &"decode".into(), 0, Ok(decode_payload(7)));
+    // The second READ's release comes before its hold: "held" at once, and the hold, when it
+    // comes, is freed at once and answered no more.
+    inbox.lock().unwrap().push(release_naming("second", second, 7, me));
+    assert!(w.get_finished(now).is_empty());
+    assert_eq!(answers(&sent), [("first".to_owned(), true), ("second".to_owned(), true)]);
+    assert_eq!(w.stats().early_answers, 1);
+    w.start_load_kv(now, &hold("second", second));
+    assert_eq!(w.get_finished(now).sending, vec![RequestId::new("second")]);
+    assert_eq!(answers(&sent).len(), 2);
+    // A release naming another instance of this engine waits for its hold (none comes here).
+    let other = Some(w.instance() ^ 1);
+    inbox.lock().unwrap().push(release_naming("third", third, 7, other));
+    assert!(w.get_finished(now).is_empty());
+    assert_eq!((answers(&sent).len(), w.stats().early_answers), (2, 1));
+    // A release of the first hold again, from a READ of its replayed offer, once the first hold
+    // is forgotten: "not held" at once.
+    let forgotten = now + 2 * w.config().lease_duration.max(w.config().early_release_ttl);
+    assert!(w.get_finished(forgotten).is_empty());
+    inbox.lock().unwrap().push(release_naming("first", first, 7, me));
+    w.get_finished(forgotten);
+    assert_eq!(answers(&sent).last(), Some(&("first".to_owned(), false)));
+}
+
+#[test]
 fn heartbeats_with_the_right_nonce_extend_a_lease() {
     let (mut w, inbox, _) = answering_prefill(config(0));
     let now = Instant::now();

@@ -168,6 +168,7 @@ fn release(id: &str) -> Vec<u8> {
         reply_to: None,
         reader: 0,
         readers: 1,
+        instance: None,
     })
     .unwrap()
 }
@@ -272,6 +273,12 @@ fn prefill_worker(config: WorkerConfig) -> (ConnectorWorker, Arc<Mutex<Vec<Notif
 
 /// A release from decode worker `instance` that asks for an answer.
 fn release_asking(id: &str, instance: u64) -> Notification {
+    release_naming(id, nonce_of(id), instance, None)
+}
+
+/// A release of the hold `id` with `nonce` from decode worker `instance` that asks for an answer
+/// and names the prefill instance `prefill`.
+fn release_naming(id: &str, nonce: Nonce, instance: u64, prefill: Option<u64>) -> Notification {
     let reply_to = Some(ReplyTo {
         engine: decode_side_channel(),
         rank: 0,
@@ -281,10 +288,11 @@ fn release_asking(id: &str, instance: u64) -> Notification {
     notif(
         &wire::encode(&HoldRelease {
             request_id: id.into(),
-            nonce: nonce_of(id),
+            nonce,
             reply_to,
             reader: 0,
             readers: 1,
+            instance: prefill,
         })
         .unwrap(),
     )

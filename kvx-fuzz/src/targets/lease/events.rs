@@ -54,6 +54,16 @@ impl Session {
         Some(ReplyTo { engine, rank: 0, instance, token: kvx_core::HexBytes([src.u8(); 16]) })
     }
 
+    /// A release of `request_id` under `nonce` by someone who knows the offer: asking for an
+    /// answer somewhere, naming no prefill instance, the prefill rank's own (so that it may be
+    /// answered before its hold comes) or another.
+    fn forged_release(&self, src: &mut ByteSource<'_>, request_id: RequestId, nonce: Nonce) -> HoldRelease {
+        let reply_to = self.pick_reply_to(src);
+        let own = self.prefill.worker.instance();
+        let instance = [None, Some(own), Some(own ^ 1)][src.below(3)];
+        HoldRelease { request_id, nonce, reply_to, reader: 0, readers: 1, instance }
+    }
+
     pub(super) fn event(&mut self, src: &mut ByteSource<'_>) {
         match src.below(8) {
             0 => {
@@ -74,11 +84,7 @@ impl Session {
                 let nonce = self.pick_nonce(src, load);
                 // Released by someone who knows the offer, asking for the answer at the decode
                 // engine: the answer carries this release's token, not the READ's.
-                let reply_to = self.pick_reply_to(src);
-                let msg = must(
-                    wire::encode(&HoldRelease { request_id, nonce, reply_to, reader: 0, readers: 1 }),
-                    "encoding",
-                );
+                let msg = must(wire::encode(&self.forged_release(src, request_id, nonce)), "encoding");
                 let from_peer = src.below(4) == 3;
                 self.send(To::Prefill, from_peer, &msg);
             }
@@ -134,13 +140,7 @@ impl Session {
                             token: kvx_core::HexBytes([src.u8(); 16]),
                         }),
                     ),
-                    1 => {
-                        let reply_to = self.pick_reply_to(src);
-                        (
-                            To::Decode,
-                            wire::encode(&HoldRelease { request_id, nonce, reply_to, reader: 0, readers: 1 }),
-                        )
-                    }
+                    1 => (To::Decode, wire::encode(&self.forged_release(src, request_id, nonce))),
                     _ => (
                         To::Decode,
                         wire::encode(&RenewLeases { holds: vec![HeldRequest { request_id, nonce }] }),

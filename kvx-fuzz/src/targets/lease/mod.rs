@@ -22,7 +22,8 @@ const MAX_EVENTS: usize = 48;
 /// confirmation timeout) with both ranks stepping, heartbeats from the decode scheduler, and
 /// notifications from a third agent on the fabric (or from the peers themselves): releases (of
 /// any hold, any nonce, with `reply_to` naming the decode engine, another instance of it, the
-/// prefill engine itself, a huge host, the last port, an unreachable engine), heartbeats
+/// prefill engine itself, a huge host, the last port, an unreachable engine; naming the prefill
+/// rank's instance, another or none, so that some are answered before their hold), heartbeats
 /// (thousands of holds, wrong nonces), hold answers (unknown nonces, other requests, either
 /// way), garbage, messages of other kinds and versions, each to either rank.
 ///
@@ -32,7 +33,9 @@ const MAX_EVENTS: usize = 48;
 /// answers a third agent or the prefill agent itself sent); every load is reported once, every
 /// hold freed once;
 /// both ranks end idle; the counters agree with what was sent (notifications, expired holds,
-/// renewals, rejected releases and answers exactly; stray notifications within bounds), and
+/// renewals, rejected releases and answers to live or ended holds exactly; answers sent before a
+/// hold came at most one per release naming the prefill rank's instance; stray notifications
+/// within bounds), and
 /// the prefill rank handshakes only to send an answer; at every step neither rank keeps more
 /// unanswered releases than its buffer holds.
 pub fn worker_lease_notifications(data: &[u8]) {

@@ -33,6 +33,8 @@ pub(super) fn kind(msg: &[u8]) -> Kind {
 #[derive(Debug, Default)]
 pub(super) struct Model {
     pub(super) lease: Duration,
+    /// The prefill rank's instance: releases naming it may be answered before their hold.
+    instance: u64,
     pub(super) live: HashMap<RequestId, (Nonce, Instant)>,
     /// Holds that ended (released or expired), until they are forgotten, and whether a release
     /// asking for an answer came since (an ended hold is answered once).
@@ -43,14 +45,17 @@ pub(super) struct Model {
     pub(super) renewed: u64,
     pub(super) rejected: u64,
     pub(super) answers: u64,
+    /// Releases the prefill rank may answer at once (they name its instance and ask for an
+    /// answer, and the model answers them not): at least as many as its early answers.
+    pub(super) early_candidates: u64,
     /// Notifications it drained: releases and others (heartbeats aside).
     pub(super) releases_and_others: u64,
 }
 
 impl Model {
-    /// A model of leases of `lease`, with no hold yet.
-    pub(super) fn new(lease: Duration) -> Self {
-        Model { lease, ..Model::default() }
+    /// A model of leases of `lease` at the prefill rank of `instance`, with no hold yet.
+    pub(super) fn new(lease: Duration, instance: u64) -> Self {
+        Model { lease, instance, ..Model::default() }
     }
 
     /// One `get_finished(now)` of the prefill rank, which drained `drained`: what it must free.
@@ -83,10 +88,13 @@ impl Model {
                             _ => false,
                         },
                     };
+                    let answerable = r.reply_to.as_ref().is_some_and(|to| {
+                        to.engine.check().is_ok() && to.engine.engine_id.as_str() != PREFILL
+                    });
                     if answer {
-                        self.answers += u64::from(r.reply_to.as_ref().is_some_and(|to| {
-                            to.engine.check().is_ok() && to.engine.engine_id.as_str() != PREFILL
-                        }));
+                        self.answers += u64::from(answerable);
+                    } else if answerable && r.instance == Some(self.instance) {
+                        self.early_candidates += 1;
                     }
                 }
                 Kind::Renew(renew) => {

@@ -91,8 +91,14 @@ const OTHER_NONCE: Nonce = kvx_core::HexBytes([0xa5; 16]);
 /// Releases: of each hold, with the wrong nonce, of no hold (it comes before its hold), and
 /// hostile variants; then bare request ids (what kvx sent before nonces), and other bytes.
 pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
-    let release =
-        |id: &str, nonce| HoldRelease { request_id: id.into(), nonce, reply_to: None, reader: 0, readers: 1 };
+    let release = |id: &str, nonce| HoldRelease {
+        request_id: id.into(),
+        nonce,
+        reply_to: None,
+        reader: 0,
+        readers: 1,
+        instance: None,
+    };
     let samples = vec![
         ("releases-a-hold", release("req-0", NONCE)),
         ("releases-a-vllm-hold", release("cmpl-7f3a-0", OTHER_NONCE)),
