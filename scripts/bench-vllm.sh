@@ -8,8 +8,9 @@
 #   KVX_BENCH_PREFILLS=2 scripts/bench-vllm.sh # 2P1D (two prefill servers behind the router)
 #   KVX_BENCH_SHORT=1 scripts/bench-vllm.sh    # the test command's slice (the CSV's shape)
 #
-# Configs (KVX_BENCH_CONFIGS): single (one vLLM server, no connector: the baseline), kvx-ucx and
-# kvx-nixl (kvx's connector; kvx-nixl with a shared key and etcd discovery, as in test-vllm.sh),
+# Configs (KVX_BENCH_CONFIGS): single (one vLLM server, no connector: the baseline), kvx-ucx,
+# kvx-nixl and kvx-tcp (kvx's connector; kvx-nixl with a shared key and etcd discovery, as in
+# test-vllm.sh),
 # nixl-noprog and nixl-default (vLLM's NixlConnector, NIXL's progress thread off / as shipped).
 # The servers, the router and every setting they share with scripts/test-vllm.sh come from
 # scripts/lib-vllm.sh (KVX_VLLM_ROUTER, KVX_VLLM_PORT_OFFSET, KVX_VLLM_VENV, ...).
@@ -93,7 +94,7 @@ PY
 status=0
 for cfg in $CONFIGS; do
     echo "=== $cfg"
-    case $cfg in single | kvx-ucx | kvx-nixl | nixl-noprog | nixl-default) ;;
+    case $cfg in single | kvx-ucx | kvx-nixl | kvx-tcp | nixl-noprog | nixl-default) ;;
         *) echo "bench-vllm: unknown config $cfg" >&2; status=1; continue ;;
     esac
     t0=$(now_s)

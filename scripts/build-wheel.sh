@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kvx's vLLM connector as ONE wheel: the Python package kvx_vllm (kvx-vllm/python/kvx_vllm)
-# and its native module kvx_vllm_native (kvx-vllm/native, both backends: kvx-ucx and kvx-nixl),
+# and its native module kvx_vllm_native (kvx-vllm/native, every backend: kvx-ucx, kvx-nixl, kvx-tcp),
 # with maturin's mixed Rust/Python layout (kvx-vllm/pyproject.toml). The wheel goes to
 # ${CARGO_TARGET_DIR:-target}/wheels/; its path is the last line this script prints.
 #

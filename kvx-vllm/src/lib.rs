@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 pub use affinity::unpinned;
 pub use memory::TensorMemory;
-pub use scheduler::{Scheduler, side_channel_host_warning, vllm_block_groups};
+pub use scheduler::{Scheduler, auth_key, side_channel_host_warning, vllm_block_groups};
 pub use worker::{Worker, WorkerOptions};
 
 /// Adds kvx-vllm's classes, `side_channel_host_warning`, `vllm_block_groups` and the keys of

@@ -83,7 +83,7 @@ pub(crate) fn lease_duration(secs: f64) -> PyResult<std::time::Duration> {
 }
 
 /// The deployment's shared key, from `kv_connector_extra_config["auth_key"]` or `KVX_AUTH_KEY`.
-pub(crate) fn auth_key(key: Option<&str>) -> PyResult<Option<AuthKey>> {
+pub fn auth_key(key: Option<&str>) -> PyResult<Option<AuthKey>> {
     key.filter(|k| !k.is_empty()).map(AuthKey::new).transpose().map_err(py_err)
 }
 

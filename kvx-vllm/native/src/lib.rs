@@ -1,20 +1,21 @@
-//! The `kvx_vllm_native` extension module: kvx-vllm's classes, and workers over a kvx-ucx or a
-//! kvx-nixl agent, chosen by name. One process may use both: kvx-ucx-sys loads Debian's UCX apart
-//! from the UCX bundled in NIXL's wheel (the wheel's `libnixl_capi.so` must be loadable for
-//! `nixl`).
+//! The `kvx_vllm_native` extension module: kvx-vllm's classes, and workers over a kvx-ucx, a
+//! kvx-nixl or a kvx-tcp agent, chosen by name. One process may use both native ones: kvx-ucx-sys
+//! loads Debian's UCX apart from the UCX bundled in NIXL's wheel (the wheel's `libnixl_capi.so`
+//! must be loadable for `nixl`); kvx-tcp needs no library.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::TransferAgent;
 use kvx_nixl::{NixlAgent, NixlConfig};
+use kvx_tcp::{TcpAgent, TcpConfig};
 use kvx_ucx::{ProgressThreadConfig, UcxAgent, UcxConfig};
-use kvx_vllm::{Worker, WorkerOptions, py_err, unpinned};
+use kvx_vllm::{Worker, WorkerOptions, auth_key, py_err, unpinned};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 /// The backends `create_worker` takes.
-const BACKENDS: [&str; 2] = ["ucx", "nixl"];
+const BACKENDS: [&str; 3] = ["ucx", "nixl", "tcp"];
 
 /// A worker-side connector over an agent of `backend`.
 ///
@@ -24,10 +25,15 @@ const BACKENDS: [&str; 2] = ["ucx", "nixl"];
 /// - `nixl` (UCX plugin): `progress_thread` is NIXL's progress thread (it busy-spins a core; kvx
 ///   progresses the agent in every step), pausing `progress_delay_us` between rounds;
 ///   `num_threads`: the UCX backend's thread-pool engine (NIXL's `num_threads`; 0: none).
+/// - `tcp` (kvx-tcp, plain TCP, nothing to install): the agent listens on the side channel's host
+///   at a free port, which its handshake payload names, and authenticates peers with the
+///   deployment's key like the side channel; `connections`: connections per peer (0: kvx-tcp's
+///   default). Its I/O threads serve READs of this engine's memory whether or not the engine
+///   steps.
 ///
-/// An option of the other backend is refused (`ValueError`), as is an unknown backend.
+/// An option of another backend is refused (`ValueError`), as is an unknown backend.
 #[pyfunction]
-#[pyo3(signature = (options, backend, progress_thread = false, transports = None, progress_delay_us = 0, num_threads = 0))]
+#[pyo3(signature = (options, backend, progress_thread = false, transports = None, progress_delay_us = 0, num_threads = 0, connections = 0))]
 fn create_worker(
     options: &WorkerOptions,
     backend: &str,
@@ -35,8 +41,12 @@ fn create_worker(
     transports: Option<String>,
     progress_delay_us: u64,
     num_threads: u32,
+    connections: usize,
 ) -> PyResult<Worker> {
     let name = format!("{}-{}", options.engine_id, options.rank);
+    if backend != "tcp" && connections != 0 {
+        return Err(PyValueError::new_err("connections is tcp's option"));
+    }
     let agent: Arc<dyn TransferAgent> = match backend {
         "ucx" => {
             if progress_delay_us != 0 || num_threads != 0 {
@@ -64,6 +74,21 @@ fn create_worker(
                 .with_threads(num_threads);
             // NIXL starts its threads here: off the engine thread's CPU pinning.
             Arc::new(unpinned(|| NixlAgent::new(name, &config))?.map_err(py_err)?)
+        }
+        "tcp" => {
+            if progress_thread || transports.is_some() || progress_delay_us != 0 || num_threads != 0 {
+                return Err(PyValueError::new_err(
+                    "progress_thread, transports, progress_delay_us and num_threads are ucx's and nixl's options",
+                ));
+            }
+            let mut config = TcpConfig::default()
+                .with_host(options.side_channel_host.clone(), None)
+                .with_auth_key(auth_key(options.auth_key.as_deref())?);
+            if connections != 0 {
+                config = config.with_connections(connections);
+            }
+            // Its I/O threads start here: off the engine thread's CPU pinning.
+            Arc::new(unpinned(|| TcpAgent::with_config(name, &config))?.map_err(py_err)?)
         }
         other => {
             return Err(PyValueError::new_err(format!(

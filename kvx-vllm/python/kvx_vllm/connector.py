@@ -10,7 +10,9 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
 
 ``kv_connector_extra_config`` keys (all optional):
 
-- ``backend``: ``"ucx"`` (default) or ``"nixl"``.
+- ``backend``: ``"ucx"`` (default), ``"nixl"``, or ``"tcp"`` (kvx-tcp: plain TCP in pure Rust,
+  nothing to install; each worker's agent listens on ``side_channel_host`` at a free port and
+  authenticates peers with ``auth_key``; for hosts without RDMA).
 - ``side_channel_host`` / ``side_channel_port``: where each worker serves its handshake payload
   (rank ``r`` binds ``port + r``), also advertised to decode engines. Fallbacks: the environment
   variables ``KVX_SIDE_CHANNEL_HOST`` / ``KVX_SIDE_CHANNEL_PORT``, then ``127.0.0.1`` / ``5700``.
@@ -28,6 +30,7 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
   with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
   an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
 - ``ucx_transports``: ``UCX_TLS`` for kvx-ucx's agent only.
+- ``tcp_connections``: connections kvx-tcp opens to each peer (default: kvx-tcp's, 4).
 - ``num_threads``: threads of NIXL's UCX thread-pool engine for ``nixl`` (default 4, as vLLM's
   NixlConnector; 0 for NIXL's single-worker engine).
 - ``handshake_timeout``: seconds (default 30: a first connection inside a busy engine can take
@@ -99,7 +102,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuration
 
-_BACKENDS = ("ucx", "nixl")
+_BACKENDS = ("ucx", "nixl", "tcp")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
 
@@ -473,6 +476,9 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = native.create_worker(
                 options, "ucx", progress_thread=progress, transports=extra.get("ucx_transports")
             )
+        elif self._backend == "tcp":
+            # kvx-tcp serves READs on its own threads: no progress thread to choose.
+            self._worker = native.create_worker(options, "tcp", connections=int(extra.get("tcp_connections", 0)))
         else:
             self._worker = native.create_worker(
                 options,
