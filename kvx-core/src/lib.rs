@@ -37,7 +37,7 @@ pub use post::{BlockPlan, BlockPostRequest, PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{
     BlockList, BlockPost, Capabilities, DlistId, DlistOwner, MAX_NOTIFICATION_LEN, Notification,
-    RegionBlocks, RegistrationId, TransferAgent, XferId, XferOp, XferState,
+    NotificationWaker, RegionBlocks, RegistrationId, TransferAgent, XferId, XferOp, XferState,
 };
 pub use worker::{
     AggregatorLimits, AggregatorStats, ConnectorWorker, FinishedAggregator, Histogram, LoadTimes, Samples,

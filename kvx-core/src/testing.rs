@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::{
     AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, Error, KvMemory, Notification,
-    RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    NotificationWaker, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 /// A [`TransferAgent`] that accepts everything, moves nothing and completes nothing: every
@@ -276,6 +276,10 @@ impl<A: TransferAgent + ?Sized> TransferAgent for Recording<A> {
     fn progress(&self) -> Result<()> {
         Self::count(&self.passes);
         self.inner.progress()
+    }
+
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        self.inner.wake_on_notification(wake)
     }
 }
 

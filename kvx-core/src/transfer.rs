@@ -270,6 +270,29 @@ pub enum XferOp {
     Write,
 }
 
+/// What an agent calls when a notification arrives (see
+/// [`TransferAgent::wake_on_notification`]).
+#[derive(Clone)]
+pub struct NotificationWaker(std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl NotificationWaker {
+    /// A waker that runs `wake`.
+    pub fn new(wake: impl Fn() + Send + Sync + 'static) -> Self {
+        NotificationWaker(std::sync::Arc::new(wake))
+    }
+
+    /// Runs it.
+    pub fn wake(&self) {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for NotificationWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NotificationWaker")
+    }
+}
+
 /// Where a posted transfer stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum XferState {
@@ -498,6 +521,18 @@ pub trait TransferAgent: Send + Sync + fmt::Debug {
 
     /// Moves received notifications into `out`; drives the transport's progress.
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()>;
+
+    /// Asks the agent to call `wake` whenever a notification arrives on a thread of its own (a
+    /// progress or I/O thread), so that whoever drives the worker drains it at once rather than
+    /// at its next poll: a prefill engine answers a release, and a decode engine takes the
+    /// answer, within the transport's latency. Returns whether it will: an agent whose
+    /// notifications arrive only while its caller drives it (`drain_notifications`, `progress`)
+    /// returns false, the default, and never calls `wake`. A later call replaces the waker.
+    /// `wake` must be cheap and must not call back into the agent.
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        let _ = wake;
+        false
+    }
 
     /// Drives the transport once without blocking: moves transfers in flight along (released ones
     /// included) and serves peers that read or write this agent's memory. Backends that progress

@@ -11,7 +11,8 @@ use kvx_core::post::{BlockPostRequest, DlistView, check_notification, place_dlis
 use kvx_core::wire::agent_metadata::{self, check_agent_name};
 use kvx_core::{
     AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
-    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    Notification, NotificationWaker, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp,
+    XferState,
 };
 
 use crate::BACKEND;
@@ -463,6 +464,11 @@ impl TransferAgent for TcpAgent {
 
     fn drain_notifications(&self, out: &mut Vec<Notification>) -> Result<()> {
         self.inner.drain_inbox(out)
+    }
+
+    /// Notifications arrive on the agent's I/O threads: `wake` is called for each.
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        self.inner.set_waker(wake).is_ok()
     }
 }
 

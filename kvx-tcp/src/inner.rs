@@ -16,7 +16,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Notification, Result, XferOp,
+    AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Notification, NotificationWaker,
+    Result, XferOp,
 };
 
 use crate::config::TcpConfig;
@@ -36,6 +37,8 @@ pub(crate) struct Inner {
     /// Signalled whenever a transfer settles (dropping the agent waits for them).
     settled: Condvar,
     inbox: Mutex<Vec<Notification>>,
+    /// Called after each notification queued (`TransferAgent::wake_on_notification`).
+    waker: Mutex<Option<NotificationWaker>>,
     /// Notifications handed to a connection and not written yet (dropping the agent waits for
     /// them too: `notify` returns before the bytes leave).
     unsent: AtomicUsize,
@@ -186,6 +189,7 @@ impl Inner {
             state: Mutex::default(),
             settled: Condvar::new(),
             inbox: Mutex::default(),
+            waker: Mutex::new(None),
             unsent: AtomicUsize::new(0),
             stats: Counters::default(),
             nonces: RandomState::new(),
@@ -298,6 +302,15 @@ impl Inner {
         if let Ok(mut inbox) = self.inbox.lock() {
             inbox.push(Notification { from, msg });
         }
+        if let Some(wake) = self.waker.lock().ok().as_deref().and_then(Option::as_ref) {
+            wake.wake();
+        }
+    }
+
+    /// Calls `wake` after each notification queued from now on.
+    pub(crate) fn set_waker(&self, wake: NotificationWaker) -> Result<()> {
+        *self.waker.lock().map_err(|_| poisoned("waker"))? = Some(wake);
+        Ok(())
     }
 
     pub(crate) fn drain_inbox(&self, out: &mut Vec<Notification>) -> Result<()> {

@@ -2,14 +2,14 @@
 //! transfer agent the backend module creates, on a tokio runtime of its own.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvx_core::{
     BlockId, ConnectorMetadata, ConnectorWorker, EngineId, Error, LayerCache, MetadataExchange,
-    RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig, WorkerStats, wire,
+    NotificationWaker, RemoteCoordinates, RequestId, Samples, SingleRank, TransferAgent, WorkerConfig,
+    WorkerStats, wire,
 };
 use kvx_etcd::{EtcdConfig, EtcdExchange};
 use kvx_net::WorkerDriver;
@@ -205,7 +205,7 @@ impl State {
 
 type SharedState = Arc<Mutex<Option<State>>>;
 
-/// How often the pump thread runs (see [`Worker`]).
+/// How often the pump thread runs at least (see [`Worker`]).
 const PUMP_PERIOD: Duration = Duration::from_millis(10);
 
 /// After this long without a call from the engine, the pump steps the worker itself.
@@ -222,14 +222,18 @@ const ENGINE_QUIET: Duration = Duration::from_millis(50);
 /// finished handshakes to the worker (the messages and READs that waited for them go out), and
 /// when the engine has not called for [`ENGINE_QUIET`], steps the worker as `get_finished`
 /// would: releases are answered, leases renewed, READs completed and confirmed, timeouts
-/// applied. What finished then waits for the engine's next `get_finished`.
+/// applied. What finished then waits for the engine's next `get_finished`. Where the agent
+/// receives notifications on a thread of its own (kvx-ucx with its progress thread, kvx-tcp;
+/// `TransferAgent::wake_on_notification`), each one wakes the pump, which steps the worker at
+/// once, engine busy or not: a release is answered, and an answer taken, within the transport's
+/// latency instead of up to [`ENGINE_QUIET`] later.
 #[pyclass(module = "kvx_vllm")]
 #[derive(Debug)]
 pub struct Worker {
     /// `None` once closed. Declared before the runtime: dropped first.
     state: SharedState,
-    /// Stops the pump thread when dropped.
-    pump_stop: Option<mpsc::Sender<()>>,
+    /// Wakes the pump thread, or stops it.
+    pump_signal: Arc<PumpSignal>,
     pump: Option<JoinHandle<()>>,
     /// `None` once closed: the agent goes with the last reference.
     agent: Option<Arc<dyn TransferAgent>>,
@@ -240,16 +244,45 @@ pub struct Worker {
     runtime: Option<Runtime>,
 }
 
+/// What wakes the pump thread before its [`PUMP_PERIOD`]: a notification the agent received, or
+/// the worker shutting down.
+#[derive(Debug, Default)]
+struct PumpSignal {
+    /// (a notification came since the pump last woke, stop)
+    flags: Mutex<(bool, bool)>,
+    cond: Condvar,
+}
+
+impl PumpSignal {
+    fn set(&self, f: impl FnOnce(&mut (bool, bool))) {
+        f(&mut self.flags.lock().unwrap_or_else(PoisonError::into_inner));
+        self.cond.notify_one();
+    }
+
+    /// Waits at most `timeout` for a notification or the stop: whether a notification came
+    /// (cleared), and whether to stop.
+    fn wait(&self, timeout: Duration) -> (bool, bool) {
+        let flags = self.flags.lock().unwrap_or_else(PoisonError::into_inner);
+        let (mut flags, _) = self
+            .cond
+            .wait_timeout_while(flags, timeout, |(notified, stop)| !*notified && !*stop)
+            .unwrap_or_else(PoisonError::into_inner);
+        (std::mem::take(&mut flags.0), flags.1)
+    }
+}
+
 /// The pump thread: every [`PUMP_PERIOD`] until stopped (or the state is gone), feeds finished
 /// handshakes to the worker and starts the network work that waited for them (an empty step's
-/// metadata does exactly that); when the engine is quiet, steps the worker for it.
-fn run_pump(state: &Weak<Mutex<Option<State>>>, stop: &mpsc::Receiver<()>) {
+/// metadata does exactly that); when the engine is quiet, or a notification came, steps the
+/// worker for it.
+fn run_pump(state: &Weak<Mutex<Option<State>>>, signal: &PumpSignal) {
     let idle = ConnectorMetadata::default();
-    while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(PUMP_PERIOD) {
-        let Some(state) = state.upgrade() else { return };
+    loop {
+        let (notified, stop) = signal.wait(PUMP_PERIOD);
+        let Some(state) = state.upgrade().filter(|_| !stop) else { return };
         let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(s) = guard.as_mut() else { return };
-        if s.last_call.elapsed() < ENGINE_QUIET {
+        if !notified && s.last_call.elapsed() < ENGINE_QUIET {
             s.driver.start_load_kv(&idle);
         } else if let Err(e) = s.collect() {
             tracing::warn!(error = %e, "kvx's pump could not step the worker");
@@ -359,17 +392,21 @@ impl Worker {
             last_call: Instant::now(),
             metrics: step_metrics,
         })));
-        let (pump_stop, stopped) = mpsc::channel();
-        let weak = Arc::downgrade(&state);
+        let pump_signal = Arc::new(PumpSignal::default());
+        let wake = pump_signal.clone();
+        let woken =
+            agent.wake_on_notification(NotificationWaker::new(move || wake.set(|flags| flags.0 = true)));
+        tracing::debug!(woken, "kvx's pump: woken by each notification");
+        let (weak, signal) = (Arc::downgrade(&state), pump_signal.clone());
         // Started off the engine thread's CPU pinning, as kvx's other threads.
         let pump = unpinned(move || {
-            std::thread::Builder::new().name("kvx-vllm-pump".into()).spawn(move || run_pump(&weak, &stopped))
+            std::thread::Builder::new().name("kvx-vllm-pump".into()).spawn(move || run_pump(&weak, &signal))
         })?
         .map_err(|e| PyRuntimeError::new_err(format!("starting kvx's pump thread: {e}")))?;
         let backend = agent.capabilities().backend;
         Ok(Worker {
             state,
-            pump_stop: Some(pump_stop),
+            pump_signal,
             pump: Some(pump),
             agent: Some(agent),
             backend,
@@ -392,7 +429,7 @@ impl Worker {
     /// not give back) and stops the side channel. Afterwards nothing of kvx keeps the tensors
     /// registered, though this object lives on. Idempotent.
     fn shut_down(&mut self) {
-        drop(self.pump_stop.take());
+        self.pump_signal.set(|flags| flags.1 = true);
         if let Some(pump) = self.pump.take() {
             let _ = pump.join();
         }

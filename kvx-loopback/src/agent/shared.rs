@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use kvx_core::post::{BlockRuns, DlistView};
 use kvx_core::{
-    AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Notification, Result, XferOp,
+    AgentName, BlockList, DlistOwner, Error, ErrorKind, KvMemory, MemRegion, Notification, NotificationWaker,
+    Result, XferOp,
 };
 
 use crate::copy::{Pinned, PinnedSet, copy_checked};
@@ -25,6 +26,8 @@ pub(crate) struct AgentShared {
     pub(super) state: Mutex<AgentState>,
     /// Notifications that reached the agent, in arrival order.
     pub(super) inbox: Mutex<Vec<Notification>>,
+    /// Called after each notification that reached the agent (`wake_on_notification`).
+    pub(super) waker: Mutex<Option<NotificationWaker>>,
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +131,7 @@ impl AgentShared {
             fabric,
             state: Mutex::new(AgentState::default()),
             inbox: Mutex::new(Vec::new()),
+            waker: Mutex::new(None),
         }
     }
 
@@ -214,9 +218,12 @@ impl AgentShared {
         Stage::Done
     }
 
-    /// Puts a notification from this agent into `peer`'s inbox.
+    /// Puts a notification from this agent into `peer`'s inbox, and wakes whoever waits for it.
     pub(super) fn deliver(&self, peer: &AgentShared, msg: Vec<u8>) -> Result<()> {
         lock(&peer.inbox, "agent inbox")?.push(Notification { from: self.name.clone(), msg });
+        if let Some(wake) = lock(&peer.waker, "agent waker")?.as_ref() {
+            wake.wake();
+        }
         Ok(())
     }
 }

@@ -8,7 +8,8 @@ use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
-    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    Notification, NotificationWaker, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp,
+    XferState,
 };
 
 use crate::copy::{Pinned, PinnedSet};
@@ -218,6 +219,12 @@ impl TransferAgent for LoopbackAgent {
 
     fn progress(&self) -> Result<()> {
         self.drive()
+    }
+
+    /// A notification reaches this agent on its sender's thread (whoever drives the sender, or
+    /// the sender's progress thread): `wake` is called there, for each.
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        lock(&self.shared.waker, "agent waker").map(|mut w| *w = Some(wake)).is_ok()
     }
 }
 

@@ -45,7 +45,7 @@ use std::time::Instant;
 
 use kvx_core::{
     AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, Error, ErrorKind, KvMemory,
-    Notification, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    Notification, NotificationWaker, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
 };
 
 use faults::{Delivery, TransferFate, message_key, stray_message};
@@ -443,5 +443,11 @@ impl<A: TransferAgent + ?Sized> TransferAgent for Chaos<A> {
     fn progress(&self) -> Result<()> {
         drop(self.pass()?);
         self.inner.progress()
+    }
+
+    /// The inner agent's: a wake for a notification the chaos layer then holds back (late) or
+    /// drops (lost) only makes the worker drain early.
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        self.inner.wake_on_notification(wake)
     }
 }

@@ -67,6 +67,7 @@ macro_rules! conformance_tests {
             check_notification_with_read,
             check_notification_with_write,
             check_standalone_notify,
+            check_wake_on_notification,
             check_many_in_flight,
             check_unknown_transfer,
             check_unknown_dlist,

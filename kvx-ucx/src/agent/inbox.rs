@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use kvx_core::wire::agent_metadata::MAX_AGENT_NAME;
-use kvx_core::{AgentName, MAX_NOTIFICATION_LEN, Notification};
+use kvx_core::{AgentName, MAX_NOTIFICATION_LEN, Notification, NotificationWaker};
 use kvx_ucx_sys as sys;
 
 pub(super) struct Inbox {
@@ -18,6 +18,9 @@ pub(super) struct Inbox {
     pub(super) failed_eps: Mutex<Vec<(usize, sys::ucs_status_t)>>,
     /// Endpoints UCX reported failed, ever.
     pub(super) failures: AtomicU64,
+    /// Called after each notification queued (with a progress thread: see
+    /// `TransferAgent::wake_on_notification`).
+    pub(super) waker: Mutex<Option<NotificationWaker>>,
 }
 
 impl Inbox {
@@ -27,6 +30,7 @@ impl Inbox {
             rejected: AtomicU64::new(0),
             failed_eps: Mutex::default(),
             failures: AtomicU64::new(0),
+            waker: Mutex::new(None),
         })
     }
 
@@ -48,6 +52,9 @@ impl Inbox {
         }
         let note = Notification { from: AgentName::new(from), msg: data.to_vec() };
         self.queue.lock().unwrap_or_else(PoisonError::into_inner).push(note);
+        if let Some(wake) = &*self.waker.lock().unwrap_or_else(PoisonError::into_inner) {
+            wake.wake();
+        }
         sys::UCS_OK
     }
 }

@@ -8,7 +8,8 @@ use kvx_core::post::{BlockPostRequest, check_notification, place_dlist};
 use kvx_core::wire::agent_metadata;
 use kvx_core::{
     AgentName, BlockList, BlockPost, Capabilities, DlistId, DlistOwner, ErrorKind, KvMemory, MemRegion,
-    Notification, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp, XferState,
+    Notification, NotificationWaker, PostRequest, RegistrationId, Result, TransferAgent, XferId, XferOp,
+    XferState,
 };
 use kvx_ucx_sys as sys;
 
@@ -336,6 +337,21 @@ impl TransferAgent for UcxAgent {
     fn progress(&self) -> Result<()> {
         self.shared.lock()?.progress_all();
         Ok(())
+    }
+
+    /// With a progress thread notifications arrive on it, and `wake` is called for each; without
+    /// one they arrive only while the caller drives the agent (false, and nothing is called).
+    fn wake_on_notification(&self, wake: NotificationWaker) -> bool {
+        if !self.has_progress_thread() {
+            return false;
+        }
+        match self.shared.lock() {
+            Ok(inner) => {
+                *inner.inbox.waker.lock().unwrap_or_else(PoisonError::into_inner) = Some(wake);
+                true
+            }
+            Err(_) => false,
+        }
     }
 }
 

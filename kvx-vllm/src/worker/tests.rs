@@ -158,3 +158,39 @@ fn with_etcd_discovery_the_payload_is_published_in_etcd() {
     assert_eq!(payload.instance, worker.instance().unwrap());
     worker.shut_down();
 }
+
+#[test]
+fn the_pump_signal_wakes_once_per_notification_and_stops_when_told() {
+    let signal = PumpSignal::default();
+    assert_eq!(signal.wait(Duration::from_millis(1)), (false, false), "nothing came: the period ran out");
+    signal.set(|flags| flags.0 = true);
+    assert_eq!(signal.wait(Duration::from_secs(60)), (true, false));
+    assert_eq!(signal.wait(Duration::from_millis(1)), (false, false), "a wake is taken once");
+    signal.set(|flags| flags.1 = true);
+    assert_eq!(signal.wait(Duration::from_secs(60)), (false, true));
+}
+
+/// While the engine calls in (never quiet here), a notification is still taken at once: the
+/// agent wakes the pump, which steps the worker. Without the wake it would wait for the engine.
+#[test]
+fn a_notification_wakes_the_pump_while_the_engine_is_busy() {
+    let fabric = Fabric::new();
+    let agent = Arc::new(fabric.agent("vllm-woken").unwrap());
+    let peer = fabric.agent("vllm-peer").unwrap();
+    let options = WorkerOptions::new("woken", 16, "127.0.0.1", 0);
+    let worker = Worker::create(&options, agent.clone()).unwrap();
+    let busy = Instant::now() + Duration::from_secs(3600);
+    worker
+        .with_state(|s| {
+            s.last_call = busy;
+            Ok(())
+        })
+        .unwrap();
+    let to = peer.load_remote(&agent.local_metadata().unwrap()).unwrap();
+    peer.notify(&to, b"not a kvx message").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while worker.with_state(|s| Ok(s.driver.worker().stats().stray_notifications)).unwrap() == 0 {
+        assert!(Instant::now() < deadline, "the notification was not taken within 30 s");
+        std::thread::yield_now();
+    }
+}

@@ -1,11 +1,17 @@
 //! Moving data and notifications.
 
-use kvx_core::{AgentName, ErrorKind, MAX_NOTIFICATION_LEN, TransferAgent, XferId, XferOp};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Instant;
+
+use kvx_core::{
+    AgentName, ErrorKind, MAX_NOTIFICATION_LEN, NotificationWaker, TransferAgent, XferId, XferOp,
+};
 
 use crate::conformance::fixture::Fixture;
 use crate::conformance::harness::Harness;
 use crate::conformance::support::{
-    any_op, assert_no_more_notifications, expect_kind, ok, skip_without, wait_done, wait_notifications,
+    any_op, assert_no_more_notifications, expect_kind, ok, skip_because, skip_without, wait_done,
+    wait_notifications,
 };
 
 /// READ of 64 random, non-contiguous block pairs across two regions on each side; every byte of
@@ -90,6 +96,51 @@ pub fn check_standalone_notify<H: Harness + ?Sized>(h: &H) {
     );
     assert_no_more_notifications(h, "after standalone notifications");
     f.verify("after notifications (no data may move)");
+}
+
+/// A target whose `wake_on_notification` says it wakes calls the waker for a notification while
+/// nobody drives it (no drain, no progress of the target), once the notification can be drained;
+/// one that says it does not is skipped.
+pub fn check_wake_on_notification<H: Harness + ?Sized>(h: &H) {
+    if skip_without(h, "notifications", |c| c.notifications) {
+        return;
+    }
+    let f = Fixture::new(h, 0x5eed_000a);
+    let woken = Arc::new((Mutex::new(0u32), Condvar::new()));
+    let w = woken.clone();
+    let wakes = h.target().wake_on_notification(NotificationWaker::new(move || {
+        *w.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        w.1.notify_all();
+    }));
+    if !wakes {
+        skip_because(&format!(
+            "backend {} does not wake on notifications",
+            h.target().capabilities().backend
+        ));
+        return;
+    }
+    let msg = b"kvx-conformance-wake".to_vec();
+    ok(h.initiator().notify(&f.target_name, &msg), "notify");
+    let deadline = Instant::now() + h.deadline();
+    let (count, cond) = &*woken;
+    let mut wakes = count.lock().unwrap_or_else(PoisonError::into_inner);
+    while *wakes == 0 {
+        let left = deadline.checked_duration_since(Instant::now());
+        let left = left.unwrap_or_else(|| panic!("no wake within {:?} of a notification", h.deadline()));
+        // The initiator alone is driven (a backend may send from its caller's thread).
+        drop(wakes);
+        ok(h.initiator().progress(), "progress of the initiator");
+        wakes = count.lock().unwrap_or_else(PoisonError::into_inner);
+        if *wakes == 0 {
+            wakes = cond
+                .wait_timeout(wakes, left.min(h.deadline() / 100))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+    drop(wakes);
+    wait_notifications(h, &[msg], |_| {});
+    assert_no_more_notifications(h, "after a woken notification");
 }
 
 /// 32 transfers posted before any is polled all complete, with every byte and every notification.
