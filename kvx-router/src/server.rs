@@ -133,6 +133,8 @@ pub(crate) enum Dropped {
     BodyTooLarge,
     /// Closed gracefully at `max_lifetime`.
     Lifetime,
+    /// Failed: a reset or broken connection, or bytes that are not HTTP/1.1.
+    Error,
 }
 
 impl Dropped {
@@ -147,6 +149,7 @@ impl Dropped {
             Dropped::BodyBudget => "body_budget",
             Dropped::BodyTooLarge => "body_too_large",
             Dropped::Lifetime => "lifetime",
+            Dropped::Error => "error",
         }
     }
 }
@@ -351,10 +354,11 @@ async fn connection(
             }
             ended = conn.as_mut() => {
                 if let Err(e) = ended {
-                    if e.is_timeout() {
-                        let established = ticket.is_established();
-                        state.count(if established { Dropped::IdleTimeout } else { Dropped::HeaderTimeout });
-                    }
+                    state.count(match (e.is_timeout(), ticket.is_established()) {
+                        (true, true) => Dropped::IdleTimeout,
+                        (true, false) => Dropped::HeaderTimeout,
+                        (false, _) => Dropped::Error,
+                    });
                 }
                 return Served::Ended;
             }
