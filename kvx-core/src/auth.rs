@@ -41,6 +41,8 @@ pub enum Purpose {
     /// A handshake payload published in a registry (kvx-etcd), bound to the key it is stored
     /// under.
     RegistryEntry,
+    /// A decode worker's registration of its blocks for a push.
+    PushRegistration,
 }
 
 impl Purpose {
@@ -50,6 +52,7 @@ impl Purpose {
             Purpose::HandshakeReply => b"kvx/handshake-reply/1",
             Purpose::TransferParams => b"kvx/transfer-params/1",
             Purpose::RegistryEntry => b"kvx/registry-entry/1",
+            Purpose::PushRegistration => b"kvx/push-registration/1",
         }
     }
 }

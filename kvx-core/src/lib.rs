@@ -29,10 +29,10 @@ pub use ids::{AgentName, BlockId, EngineId, GroupBlocks, RequestId};
 pub use layout::{AttentionKind, KvCacheLayout, LayerCache};
 pub use memory::{ByteAccess, HostMemory, KvMemory, MemKind, MemRegion};
 pub use meta::{
-    ConnectorMetadata, FailedRecv, Finished, Heartbeat, HeldRequest, HoldRelease, HoldStatus, RankReport,
-    RecvRequest, RenewLeases, ReplyTo,
+    ConnectorMetadata, FailedRecv, Finished, Heartbeat, HeldRequest, HoldRelease, HoldStatus, PushCancel,
+    PushHold, PushRegistration, PushResult, RankReport, RecvRequest, RenewLeases, ReplyTo,
 };
-pub use params::{Endpoint, Offer, RemoteCoordinates, TransferParams};
+pub use params::{Endpoint, Offer, RemoteCoordinates, TransferMode, TransferParams};
 pub use post::{BlockPlan, BlockPostRequest, PostPlan, PostRequest};
 pub use scheduler::{ConnectorScheduler, FinishOutcome, FinishReason, MatchedTokens, SchedulerConfig};
 pub use transfer::{

@@ -3,10 +3,11 @@
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 
-use crate::auth::{MacTag, Nonce};
+use crate::auth::{AuthKey, MacTag, Nonce, Purpose};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, GroupBlocks, RequestId};
 use crate::params::{InstanceId, Offer, RemoteCoordinates};
+use crate::tp::Slice;
 use crate::wire::{MessageKind, WireMessage};
 
 /// The block pairs of a READ: local blocks and the remote blocks they are read from, index by index.
@@ -215,6 +216,146 @@ pub struct Heartbeat {
     pub holds: Vec<HeldRequest>,
 }
 
+/// A request whose blocks the prefill engine now holds for a push: its workers WRITE them into
+/// the blocks a decode engine registered for the request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushHold {
+    /// The request (the prefill engine's id, which the registrations name).
+    pub request_id: RequestId,
+    /// The held blocks of each KV-cache group, at their block positions.
+    pub groups: Vec<GroupBlocks>,
+}
+
+/// A decode worker's registration, in push mode, of the blocks it allocated for one request with
+/// one prefill rank: WRITE your heads of the blocks at these positions into mine, then tell me
+/// with a [`PushResult`] carrying `reply_to.token`. With a deployment key it carries a MAC over
+/// every field ([`PushRegistration::tag`]), so only a member of the deployment can register.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushRegistration {
+    /// The prefill engine's id of the request.
+    pub request_id: RequestId,
+    /// The decode worker (engine, rank, instance) to WRITE into and answer, and the
+    /// registration's random token, which the result must carry.
+    pub reply_to: ReplyTo,
+    /// The decode worker's blocks per KV-cache group, at their block positions: each receives the
+    /// prefill engine's block at the same position of the same group. No block: nothing to
+    /// write, only free the hold.
+    pub groups: Vec<GroupBlocks>,
+    /// Which heads: `remote_head` is the first head in the prefill rank's block, `local_head`
+    /// the first in the decode rank's (the decode rank's view, as it would READ them).
+    pub heads: Option<Slice>,
+    /// The decode rank that registers (each of a prefill rank's readers registers once).
+    pub reader: u32,
+    /// How many decode ranks register with this prefill rank: its hold ends with the last.
+    pub readers: u32,
+    /// The prefill instance the decode engine expects, when it knows one.
+    #[serde(default)]
+    pub instance: Option<u64>,
+    /// With a deployment key: the MAC over the registration ([`tag`](Self::tag)).
+    #[serde(default)]
+    pub mac: Option<MacTag>,
+}
+
+/// The first part of a registration's MAC input: the version of the layout after it.
+const REGISTRATION_VERSION: &[u8] = b"push-registration/1";
+
+impl PushRegistration {
+    fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
+        let blocks: Vec<u8> = self
+            .groups
+            .iter()
+            .flat_map(|g| {
+                [g.first, g.ids.len() as u32]
+                    .into_iter()
+                    .chain(g.ids.iter().copied())
+                    .flat_map(u32::to_le_bytes)
+            })
+            .collect();
+        let engine = &self.reply_to.engine;
+        let (host, port) = match &engine.endpoint {
+            Some(e) => (e.host.as_bytes(), e.port.to_le_bytes().to_vec()),
+            None => (&[][..], Vec::new()),
+        };
+        let heads: Vec<u8> = self
+            .heads
+            .iter()
+            .flat_map(|s| [s.remote_head, s.local_head, s.heads])
+            .flat_map(u32::to_le_bytes)
+            .collect();
+        let ranks: Vec<u8> =
+            [self.reply_to.rank, self.reader, self.readers].into_iter().flat_map(u32::to_le_bytes).collect();
+        let instances: Vec<u8> =
+            std::iter::once(self.reply_to.instance).chain(self.instance).flat_map(u64::to_le_bytes).collect();
+        f(&[
+            REGISTRATION_VERSION,
+            engine.engine_id.as_str().as_bytes(),
+            host,
+            &port,
+            self.request_id.as_str().as_bytes(),
+            &blocks,
+            &heads,
+            &ranks,
+            &instances,
+            self.reply_to.token.as_bytes(),
+        ])
+    }
+
+    /// The registration's MAC under `key` (every field but the MAC).
+    pub fn tag(&self, key: &AuthKey) -> MacTag {
+        crate::auth::HexBytes(self.with_parts(|parts| key.tag(Purpose::PushRegistration, parts)))
+    }
+
+    /// Checks the MAC (absent: refused) under `key`.
+    pub fn verify(&self, key: &AuthKey) -> Result<()> {
+        let Some(mac) = &self.mac else {
+            return Err(Error::new(
+                crate::error::ErrorKind::Unauthenticated,
+                "a push registration without a MAC, and this engine requires one",
+            ));
+        };
+        self.with_parts(|parts| key.verify(Purpose::PushRegistration, parts, mac.as_bytes()))
+    }
+}
+
+impl WireMessage for PushRegistration {
+    const KIND: MessageKind = MessageKind::PushRegistration;
+}
+
+/// The prefill worker's word on a [`PushRegistration`]: `written`, sent with the WRITE itself
+/// (the transport delivers it after the data), or not, sent alone once no WRITE of it is in
+/// flight and none will be posted: the decode worker may then reuse its blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushResult {
+    /// The prefill engine's id of the request.
+    pub request_id: RequestId,
+    /// The registration's token.
+    pub token: Nonce,
+    /// Whether the blocks were written.
+    pub written: bool,
+    /// Why not, for the decode engine's error (bounded by the notification's size).
+    #[serde(default)]
+    pub reason: String,
+}
+
+impl WireMessage for PushResult {
+    const KIND: MessageKind = MessageKind::PushResult;
+}
+
+/// A decode worker that waited too long for a WRITE: do not write this registration. Answered
+/// with a [`PushResult`]: `written: false` when no WRITE of it was posted (none will be), else the
+/// WRITE's own result when it ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushCancel {
+    /// The prefill engine's id of the request.
+    pub request_id: RequestId,
+    /// The decode worker, and the registration's token.
+    pub reply_to: ReplyTo,
+}
+
+impl WireMessage for PushCancel {
+    const KIND: MessageKind = MessageKind::PushCancel;
+}
+
 /// The scheduler's output for the workers of one engine step. Serialisable: in a real engine it
 /// crosses from the scheduler process to the worker processes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,12 +367,24 @@ pub struct ConnectorMetadata {
     /// Decode side: leases to renew, per prefill engine (at most every sixth of a lease).
     #[serde(default)]
     pub heartbeats: Vec<Heartbeat>,
+    /// Decode side: requests whose blocks to register with their prefill engine for a push
+    /// (their `remote_block_ids`, `nonce` and `mac` are empty: the decode engine was dispatched
+    /// before the prefill engine had blocks).
+    #[serde(default)]
+    pub reqs_to_register: Vec<RecvRequest>,
+    /// Prefill side: requests whose blocks are now held for a push.
+    #[serde(default)]
+    pub reqs_to_push: Vec<PushHold>,
 }
 
 impl ConnectorMetadata {
     /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
-        self.reqs_to_recv.is_empty() && self.reqs_to_send.is_empty() && self.heartbeats.is_empty()
+        self.reqs_to_recv.is_empty()
+            && self.reqs_to_send.is_empty()
+            && self.heartbeats.is_empty()
+            && self.reqs_to_register.is_empty()
+            && self.reqs_to_push.is_empty()
     }
 }
 

@@ -64,9 +64,27 @@ pub struct TransferParams {
     /// engine handshakes again before reading, and fails the load if the instance is gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvx_instance: Option<InstanceId>,
+    /// How the KV moves (vLLM's key): absent or `pull`, the decode engine READs the blocks the
+    /// prefill engine offers; `push`, the decode engine registers the blocks it allocated with
+    /// the prefill engine named here, which WRITEs into them once it has computed the prompt.
+    /// Any other value is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_mode: Option<TransferMode>,
     /// Keys kvx does not interpret.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// How a request's KV moves between the engines (vLLM's `transfer_mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// The prefill engine holds its blocks and hands their ids back; the decode engine READs them.
+    #[default]
+    Pull,
+    /// The decode engine allocates first and registers its blocks with the prefill engine, which
+    /// WRITEs into them when it finishes: the two legs of a request can be dispatched together.
+    Push,
 }
 
 /// An engine's side channel: host and base port (rank `r` serves on `port + r`).
@@ -159,8 +177,36 @@ impl TransferParams {
             kvx_hold_nonce: None,
             kvx_offer_mac: None,
             kvx_instance: None,
+            transfer_mode: None,
             extra: Default::default(),
         }
+    }
+
+    /// The params a router hands a decode engine for a push, at the same time as it sends the
+    /// prompt to the prefill engine `remote` under `request_id` (with
+    /// [`for_push_prefill`](Self::for_push_prefill)): no blocks and no nonce, only where the
+    /// prefill engine is, its id of the request and its tensor-parallel size.
+    pub fn for_push(remote: RemoteCoordinates, request_id: RequestId, tp_size: Option<u32>) -> Self {
+        TransferParams {
+            remote_request_id: Some(request_id),
+            tp_size,
+            transfer_mode: Some(TransferMode::Push),
+            ..TransferParams::for_decode(Vec::new(), remote)
+        }
+    }
+
+    /// The params a router sends a prefill engine with a prompt whose KV it pushes.
+    pub fn for_push_prefill() -> Self {
+        TransferParams {
+            do_remote_decode: true,
+            transfer_mode: Some(TransferMode::Push),
+            ..Default::default()
+        }
+    }
+
+    /// How the KV moves: [`TransferMode::Pull`] unless the params say `push`.
+    pub fn mode(&self) -> TransferMode {
+        self.transfer_mode.unwrap_or_default()
     }
 
     /// The remote engine with its host and port, or without both (found by id); `None` without

@@ -75,7 +75,7 @@ impl HeadSplit {
 
 /// The heads one decode rank reads from one prefill rank: `heads` heads starting at head
 /// `remote_head` of the prefill rank's blocks land at head `local_head` of the decode rank's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Slice {
     /// Offset of the first head in the prefill rank's block, in heads.
     pub remote_head: u32,
@@ -83,6 +83,15 @@ pub struct Slice {
     pub local_head: u32,
     /// Heads read.
     pub heads: u32,
+}
+
+impl Slice {
+    /// The same heads seen from the other side: a prefill rank WRITEs `heads` heads from head
+    /// `local_head` of its block (this slice's `remote_head`) to head `remote_head` of the decode
+    /// rank's (this slice's `local_head`).
+    pub fn mirrored(self) -> Slice {
+        Slice { remote_head: self.local_head, local_head: self.remote_head, heads: self.heads }
+    }
 }
 
 /// One prefill rank a decode rank tells to free, and what it reads from it first.

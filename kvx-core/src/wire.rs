@@ -16,7 +16,7 @@ use crate::ids::{AgentName, EngineId};
 pub mod agent_metadata;
 
 /// The wire-format version. Bump it on any incompatible change of a message.
-pub const WIRE_VERSION: u16 = 5;
+pub const WIRE_VERSION: u16 = 6;
 
 const MAGIC: [u8; 4] = *b"KVX1";
 
@@ -43,6 +43,12 @@ pub enum MessageKind {
     HoldStatus,
     /// A decode worker's heartbeat: renew these leases.
     RenewLeases,
+    /// A decode worker's registration of its blocks for a push.
+    PushRegistration,
+    /// A prefill worker's word on a registration: written, or not.
+    PushResult,
+    /// A decode worker's request not to write a registration.
+    PushCancel,
 }
 
 /// A message type that travels inside an [`Envelope`].

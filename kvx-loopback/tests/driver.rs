@@ -115,11 +115,7 @@ fn rank0_returns_ids_only_once_the_other_rank_reported_them() {
     driver.register_kv_caches(&layer()).unwrap();
     // Holds for "a" and "b" expire at once on this rank (hold timeout zero).
     let held = |id: &str| HeldRequest { request_id: id.into(), nonce: HexBytes([2; 16]) };
-    let meta = ConnectorMetadata {
-        reqs_to_recv: vec![],
-        reqs_to_send: vec![held("a"), held("b")],
-        heartbeats: vec![],
-    };
+    let meta = ConnectorMetadata { reqs_to_send: vec![held("a"), held("b")], ..Default::default() };
     driver.start_load_kv(&meta);
     let first = driver.get_finished().unwrap();
     assert_eq!(first.sending, vec![RequestId::new("a")], "b is not finished on rank 1 yet");

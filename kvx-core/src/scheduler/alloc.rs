@@ -45,7 +45,12 @@ impl ConnectorScheduler {
             return Ok(MatchedTokens::default());
         };
         let first = (num_computed_tokens / bs) as u64;
-        let Some(end) = self.load_end(request_id, &groups, prompt_len, first) else {
+        let end = match params.mode() {
+            // The prefill engine computes the whole prompt and writes its full blocks.
+            TransferMode::Push => Some((prompt_len / bs) as u64).filter(|&end| end > first),
+            TransferMode::Pull => self.load_end(request_id, &groups, prompt_len, first),
+        };
+        let Some(end) = end else {
             return Ok(MatchedTokens::default());
         };
         let count = (end.saturating_sub(first) as usize).saturating_mul(bs);
@@ -131,16 +136,17 @@ impl ConnectorScheduler {
             self.awaiting.remove(request_id);
             return Ok(());
         };
+        let push = params.mode() == TransferMode::Push;
         if num_external_tokens == 0 {
             self.awaiting.remove(request_id);
-            if params.has_remote_blocks() {
+            if push || params.has_remote_blocks() {
                 debug!(%request_id, "nothing to load: notify the prefill engine only");
                 self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
             }
             return Ok(());
         }
         let local = match self.local_blocks(
-            &groups,
+            (!push).then_some(groups.as_slice()),
             new_blocks,
             prompt_len,
             num_computed_tokens,
@@ -166,10 +172,11 @@ impl ConnectorScheduler {
 
     /// The local blocks a load fills, per group, or what does not fit: positions past the
     /// computed tokens up to the external ones, of a sliding-window group only those its window
-    /// needs, each allocated locally and offered remotely.
+    /// needs, each allocated locally and offered remotely (`offered`; `None` for a push, whose
+    /// prefill engine offered nothing yet).
     fn local_blocks(
         &self,
-        groups: &[GroupBlocks],
+        offered: Option<&[GroupBlocks]>,
         new_blocks: &[GroupBlocks],
         prompt_len: usize,
         num_computed_tokens: usize,
@@ -180,10 +187,10 @@ impl ConnectorScheduler {
             return Err("computed and external tokens must be whole blocks".to_owned());
         }
         let windows = self.config.windows();
-        if groups.len() != windows.len() || new_blocks.len() != windows.len() {
+        let offered_groups = offered.map_or(windows.len(), <[GroupBlocks]>::len);
+        if offered_groups != windows.len() || new_blocks.len() != windows.len() {
             return Err(format!(
-                "{} KV-cache groups offered and {} allocated, but this engine has {}",
-                groups.len(),
+                "{offered_groups} KV-cache groups offered and {} allocated, but this engine has {}",
                 new_blocks.len(),
                 windows.len()
             ));
@@ -196,8 +203,8 @@ impl ConnectorScheduler {
                  {prompt_len}-token prompt's full blocks"
             ));
         }
-        let mut local = Vec::with_capacity(groups.len());
-        for (g, ((offered, allocated), &window)) in groups.iter().zip(new_blocks).zip(windows).enumerate() {
+        let mut local = Vec::with_capacity(windows.len());
+        for (g, (allocated, &window)) in new_blocks.iter().zip(windows).enumerate() {
             let from = needed_from(window, first, end, bs as u64);
             let Some(ids) = allocated.at(from, end) else {
                 return Err(format!(
@@ -206,7 +213,7 @@ impl ConnectorScheduler {
                     allocated.end()
                 ));
             };
-            if offered.at(from, end).is_none() {
+            if let Some(offered) = offered.and_then(|o| o.get(g)).filter(|o| o.at(from, end).is_none()) {
                 return Err(format!(
                     "group {g}: block positions {from}..{end} to load but the remote offers {}..{}",
                     offered.first,

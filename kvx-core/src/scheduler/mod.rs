@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::ids::{EngineId, GroupBlocks, RequestId};
 #[cfg(test)]
 use crate::meta::FailedRecv;
-use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, RecvRequest};
-use crate::params::{Endpoint, InstanceId, Offer, RemoteCoordinates, TransferParams};
+use crate::meta::{ConnectorMetadata, Finished, Heartbeat, HeldRequest, PushHold, RecvRequest};
+use crate::params::{Endpoint, InstanceId, Offer, RemoteCoordinates, TransferMode, TransferParams};
 
 mod alloc;
 
@@ -115,11 +115,13 @@ struct PendingRecv {
     mac: Option<MacTag>,
     instance: Option<InstanceId>,
     tp_size: Option<u32>,
+    mode: TransferMode,
 }
 
 impl PendingRecv {
     fn new(remote: RemoteCoordinates, params: &TransferParams, groups: Vec<GroupBlocks>) -> Self {
         PendingRecv {
+            mode: params.mode(),
             remote,
             remote_request_id: params.remote_request_id.clone(),
             remote_block_ids: groups,
@@ -151,6 +153,8 @@ pub struct ConnectorScheduler {
     sending: HashSet<RequestId>,
     /// Prefill side: held since the last metadata.
     new_sending: Vec<HeldRequest>,
+    /// Prefill side: held for a push since the last metadata.
+    new_pushing: Vec<PushHold>,
     /// Prefill side: each hold's nonce.
     nonces: NonceSource,
     /// Decode side: requests waiting for their KV (queued, loading), whose leases are renewed.
@@ -178,6 +182,7 @@ impl ConnectorScheduler {
             recving: HashSet::new(),
             sending: HashSet::new(),
             new_sending: Vec::new(),
+            new_pushing: Vec::new(),
             nonces,
             awaiting: HashMap::new(),
             next_heartbeat: None,
@@ -236,10 +241,9 @@ impl ConnectorScheduler {
     /// The metadata for this step's workers; clears what it hands over. `now` paces the
     /// heartbeats: the leases of requests waiting for their KV are renewed every sixth of a lease.
     pub fn build_connector_meta(&mut self, now: Instant) -> ConnectorMetadata {
-        let mut reqs_to_recv: Vec<RecvRequest> = self
-            .pending_recv
-            .drain()
-            .map(|(request_id, p)| RecvRequest {
+        let (mut reqs_to_recv, mut reqs_to_register) = (Vec::new(), Vec::new());
+        for (request_id, p) in self.pending_recv.drain() {
+            let req = RecvRequest {
                 request_id,
                 remote_request_id: p.remote_request_id,
                 local_block_ids: p.local_block_ids,
@@ -249,18 +253,23 @@ impl ConnectorScheduler {
                 mac: p.mac,
                 remote_instance: p.instance,
                 remote_tp_size: p.tp_size,
-            })
-            .collect();
-        reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
-        for r in &reqs_to_recv {
-            if !r.is_notify_only() {
-                self.recving.insert(r.request_id.clone());
+            };
+            if !req.is_notify_only() {
+                self.recving.insert(req.request_id.clone());
+            }
+            match p.mode {
+                TransferMode::Pull => reqs_to_recv.push(req),
+                TransferMode::Push => reqs_to_register.push(req),
             }
         }
+        reqs_to_recv.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        reqs_to_register.sort_by(|a, b| a.request_id.cmp(&b.request_id));
         ConnectorMetadata {
             reqs_to_recv,
             reqs_to_send: std::mem::take(&mut self.new_sending),
             heartbeats: self.heartbeats(now),
+            reqs_to_register,
+            reqs_to_push: std::mem::take(&mut self.new_pushing),
         }
     }
 
@@ -331,8 +340,9 @@ impl ConnectorScheduler {
         if let Some(params) = params.filter(|p| p.do_remote_prefill) {
             // Finished before its blocks were allocated (aborted while queued): nothing will be
             // read, but the prefill engine is told to free now rather than at the lease's end.
+            let push = params.mode() == TransferMode::Push;
             if let Some((remote, groups)) =
-                self.offered(request_id, params).filter(|_| params.has_remote_blocks())
+                self.offered(request_id, params).filter(|_| push || params.has_remote_blocks())
             {
                 debug!(%request_id, "finished before its load: notify the prefill engine only");
                 self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
@@ -354,9 +364,17 @@ impl ConnectorScheduler {
             .collect();
         let delay_free = computed.iter().any(|g| !g.ids.is_empty());
         let nonce = self.nonces.next_nonce();
+        let mode = params.map(TransferParams::mode).unwrap_or_default();
         if delay_free {
             self.sending.insert(request_id.clone());
-            self.new_sending.push(HeldRequest { request_id: request_id.clone(), nonce });
+            match mode {
+                TransferMode::Pull => {
+                    self.new_sending.push(HeldRequest { request_id: request_id.clone(), nonce })
+                }
+                TransferMode::Push => self
+                    .new_pushing
+                    .push(PushHold { request_id: request_id.clone(), groups: computed.clone() }),
+            }
         }
         let remote = RemoteCoordinates {
             engine_id: self.config.engine_id.clone(),
@@ -379,6 +397,10 @@ impl ConnectorScheduler {
         params.kvx_offer_mac = kvx_offer_mac;
         params.kvx_instance = instance;
         params.tp_size = tp_size;
+        if mode == TransferMode::Push {
+            // A decode engine dispatched after this answer registers as one dispatched before it.
+            params.transfer_mode = Some(TransferMode::Push);
+        }
         FinishOutcome { delay_free, params: Some(params) }
     }
 

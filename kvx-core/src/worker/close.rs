@@ -103,7 +103,9 @@ impl ConnectorWorker {
     /// A closed worker's answer to a step's metadata: holds end, loads fail.
     pub(super) fn refuse(&mut self, meta: &ConnectorMetadata) {
         self.finished.sending.extend(meta.reqs_to_send.iter().map(|h| h.request_id.clone()));
-        for req in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
+        self.finished.sending.extend(meta.reqs_to_push.iter().map(|h| h.request_id.clone()));
+        let loads = meta.reqs_to_recv.iter().chain(&meta.reqs_to_register);
+        for req in loads.filter(|r| !r.is_notify_only()) {
             self.fail(&req.request_id, closed());
         }
     }
@@ -113,6 +115,14 @@ impl ConnectorWorker {
         let mut left = Leftovers { transfers: self.close_loads(), ..Leftovers::default() };
         let ended = self.holds.close(&self.config);
         self.finished.sending.extend(ended);
+        let (failed, cancels) = self.registrations.close();
+        self.apply_registrations(std::time::Instant::now(), cancels);
+        for id in failed {
+            self.fail(&id, closed());
+        }
+        let (ended, writes) = self.pushes.close(&self.config);
+        self.finished.sending.extend(ended);
+        left.transfers.extend(writes);
         let peers = self.peers.close();
         self.stats.unsent_messages += peers.unsent;
         for conn in peers.connections {

@@ -42,6 +42,26 @@ impl Refusal {
     }
 }
 
+/// What [`ConnectorWorker::post_pairs`] posts: local and remote blocks, index by index, of the
+/// heads `slice` names (`local_head` in this rank's blocks).
+pub(super) struct Pairs<'a> {
+    pub(super) local: &'a [BlockId],
+    pub(super) remote: &'a [BlockId],
+    pub(super) slice: &'a Slice,
+}
+
+/// What [`ConnectorWorker::post_pairs`] posted.
+pub(super) struct PostedPairs {
+    pub(super) xfer: XferId,
+    /// The peer's agent.
+    pub(super) agent: AgentName,
+    pub(super) bytes: u64,
+    /// Descriptors after coalescing.
+    pub(super) descriptors: u64,
+    /// Descriptors before coalescing (block x region).
+    pub(super) block_descriptors: u64,
+}
+
 /// The lists a READ posts on: whole blocks (`heads` is `None`), or single heads with the heads of
 /// a local and of a remote block.
 struct ReadLists {
@@ -134,7 +154,7 @@ impl ConnectorWorker {
     /// The prefill ranks this rank reads `req`'s heads from and releases: refused as
     /// `Incompatible` when the heads do not split over the prefill engine's ranks or must be
     /// sliced out of a layout that cannot be (NHD).
-    fn targets(&self, req: &RecvRequest) -> Result<Vec<Target>> {
+    pub(super) fn targets(&self, req: &RecvRequest) -> Result<Vec<Target>> {
         let Some(registered) = &self.registered else {
             return Err(Error::new(ErrorKind::State, "load requested before KV caches were registered"));
         };
@@ -243,26 +263,37 @@ impl ConnectorWorker {
         if let Err(e) = self.agent.drain_completions(&mut completions) {
             warn!(error = %e, "draining transfer completions failed");
         }
-        let mut ended = Vec::with_capacity(completions.len());
+        let (mut ended, mut written) = (Vec::with_capacity(completions.len()), Vec::new());
         for &xfer in &completions {
+            if let Some(key) = self.pushes.take_write(xfer) {
+                written.push((xfer, key, self.outcome(xfer)));
+                continue;
+            }
             // Not a READ of a load (the agent reports whatever was posted on it).
             let Some(key) = self.loads.take_completed(xfer) else { continue };
-            let outcome = match self.agent.poll(xfer) {
-                Ok(XferState::Done) => Ok(()),
-                Ok(XferState::Failed(e)) | Err(e) => Err(e),
-                Ok(XferState::Pending) => Err(Error::new(
-                    ErrorKind::Backend,
-                    format!("the agent reported transfer {xfer} complete, but it is pending"),
-                )),
-            };
-            ended.push((key, outcome));
+            ended.push((key, self.outcome(xfer)));
         }
         self.completions = completions;
         for (key, outcome) in ended {
             let effects = self.loads.read_ended(now, &key, outcome, &mut self.stats);
             self.apply(now, effects);
         }
+        for (xfer, key, outcome) in written {
+            self.push_write_ended(now, xfer, &key, outcome);
+        }
         self.forget_retired();
+    }
+
+    /// How a transfer the agent reported complete ended.
+    fn outcome(&self, xfer: XferId) -> Result<()> {
+        match self.agent.poll(xfer) {
+            Ok(XferState::Done) => Ok(()),
+            Ok(XferState::Failed(e)) | Err(e) => Err(e),
+            Ok(XferState::Pending) => Err(Error::new(
+                ErrorKind::Backend,
+                format!("the agent reported transfer {xfer} complete, but it is pending"),
+            )),
+        }
     }
 
     /// Drops the peer if it is still the connection `agent`.
@@ -313,17 +344,18 @@ impl ConnectorWorker {
         closed.transfers
     }
 
-    /// The lists a READ of `slice` from `peer` posts on: whole blocks when it takes every head of
-    /// the blocks on both sides, else single heads (both lists prepared at the first such READ).
-    /// The peer must be of the tensor-parallel size the plan was made for (`prefill_tp`).
-    fn read_lists(&mut self, peer: &PeerKey, prefill_tp: u32, slice: &Slice) -> Result<ReadLists> {
+    /// The lists a transfer of `slice` with `peer` posts on: whole blocks when it takes every
+    /// head of the blocks on both sides, else single heads (both lists prepared at the first such
+    /// transfer). The peer must be of the tensor-parallel size the plan was made for (`peer_tp`),
+    /// when one is expected.
+    fn read_lists(&mut self, peer: &PeerKey, peer_tp: Option<u32>, slice: &Slice) -> Result<ReadLists> {
         let (Some(registered), Some(conn)) = (&mut self.registered, self.peers.ready_mut(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        if conn.split.tp() != prefill_tp {
+        if let Some(tp) = peer_tp.filter(|&tp| tp != conn.split.tp()) {
             return Err(Error::new(
                 ErrorKind::Incompatible,
-                format!("engine {} has {} ranks, its params said {prefill_tp}", peer.0, conn.split.tp()),
+                format!("engine {} has {} ranks, its params said {tp}", peer.0, conn.split.tp()),
             ));
         }
         let (local_heads, remote_heads) = (registered.split.per_rank(), conn.split.per_rank());
@@ -367,30 +399,55 @@ impl ConnectorWorker {
         })?;
         let (local, remote) = req.read_pairs()?;
         let prefill_tp = req.remote_tp_size.unwrap_or(self.config.world_size);
-        let lists = self.read_lists(peer, prefill_tp, &load.slice)?;
+        let pairs = Pairs { local: &local, remote: &remote, slice: &load.slice };
+        let posted = self.post_pairs(XferOp::Read, peer, Some(prefill_tp), pairs, &release)?;
+        self.stats.reads_posted += 1;
+        self.stats.descriptors += posted.descriptors;
+        self.stats.block_descriptors += posted.block_descriptors;
+        Ok(Posted {
+            xfer: posted.xfer,
+            peer: posted.agent,
+            token,
+            bytes: posted.bytes,
+            descriptors: posted.descriptors,
+        })
+    }
+
+    /// Posts `op` between this rank's blocks and the ready peer's (`pairs`), with
+    /// `notification`. The peer must be of the tensor-parallel size `peer_tp`, when one is
+    /// expected.
+    pub(super) fn post_pairs(
+        &mut self,
+        op: XferOp,
+        peer: &PeerKey,
+        peer_tp: Option<u32>,
+        Pairs { local, remote, slice }: Pairs<'_>,
+        notification: &[u8],
+    ) -> Result<PostedPairs> {
+        let lists = self.read_lists(peer, peer_tp, slice)?;
         let (Some(registered), Some(conn)) = (&self.registered, self.peers.ready(peer)) else {
             return Err(Error::new(ErrorKind::State, "peer not ready"));
         };
-        KvCacheLayout::check_block_ids(&remote, conn.list.num_blocks, "remote")?;
+        KvCacheLayout::check_block_ids(remote, conn.list.num_blocks, "remote")?;
         let layout = &registered.layout;
         // In single-head lists block `b` is heads `b * heads ..`: the slice's heads of each block.
         let (local_blocks, remote_blocks, windows, unit_len, (local_heads, remote_heads)) = match lists.heads
         {
             None => (
-                local,
-                remote,
+                Cow::Borrowed(local),
+                Cow::Borrowed(remote),
                 registered.region_windows.as_deref().map(Cow::Borrowed),
                 layout.block_len,
                 (1, 1),
             ),
             Some((local_heads, remote_heads)) => {
-                let s = &load.slice;
+                let s = slice;
                 let windows = registered.region_windows.as_ref().map(|windows| {
                     windows.iter().map(|w| w.map(|w| w.saturating_mul(s.heads))).collect::<Vec<_>>()
                 });
                 (
-                    Cow::Owned(head_units(&local, local_heads, s.local_head, s.heads)),
-                    Cow::Owned(head_units(&remote, remote_heads, s.remote_head, s.heads)),
+                    Cow::Owned(head_units(local, local_heads, s.local_head, s.heads)),
+                    Cow::Owned(head_units(remote, remote_heads, s.remote_head, s.heads)),
                     windows.map(Cow::Owned),
                     layout.head_len(),
                     (local_heads, remote_heads),
@@ -407,15 +464,15 @@ impl ConnectorWorker {
                 None => RegionBlocks::All(layout.num_regions()),
             },
         };
-        let xfer =
-            self.agent.post_blocks(XferOp::Read, lists.local, lists.remote, &blocks, Some(&release))?;
-        let descriptors = blocks.coalesced_len();
-        self.stats.reads_posted += 1;
-        self.stats.descriptors += descriptors;
+        let xfer = self.agent.post_blocks(op, lists.local, lists.remote, &blocks, Some(notification))?;
         let block_descriptors = blocks.block_descriptors();
-        self.stats.block_descriptors += block_descriptors;
-        let bytes = block_descriptors.saturating_mul(unit_len);
-        Ok(Posted { xfer, peer: conn.agent.clone(), token, bytes, descriptors })
+        Ok(PostedPairs {
+            xfer,
+            agent: conn.agent.clone(),
+            bytes: block_descriptors.saturating_mul(unit_len),
+            descriptors: blocks.coalesced_len(),
+            block_descriptors,
+        })
     }
 
     /// Renews the leases of requests still waiting for their KV on this rank's share of the

@@ -40,6 +40,18 @@ pub(super) struct Early {
     pub(super) answered: bool,
 }
 
+/// An entry kept per sender before its hold comes: each reader of a hold has one.
+pub(super) trait Reader {
+    /// The decode rank that sent it.
+    fn reader(&self) -> u32;
+}
+
+impl Reader for Early {
+    fn reader(&self) -> u32 {
+        self.reader
+    }
+}
+
 /// What keeping one release cost, in releases: `stray` were not kept (a reader's earlier release
 /// it replaced, the release itself past [`MAX_EARLY_READERS`], releases pushed out), and of them
 /// `dropped` were dropped to keep the bounds.
@@ -57,25 +69,25 @@ impl Kept {
 }
 
 #[derive(Debug)]
-struct Sender {
-    releases: TtlMap<Vec<Early>>,
+struct Sender<E> {
+    releases: TtlMap<Vec<E>>,
     /// When it was last heard from (see [`EarlyReleases::heard`]).
     last: u64,
 }
 
 /// The releases that came before their hold, per sender (see the module's documentation).
 #[derive(Debug)]
-pub(super) struct EarlyReleases {
+pub(super) struct EarlyReleases<E = Early> {
     per_sender: usize,
     max_senders: usize,
     ttl: Duration,
     /// Ordered by name, so that a hold takes its releases in the same order every run.
-    senders: BTreeMap<AgentName, Sender>,
+    senders: BTreeMap<AgentName, Sender<E>>,
     /// Releases kept so far: tells which sender was heard from least recently.
     heard: u64,
 }
 
-impl EarlyReleases {
+impl<E: Reader> EarlyReleases<E> {
     pub(super) fn new(config: &WorkerConfig) -> Self {
         EarlyReleases {
             per_sender: config.early_releases_per_sender,
@@ -88,7 +100,7 @@ impl EarlyReleases {
 
     /// Keeps `early`, from `from`, for the hold `key`. A reader's second release replaces its
     /// first.
-    pub(super) fn insert(&mut self, now: Instant, from: &AgentName, key: Key, early: Early) -> Kept {
+    pub(super) fn insert(&mut self, now: Instant, from: &AgentName, key: Key, early: E) -> Kept {
         if self.max_senders == 0 {
             return Kept::dropped(1);
         }
@@ -111,7 +123,7 @@ impl EarlyReleases {
         } else {
             let (mut replaced, mut past_readers) = (0, 0);
             let pushed_out = sender.releases.update(&key, |list| {
-                if let Some(e) = list.iter_mut().find(|e| e.reader == early.reader) {
+                if let Some(e) = list.iter_mut().find(|e| e.reader() == early.reader()) {
                     *e = early;
                     replaced = 1;
                 } else if list.len() < MAX_EARLY_READERS {
@@ -138,7 +150,7 @@ impl EarlyReleases {
     }
 
     /// Takes every sender's releases of the hold `key`, senders by name.
-    pub(super) fn take(&mut self, key: &Key) -> Vec<Early> {
+    pub(super) fn take(&mut self, key: &Key) -> Vec<E> {
         if self.senders.is_empty() {
             return Vec::new();
         }
@@ -183,7 +195,7 @@ mod tests {
         Early { reader, readers: 2, reply_to: None, answered: false }
     }
 
-    fn releases(per_sender: usize, max_senders: usize) -> EarlyReleases {
+    fn releases(per_sender: usize, max_senders: usize) -> EarlyReleases<Early> {
         EarlyReleases::new(&WorkerConfig {
             early_releases_per_sender: per_sender,
             max_early_senders: max_senders,

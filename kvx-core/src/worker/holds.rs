@@ -119,6 +119,11 @@ impl Holds {
         self.live.len()
     }
 
+    /// Whether `request_id` is held now.
+    pub(super) fn holds(&self, request_id: &RequestId) -> bool {
+        self.live.contains_key(request_id)
+    }
+
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         self.live.values().map(|h| h.until).chain(self.early.next_deadline()).min()
     }

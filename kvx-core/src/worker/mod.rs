@@ -27,7 +27,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exchange::PeerLocator;
 use crate::ids::{EngineId, RequestId};
 use crate::layout::{AttentionKind, KvCacheLayout, LayerCache};
-use crate::meta::{ConnectorMetadata, Finished, HoldRelease, HoldStatus, RenewLeases, ReplyTo};
+use crate::meta::{
+    ConnectorMetadata, Finished, HoldRelease, HoldStatus, PushCancel, PushRegistration, PushResult,
+    RenewLeases, ReplyTo,
+};
 use crate::params::RemoteCoordinates;
 use crate::tp::HeadSplit;
 use crate::transfer::{BlockList, DlistId, DlistOwner, Notification, RegistrationId, TransferAgent, XferId};
@@ -41,6 +44,9 @@ mod early;
 mod holds;
 mod loads;
 mod peers;
+mod pushes;
+mod pushing;
+mod registrations;
 mod samples;
 mod stats;
 mod ttl;
@@ -55,6 +61,8 @@ use close::Leftovers;
 use holds::Holds;
 use loads::Loads;
 use peers::Peers;
+use pushes::Pushes;
+use registrations::Registrations;
 
 /// Configuration of one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,6 +221,10 @@ pub struct ConnectorWorker {
     completions: Vec<XferId>,
     /// Prefill side: holds, early releases and ended holds.
     holds: Holds,
+    /// Decode side: push loads and their registrations.
+    registrations: Registrations,
+    /// Prefill side: push holds, registrations and WRITEs.
+    pushes: Pushes,
     finished: Finished,
     notifications: Vec<Notification>,
     stats: WorkerStats,
@@ -254,6 +266,8 @@ impl ConnectorWorker {
             None => u64::from_le_bytes(crate::auth::random_bytes()?),
         };
         let holds = Holds::new(&config, instance);
+        let pushes = Pushes::new(&config, instance);
+        let registrations = Registrations::new(&config);
         let loads = Loads::new(&config);
         let peers = Peers::new(&config);
         Ok(ConnectorWorker {
@@ -266,6 +280,8 @@ impl ConnectorWorker {
             loads,
             completions: Vec::new(),
             holds,
+            registrations,
+            pushes,
             finished: Finished::default(),
             notifications: Vec::new(),
             stats: WorkerStats::default(),
@@ -328,9 +344,10 @@ impl ConnectorWorker {
         self.loads.take_transfers()
     }
 
-    /// Prefill side: holds whose blocks are held now (neither released nor expired).
+    /// Prefill side: holds whose blocks are held now (neither released nor expired), for a pull
+    /// or a push.
     pub fn num_holds(&self) -> usize {
-        self.holds.len()
+        self.holds.len() + self.pushes.len()
     }
 
     /// Peers handshaken and ready for READs and notifications.
@@ -338,15 +355,20 @@ impl ConnectorWorker {
         self.peers.num_ready()
     }
 
-    /// Loads not yet reported: waiting for a handshake, reading, or waiting for the prefill
-    /// engine's confirmation. Their local blocks must not be reused.
+    /// Loads not yet reported: waiting for a handshake, reading, waiting for the prefill
+    /// engine's confirmation, or registered for a push. Their local blocks must not be reused.
     pub fn num_in_flight(&self) -> usize {
-        self.loads.len()
+        self.loads.len() + self.registrations.len()
     }
 
     /// Whether nothing is loading, held, or waiting for a handshake.
     pub fn is_idle(&self) -> bool {
-        self.loads.is_empty() && self.holds.is_empty() && self.peers.all_ready() && self.finished.is_empty()
+        self.loads.is_empty()
+            && self.registrations.is_empty()
+            && self.holds.is_empty()
+            && self.pushes.is_empty()
+            && self.peers.all_ready()
+            && self.finished.is_empty()
     }
 
     /// Detects the layout, registers every layer's memory with the agent, prepares the local
@@ -445,8 +467,14 @@ impl ConnectorWorker {
             let effects = self.holds.hold(now, held, &mut self.stats);
             self.apply_holds(now, effects);
         }
+        for held in &meta.reqs_to_push {
+            self.push_hold(now, held);
+        }
         for req in &meta.reqs_to_recv {
             self.admit(now, req);
+        }
+        for req in &meta.reqs_to_register {
+            self.admit_push(now, req);
         }
         for beat in &meta.heartbeats {
             self.send_heartbeat(now, beat);
@@ -471,6 +499,7 @@ impl ConnectorWorker {
         self.collect_transfers(now);
         self.retry_deferred_handshakes(now);
         self.expire_loads(now);
+        self.expire_pushes(now);
         let effects = self.holds.expire(now, &mut self.stats);
         self.apply_holds(now, effects);
         std::mem::take(&mut self.finished)
@@ -503,6 +532,15 @@ impl ConnectorWorker {
                 Ok((MessageKind::HoldStatus, m)) => {
                     m.decode::<HoldStatus>().map(|s| self.on_hold_status(now, &n.from, s)).is_ok()
                 }
+                Ok((MessageKind::PushRegistration, m)) => {
+                    m.decode::<PushRegistration>().map(|r| self.on_push_registration(now, &n.from, r)).is_ok()
+                }
+                Ok((MessageKind::PushResult, m)) => {
+                    m.decode::<PushResult>().map(|r| self.on_push_result(now, &n.from, r)).is_ok()
+                }
+                Ok((MessageKind::PushCancel, m)) => {
+                    m.decode::<PushCancel>().map(|c| self.on_push_cancel(now, c)).is_ok()
+                }
                 Ok(_) | Err(_) => false,
             };
             if !handled {
@@ -511,15 +549,22 @@ impl ConnectorWorker {
             }
         }
         self.holds.expire_buffers(now, &mut self.stats);
+        self.pushes.expire_buffers(now, &mut self.stats);
     }
 
     /// The earliest time at which [`get_finished`](Self::get_finished) has something to expire,
     /// for drivers that sleep between steps.
     pub fn next_deadline(&self) -> Option<Instant> {
-        [self.peers.next_deadline(), self.loads.next_deadline(), self.holds.next_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.peers.next_deadline(),
+            self.loads.next_deadline(),
+            self.holds.next_deadline(),
+            self.registrations.next_deadline(),
+            self.pushes.next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 }
 

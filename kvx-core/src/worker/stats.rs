@@ -194,6 +194,31 @@ worker_stats! {
             /// the hold. Each is also counted in `hold_answers` once sent.
             early_answers => "hold_answers_early":
                 "Prefill side: answers sent at once to releases that came before their hold (or long after it)",
+            /// Decode side: push registrations sent, one per prefill rank a push load registers
+            /// with.
+            push_registrations => "push_registrations":
+                "Decode side: push registrations sent, one per prefill rank",
+            /// Decode side: registrations whose prefill rank wrote them (its WRITE's notification
+            /// came).
+            pushes_written => "pushes_written":
+                "Decode side: push registrations the prefill rank wrote",
+            /// Decode side: registrations cancelled because no WRITE came in time.
+            push_cancels => "push_cancels":
+                "Decode side: push registrations cancelled because no WRITE came in time",
+            /// Decode side: cancels the prefill rank did not answer either: its peer was dropped.
+            push_cancels_unanswered => "push_cancels_unanswered":
+                "Decode side: push cancels the prefill rank did not answer (its peer dropped)",
+            /// Prefill side: push WRITEs posted.
+            writes_posted => "writes_posted": "Prefill side: push WRITEs posted to the transfer agent",
+            /// Prefill side: push WRITEs that could not be posted, failed, or whose decode worker
+            /// could not be reached.
+            writes_failed => "writes_failed":
+                "Prefill side: push WRITEs not posted, failed, or whose decode worker was unreachable",
+            /// Prefill side: bytes written by push WRITEs that completed.
+            bytes_written => "written" [Bytes]: "Prefill side: bytes written by push WRITEs that completed",
+            /// Prefill side: registrations answered "not written" (refused, failed, cancelled).
+            push_refusals => "push_refusals":
+                "Prefill side: push registrations answered not written (refused, failed or cancelled)",
             /// Messages for a peer dropped because its handshake failed or the send failed.
             unsent_messages => "messages_unsent":
                 "Messages for a peer dropped because its handshake failed or the send failed",

@@ -177,6 +177,11 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     remote_tp_size: Some(8),
                     holds: vec![HeldRequest { request_id: "x".into(), nonce: NONCE }; 3],
                 }],
+                reqs_to_push: vec![kvx_core::PushHold {
+                    request_id: "p".into(),
+                    groups: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX])],
+                }],
+                ..Default::default()
             },
         ),
     ]

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{Clock, Error, ErrorKind, ManualClock, RequestId, Result, TransferParams};
+use kvx_core::{Clock, Error, ErrorKind, ManualClock, RequestId, Result, TransferMode, TransferParams};
 use kvx_net::Handshakes;
 
 use super::config::{EngineConfig, RequestState};
@@ -127,6 +127,9 @@ pub struct Cluster {
     client: Option<ClientHook>,
     /// Simulated time, or `None`: the engines' clocks move on their own.
     time: Option<SimTime>,
+    /// Pull: the decode leg goes out with the prefill engine's params. Push: both legs go out at
+    /// once.
+    mode: TransferMode,
 }
 
 /// Whether a request is over at an engine: it finished or failed, or the engine no longer knows
@@ -172,7 +175,16 @@ impl Cluster {
             next: (0, 0),
             client: None,
             time: None,
+            mode: TransferMode::Pull,
         })
+    }
+
+    /// Moves KV by `mode`: [`TransferMode::Push`] dispatches both legs of a request at once (the
+    /// decode engine gets the prefill engine's coordinates from the router, as vLLM's router
+    /// hands them out), and the prefill engine's params go nowhere.
+    pub fn with_mode(mut self, mode: TransferMode) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// Runs the cluster in simulated time: every engine must run on `time`'s clock
@@ -223,6 +235,18 @@ impl Cluster {
         if self.in_prefill.contains_key(&id) || self.in_decode.contains_key(&id) {
             return Err(Error::invalid_argument(format!("request {id} is already in the cluster")));
         }
+        if self.mode == TransferMode::Push {
+            self.prefills[p].add_request(id.clone(), &prompt, 1, Some(TransferParams::for_push_prefill()))?;
+            self.next.0 = p + 1;
+            let prefill = &self.prefills[p];
+            let params = TransferParams::for_push(
+                prefill.coordinates().clone(),
+                id.clone(),
+                Some(prefill.config().tp),
+            );
+            self.in_prefill.insert(id.clone(), (p, Vec::new(), 0));
+            return self.route_to_decode((id, prompt, max_new_tokens, params));
+        }
         let params = TransferParams { do_remote_decode: true, ..Default::default() };
         self.prefills[p].add_request(id.clone(), &prompt, 1, Some(params))?;
         self.next.0 = p + 1;
@@ -231,15 +255,20 @@ impl Cluster {
     }
 
     /// Aborts a request wherever the router sent it last (as a client disconnect does): it is no
-    /// longer outstanding there. A request the cluster does not know is left alone.
+    /// longer outstanding there (in push mode: at both engines). A request the cluster does not
+    /// know is left alone.
     pub fn abort(&mut self, id: &RequestId) {
         if let Some(&d) = self.in_decode.get(id) {
             if let Some(e) = self.decodes.get_mut(d) {
                 e.abort(id);
             }
-        } else if let Some(&(p, ..)) = self.in_prefill.get(id) {
-            if let Some(e) = self.prefills.get_mut(p) {
-                e.abort(id);
+        }
+        let both = self.mode == TransferMode::Push;
+        if both || !self.in_decode.contains_key(id) {
+            if let Some(&(p, ..)) = self.in_prefill.get(id) {
+                if let Some(e) = self.prefills.get_mut(p) {
+                    e.abort(id);
+                }
             }
         }
         self.forget_ended();
@@ -276,6 +305,10 @@ impl Cluster {
                 let Some((_, prompt, max_new_tokens)) = self.in_prefill.remove(&id) else {
                     return Err(Error::new(ErrorKind::State, format!("params for unknown request {id}")));
                 };
+                if self.mode == TransferMode::Push {
+                    // Its decode leg went out with the prompt.
+                    continue;
+                }
                 let request = (id, prompt, max_new_tokens, params);
                 let requests = match &mut self.client {
                     Some(hook) => hook(request),

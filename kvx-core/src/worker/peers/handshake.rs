@@ -61,7 +61,8 @@ impl ConnectorWorker {
 
     /// Forgets the dropped connections that no READ uses any more.
     pub(in crate::worker) fn forget_retired(&mut self) {
-        for conn in self.peers.take_unused(|agent| self.loads.reads_from(agent)) {
+        let (loads, pushes) = (&self.loads, &self.pushes);
+        for conn in self.peers.take_unused(|agent| loads.reads_from(agent) || pushes.writes_to(agent)) {
             self.forget(&conn);
         }
     }
@@ -126,6 +127,8 @@ impl ConnectorWorker {
             match waiter {
                 Waiter::Load(id) => self.issue(now, &id),
                 Waiter::Message(msg) => self.notify_peer(key, &msg),
+                Waiter::Register(id) => self.send_registration(now, &id),
+                Waiter::Write(id) => self.post_write(now, &id),
             }
         }
     }
@@ -152,6 +155,11 @@ impl ConnectorWorker {
                 // A notify-only request's release: a refused peer can still be told below.
                 Waiter::Message(msg) if wire::decode::<HoldRelease>(&msg).is_ok() => releases.push(msg),
                 Waiter::Message(_) => self.stats.unsent_messages += 1,
+                Waiter::Register(id) => {
+                    let effects = self.registrations.sent(now, &id, Err(e.clone()), &mut self.stats);
+                    self.apply_registrations(now, effects);
+                }
+                Waiter::Write(id) => self.push_unreachable(now, &id),
             }
         }
         // A peer refused for its layout or model can still be told to free its blocks.
@@ -260,7 +268,7 @@ impl ConnectorWorker {
         if let Some(conn) = self.peers.reuse_retired(&p.agent_name, p.instance) {
             return Ok(Some(conn));
         }
-        if self.loads.reads_from(&p.agent_name) {
+        if self.loads.reads_from(&p.agent_name) || self.pushes.writes_to(&p.agent_name) {
             return Ok(None);
         }
         if let Some(old) = self.peers.take_retired(&p.agent_name) {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use tracing::debug;
 
 use super::loads::LoadKey;
+use super::pushes::PushKey;
 use super::{WorkerCommand, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::exchange::PeerLocator;
@@ -54,6 +55,10 @@ pub(super) enum Waiter {
     Load(LoadKey),
     /// An encoded notification, sent once the peer is ready.
     Message(Vec<u8>),
+    /// A push load's registration with this (prefill) peer, sent once it is ready.
+    Register(LoadKey),
+    /// A push WRITE into this (decode) peer, posted once it is ready.
+    Write(PushKey),
 }
 
 #[derive(Debug)]

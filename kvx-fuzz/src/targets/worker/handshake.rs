@@ -22,8 +22,12 @@ pub fn worker_handshake(data: &[u8]) {
 
 pub(super) fn handshake_session(data: &[u8]) -> Finished {
     let prefill = prefill();
-    let meta =
-        ConnectorMetadata { reqs_to_recv: handshake_requests(), reqs_to_send: vec![], heartbeats: vec![] };
+    let meta = ConnectorMetadata {
+        reqs_to_recv: handshake_requests(),
+        reqs_to_send: vec![],
+        heartbeats: vec![],
+        ..Default::default()
+    };
     decode_session(&prefill, None, &[meta], &[], |_| Some(Ok(data.to_vec())))
 }
 
@@ -48,7 +52,12 @@ pub(super) fn handshake_fields_session(data: &[u8]) -> Finished {
     let payload = fuzzed_payload(&mut src, &valid, &prefill.stale_metadata);
     let bytes = must(wire::encode(&payload), "encoding a payload");
     let reqs = fuzzed_requests(&mut src);
-    let meta = ConnectorMetadata { reqs_to_recv: reqs, reqs_to_send: vec![], heartbeats: vec![] };
+    let meta = ConnectorMetadata {
+        reqs_to_recv: reqs,
+        reqs_to_send: vec![],
+        heartbeats: vec![],
+        ..Default::default()
+    };
     decode_session(&prefill, None, &[meta], &[], |_| Some(Ok(bytes.clone())))
 }
 

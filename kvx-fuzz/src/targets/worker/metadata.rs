@@ -79,6 +79,7 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
                 holds: vec![HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") }],
             },
         ],
+        ..Default::default()
     };
     seeds.push(Seed::new("every-kind-of-load", must(wire::encode(&both), "encoding")));
     seeds
@@ -235,7 +236,7 @@ fn fuzzed_metadata(
             reoffer(r, keyed, |r| r.remote_tp_size = tp_size);
         }
     }
-    ConnectorMetadata { reqs_to_recv, reqs_to_send, heartbeats: vec![] }
+    ConnectorMetadata { reqs_to_recv, reqs_to_send, heartbeats: vec![], ..Default::default() }
 }
 
 /// Changes the offer of `r` with `edit`, as the prefill engine would have offered it: a valid MAC

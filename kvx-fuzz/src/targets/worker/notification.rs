@@ -34,7 +34,12 @@ pub fn worker_notification(data: &[u8]) {
     let held: Vec<HeldRequest> = notification_holds();
     worker.start_load_kv(
         now,
-        &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: held.clone(), heartbeats: vec![] },
+        &ConnectorMetadata {
+            reqs_to_recv: vec![],
+            reqs_to_send: held.clone(),
+            heartbeats: vec![],
+            ..Default::default()
+        },
     );
     // No backend delivers a notification over the limit: its sender refuses it.
     if data.len() > MAX_NOTIFICATION_LEN {
@@ -57,7 +62,12 @@ pub fn worker_notification(data: &[u8]) {
         release.iter().map(|r| HeldRequest { request_id: r.request_id.clone(), nonce: r.nonce }).collect();
     worker.start_load_kv(
         now,
-        &ConnectorMetadata { reqs_to_recv: vec![], reqs_to_send: late.clone(), heartbeats: vec![] },
+        &ConnectorMetadata {
+            reqs_to_recv: vec![],
+            reqs_to_send: late.clone(),
+            heartbeats: vec![],
+            ..Default::default()
+        },
     );
     let early = worker.get_finished(now).sending;
     for id in &early {

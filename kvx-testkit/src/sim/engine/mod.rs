@@ -105,6 +105,8 @@ pub struct SimEngine {
     stats: EngineStats,
     errors: Vec<String>,
     side_channel_port: u16,
+    /// Where decode engines find this engine: its id and side channel.
+    coordinates: RemoteCoordinates,
     /// Each rank's side channel, over TCP (empty in-process).
     tcp_side_channels: Vec<Arc<kvx_net::SideChannel>>,
     /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
@@ -249,6 +251,7 @@ impl SimEngine {
             stats,
             errors: Vec::new(),
             side_channel_port: base_port,
+            coordinates: own_side_channel,
             tcp_side_channels: tcp,
             ended: Vec::new(),
             _runtime: runtime,
@@ -263,6 +266,12 @@ impl SimEngine {
     /// The engine's id.
     pub fn engine_id(&self) -> &EngineId {
         &self.config.engine_id
+    }
+
+    /// Where other engines find this one: its id, and its side channel unless found by id (what
+    /// a router hands a decode engine for a push to this engine).
+    pub fn coordinates(&self) -> &RemoteCoordinates {
+        &self.coordinates
     }
 
     /// The base port of the engine's side channel (0 with [`SideChannel::ById`]).

@@ -1,0 +1,538 @@
+//! The prefill side of a push: a request's blocks stay held under a lease until every decode
+//! rank that registered for them has been written (or refused), and each registration is
+//! answered exactly once with a [`PushResult`].
+//!
+//! In push mode the decode engine is dispatched at the same time as the prefill engine, so its
+//! registrations usually come before the hold: they are kept per sender within the same bounds
+//! as early releases (`early`), and taken when the hold comes. A registration names the request
+//! and, with a deployment key, carries a MAC over every field, so only a member of the deployment
+//! can have blocks written; it is written only into the blocks it names, only from the blocks of
+//! the hold of the request it names.
+//!
+//! Every registration that will not be written is answered `written: false` once no WRITE of it
+//! is in flight, so the decode engine can reuse its blocks then and there (never by waiting for a
+//! lease): a hold that ended before the registration came, a pull hold, blocks the hold does not
+//! have, a WRITE that failed, a cancel that came before the WRITE was posted. A WRITE that ends
+//! well is announced by the notification posted with it, which the transport delivers after the
+//! data. A cancel is remembered (`cancelled`), so a registration kept before its hold is never
+//! written after its decode worker gave up on it.
+//!
+//! [`Pushes`] keeps that state with no I/O and returns [`PushEffect`]s for the worker to carry
+//! out (`pushing`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+use super::deadlines::Deadlines;
+use super::early::{EarlyReleases, Reader};
+use super::ttl::{Key, TtlMap};
+use super::{WorkerConfig, WorkerStats};
+use crate::auth::{AuthKey, HexBytes, Nonce};
+use crate::ids::{AgentName, BlockId, EngineId, GroupBlocks, RequestId};
+use crate::meta::{PushCancel, PushHold, PushRegistration, ReplyTo};
+use crate::params::MAX_ID_LEN;
+use crate::tp::{MAX_TP, Slice};
+use crate::transfer::XferId;
+
+/// A registration's place in its hold: the request and the decode rank that registered.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct PushKey {
+    pub(super) request_id: RequestId,
+    pub(super) reader: u32,
+}
+
+/// A WRITE to post: the prefill blocks, the decode blocks they go to (index by index), and the
+/// heads, seen from this side (`local_head` in this rank's blocks).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct WriteJob {
+    pub(super) to: ReplyTo,
+    pub(super) local: Vec<BlockId>,
+    pub(super) remote: Vec<BlockId>,
+    pub(super) heads: Slice,
+}
+
+/// What the worker does for [`Pushes`], in the order given.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum PushEffect {
+    /// Post the WRITE of `key` once its decode worker is ready ([`Pushes::job`]).
+    Write(PushKey),
+    /// Tell the decode worker its registration will not be written.
+    Refuse { to: ReplyTo, request_id: RequestId, reason: String },
+    /// Cancel a WRITE in flight (the hold's lease ran out).
+    Cancel(XferId),
+    /// Report the held request finished: its blocks are free.
+    Freed(RequestId),
+}
+
+#[derive(Debug)]
+enum Job {
+    /// Waiting for the decode worker's handshake.
+    AwaitingPeer(WriteJob),
+    /// Posted to `agent`: `bytes` go to the decode worker `to`.
+    Writing { xfer: XferId, agent: AgentName, to: ReplyTo, bytes: u64 },
+}
+
+#[derive(Debug)]
+struct Live {
+    groups: Vec<GroupBlocks>,
+    until: Instant,
+    /// The readers the first registration announced.
+    readers: Option<u32>,
+    /// Readers whose registration was taken, with its token.
+    taken: Vec<(u32, Nonce)>,
+    /// Readers written, refused or failed.
+    done: u32,
+    jobs: HashMap<u32, Job>,
+    /// The lease ran out: the hold ends once its WRITEs in flight end.
+    expired: bool,
+}
+
+/// A registration kept before its hold.
+#[derive(Debug)]
+pub(super) struct Early {
+    registration: PushRegistration,
+}
+
+impl Reader for Early {
+    fn reader(&self) -> u32 {
+        self.registration.reader
+    }
+}
+
+/// Push holds, registrations that came before their hold, WRITEs in flight.
+#[derive(Debug)]
+pub(super) struct Pushes {
+    engine_id: EngineId,
+    instance: u64,
+    lease: Duration,
+    auth_key: Option<AuthKey>,
+    live: HashMap<RequestId, Live>,
+    due: Deadlines<RequestId>,
+    early: EarlyReleases<Early>,
+    /// Holds that ended, with the tokens of the registrations they took: a registration that
+    /// comes later is refused, a cancel of one they took is not answered again.
+    ended: TtlMap<Vec<Nonce>>,
+    /// Registrations their decode worker cancelled, by request and token.
+    cancelled: TtlMap<()>,
+    writes: HashMap<XferId, PushKey>,
+}
+
+/// The key of a request in the maps keyed by request and nonce, where only the request counts.
+fn request_key(request_id: &RequestId) -> Key {
+    (request_id.clone(), HexBytes([0; 16]))
+}
+
+impl Pushes {
+    pub(super) fn new(config: &WorkerConfig, instance: u64) -> Self {
+        let kept = config.early_releases_per_sender.saturating_mul(config.max_early_senders);
+        let ttl = config.lease_duration.max(config.early_release_ttl);
+        Pushes {
+            engine_id: config.engine_id.clone(),
+            instance,
+            lease: config.lease_duration,
+            auth_key: config.auth_key.clone(),
+            live: HashMap::new(),
+            due: Deadlines::default(),
+            early: EarlyReleases::new(config),
+            ended: TtlMap::new(kept, ttl),
+            cancelled: TtlMap::new(kept, ttl),
+            writes: HashMap::new(),
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        self.live.values().filter(|l| !l.expired).map(|l| l.until).chain(self.early.next_deadline()).min()
+    }
+
+    /// Whether a WRITE to `agent` is in flight.
+    pub(super) fn writes_to(&self, agent: &AgentName) -> bool {
+        let writing =
+            |l: &Live| l.jobs.values().any(|j| matches!(j, Job::Writing { agent: a, .. } if a == agent));
+        self.live.values().any(writing)
+    }
+
+    pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) {
+        stats.stray_notifications += self.early.expire(now);
+        self.ended.expire(now);
+        self.cancelled.expire(now);
+    }
+
+    /// A push hold from the scheduler: its lease starts now; the registrations that came before
+    /// it are taken.
+    pub(super) fn hold(&mut self, now: Instant, held: &PushHold, stats: &mut WorkerStats) -> Vec<PushEffect> {
+        let id = held.request_id.clone();
+        let live = Live {
+            groups: held.groups.clone(),
+            until: now + self.lease,
+            readers: None,
+            taken: Vec::new(),
+            done: 0,
+            jobs: HashMap::new(),
+            expired: false,
+        };
+        self.due.push(live.until, id.clone());
+        self.live.insert(id.clone(), live);
+        let mut effects = Vec::new();
+        for early in self.early.take(&request_key(&id)) {
+            self.register_live(now, early.registration, stats, &mut effects);
+        }
+        effects
+    }
+
+    /// A registration from `from`. `connected` tells whether its decode worker is connected at
+    /// the instance it names: only those are answered about a hold this worker does not have
+    /// (no handshake for whatever a registration names). `pull_held` tells whether the request
+    /// is held for a pull.
+    pub(super) fn register(
+        &mut self,
+        now: Instant,
+        from: &AgentName,
+        reg: PushRegistration,
+        connected: impl Fn(&ReplyTo) -> bool,
+        pull_held: bool,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let mut effects = Vec::new();
+        if !self.plausible(&reg) {
+            stats.stray_notifications += 1;
+            return effects;
+        }
+        if let Some(key) = &self.auth_key {
+            if let Err(e) = reg.verify(key) {
+                debug!(request_id = %reg.request_id, %from, error = %e, "push registration refused");
+                stats.rejected_notifications += 1;
+                return effects;
+            }
+        }
+        let id = reg.request_id.clone();
+        if self.live.contains_key(&id) {
+            self.register_live(now, reg, stats, &mut effects);
+            return effects;
+        }
+        let refusal = if self.ended.contains(&request_key(&id)) {
+            Some("the prefill engine's hold of the request ended before the registration came")
+        } else if pull_held {
+            Some("the prefill engine holds the request for a pull (READ), not a push: the modes differ")
+        } else if reg.instance.is_some_and(|i| i != self.instance) {
+            Some("the registration names another instance of the prefill engine (it restarted)")
+        } else {
+            None
+        };
+        match refusal {
+            Some(reason) if connected(&reg.reply_to) => effects.push(self.refuse(reg, reason, stats)),
+            Some(_) => stats.stray_notifications += 1,
+            None => {
+                stats.early_notifications += 1;
+                let kept = self.early.insert(now, from, request_key(&id), Early { registration: reg });
+                stats.stray_notifications += kept.stray;
+                stats.early_notifications_dropped += kept.dropped;
+            }
+        }
+        effects
+    }
+
+    /// Within kvx's bounds, and not naming this engine.
+    fn plausible(&self, reg: &PushRegistration) -> bool {
+        let to = &reg.reply_to;
+        reg.request_id.as_str().len() <= MAX_ID_LEN
+            && reg.readers > 0
+            && reg.readers <= MAX_TP
+            && reg.reader < MAX_TP
+            && to.rank < MAX_TP
+            && to.engine.check().is_ok()
+            && to.engine.engine_id != self.engine_id
+            && reg.groups.len() <= crate::params::MAX_GROUPS
+    }
+
+    /// Takes a registration for a live hold: a WRITE to post, or a refusal.
+    fn register_live(
+        &mut self,
+        now: Instant,
+        reg: PushRegistration,
+        stats: &mut WorkerStats,
+        effects: &mut Vec<PushEffect>,
+    ) {
+        let id = reg.request_id.clone();
+        if self.cancelled.contains(&(id.clone(), reg.reply_to.token)) {
+            stats.stray_notifications += 1;
+            return;
+        }
+        let Some(live) = self.live.get_mut(&id) else { return };
+        if live.taken.iter().any(|&(r, t)| r == reg.reader || t == reg.reply_to.token) {
+            // A second registration of one reader: the first stands.
+            stats.stray_notifications += 1;
+            return;
+        }
+        let refusal = if live.expired {
+            Some("the prefill engine's lease of the request ran out".to_owned())
+        } else if *live.readers.get_or_insert(reg.readers) != reg.readers {
+            Some(format!(
+                "{} readers registered, the first registration said {:?}",
+                reg.readers, live.readers
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            stats.rejected_notifications += 1;
+            effects.push(self.refuse(reg, &reason, stats));
+            return;
+        }
+        live.taken.push((reg.reader, reg.reply_to.token));
+        stats.notifications += 1;
+        let job = match (reg.heads, pairs(&live.groups, &reg.groups)) {
+            (None, _) => None,
+            (Some(heads), Ok((local, remote))) if !local.is_empty() => {
+                Some(Ok(WriteJob { to: reg.reply_to.clone(), local, remote, heads: heads.mirrored() }))
+            }
+            (Some(_), Ok(_)) => None,
+            (Some(_), Err(e)) => Some(Err(e)),
+        };
+        match job {
+            Some(Ok(job)) => {
+                live.jobs.insert(reg.reader, Job::AwaitingPeer(job));
+                effects.push(PushEffect::Write(PushKey { request_id: id, reader: reg.reader }));
+            }
+            Some(Err(reason)) => {
+                effects.push(self.refuse(reg, &reason, stats));
+                self.reader_done(&id, now, effects);
+            }
+            // Nothing to write: the registration only frees its share of the hold.
+            None => self.reader_done(&id, now, effects),
+        }
+    }
+
+    /// The WRITE of `key`, while it waits for its decode worker.
+    pub(super) fn job(&self, key: &PushKey) -> Option<&WriteJob> {
+        match self.live.get(&key.request_id)?.jobs.get(&key.reader)? {
+            Job::AwaitingPeer(job) => Some(job),
+            Job::Writing { .. } => None,
+        }
+    }
+
+    /// The WRITE of `key` was posted (to `agent`, `bytes` in all), or could not be (refused, the
+    /// hold counts the reader done).
+    pub(super) fn posted(
+        &mut self,
+        now: Instant,
+        key: &PushKey,
+        outcome: crate::error::Result<(XferId, AgentName, u64)>,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let mut effects = Vec::new();
+        let Some(live) = self.live.get_mut(&key.request_id) else { return effects };
+        let Some(Job::AwaitingPeer(job)) = live.jobs.remove(&key.reader) else { return effects };
+        match outcome {
+            Ok((xfer, agent, bytes)) => {
+                stats.writes_posted += 1;
+                live.jobs.insert(key.reader, Job::Writing { xfer, agent, to: job.to, bytes });
+                self.writes.insert(xfer, key.clone());
+            }
+            Err(e) => {
+                warn!(request_id = %key.request_id, error = %e, "push WRITE not posted");
+                stats.writes_failed += 1;
+                effects.push(self.refuse_to(job.to, &key.request_id, &e.to_string(), stats));
+                self.reader_done(&key.request_id, now, &mut effects);
+            }
+        }
+        effects
+    }
+
+    /// The decode worker of `key` could not be reached: nothing can be written or said to it.
+    pub(super) fn unreachable(
+        &mut self,
+        now: Instant,
+        key: &PushKey,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let mut effects = Vec::new();
+        if let Some(live) = self.live.get_mut(&key.request_id) {
+            if live.jobs.remove(&key.reader).is_some() {
+                stats.writes_failed += 1;
+                self.reader_done(&key.request_id, now, &mut effects);
+            }
+        }
+        effects
+    }
+
+    /// The push WRITE `xfer`, if it is one: taken from the WRITEs in flight.
+    pub(super) fn take_write(&mut self, xfer: XferId) -> Option<PushKey> {
+        self.writes.remove(&xfer)
+    }
+
+    /// A WRITE ended. Done: its notification told the decode worker. Failed: the decode worker is
+    /// told now (nothing of it is in flight any more).
+    pub(super) fn write_ended(
+        &mut self,
+        now: Instant,
+        key: &PushKey,
+        outcome: crate::error::Result<()>,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let mut effects = Vec::new();
+        let Some(live) = self.live.get_mut(&key.request_id) else { return effects };
+        let Some(Job::Writing { to, bytes, .. }) = live.jobs.remove(&key.reader) else { return effects };
+        match outcome {
+            Ok(()) => stats.bytes_written += bytes,
+            Err(e) => {
+                warn!(request_id = %key.request_id, error = %e, "push WRITE failed");
+                stats.writes_failed += 1;
+                effects.push(self.refuse_to(to, &key.request_id, &e.to_string(), stats));
+            }
+        }
+        self.reader_done(&key.request_id, now, &mut effects);
+        effects
+    }
+
+    /// A decode worker's cancel: a registration not written yet never will be (answered so);
+    /// one being written is answered by its WRITE. One this worker does not have is answered only
+    /// when its decode worker is `connected` (no handshake for whatever a cancel names).
+    pub(super) fn cancel(
+        &mut self,
+        now: Instant,
+        cancel: PushCancel,
+        connected: bool,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let mut effects = Vec::new();
+        let PushCancel { request_id: id, reply_to } = cancel;
+        if id.as_str().len() > MAX_ID_LEN || reply_to.rank >= MAX_TP || reply_to.engine.check().is_err() {
+            stats.stray_notifications += 1;
+            return effects;
+        }
+        self.cancelled.insert(now, (id.clone(), reply_to.token), ());
+        let waiting = self.live.get_mut(&id).and_then(|live| {
+            let reader = live.taken.iter().find(|(_, t)| *t == reply_to.token).map(|(r, _)| *r)?;
+            match live.jobs.get(&reader)? {
+                Job::AwaitingPeer(_) => match live.jobs.remove(&reader) {
+                    Some(Job::AwaitingPeer(job)) => Some(job.to),
+                    _ => None,
+                },
+                Job::Writing { .. } => None,
+            }
+        });
+        if let Some(to) = waiting {
+            effects.push(self.refuse_to(to, &id, "cancelled before it was written", stats));
+            self.reader_done(&id, now, &mut effects);
+        } else if connected && !self.taken(&id, &reply_to.token) {
+            effects.push(self.refuse_to(reply_to, &id, "cancelled: not written, and it will not be", stats));
+        }
+        effects
+    }
+
+    /// Whether the registration with `token` was taken by its hold: it is being written, or was
+    /// answered.
+    fn taken(&mut self, id: &RequestId, token: &Nonce) -> bool {
+        let live = self.live.get(id).is_some_and(|live| live.taken.iter().any(|(_, t)| t == token));
+        live || self.ended.get_mut(&request_key(id)).is_some_and(|tokens| tokens.contains(token))
+    }
+
+    /// Ends the holds whose lease ran out: registrations not written are refused, WRITEs in
+    /// flight cancelled; the blocks are freed once none is in flight.
+    pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<PushEffect> {
+        let mut due = Vec::new();
+        self.due.take_due(now, &mut due);
+        due.sort_unstable();
+        due.dedup();
+        let mut effects = Vec::new();
+        for id in due {
+            let Some(live) = self.live.get_mut(&id).filter(|l| !l.expired && l.until <= now) else {
+                continue;
+            };
+            warn!(request_id = %id, "push lease ran out before every reader was written: ending the hold");
+            live.expired = true;
+            stats.expired_holds += 1;
+            let mut refused = Vec::new();
+            for (reader, job) in std::mem::take(&mut live.jobs) {
+                match job {
+                    Job::AwaitingPeer(job) => refused.push(job.to),
+                    Job::Writing { xfer, agent, to, bytes } => {
+                        effects.push(PushEffect::Cancel(xfer));
+                        live.jobs.insert(reader, Job::Writing { xfer, agent, to, bytes });
+                    }
+                }
+            }
+            for to in refused {
+                effects.push(self.refuse_to(to, &id, "the prefill engine's lease ran out", stats));
+            }
+            self.end_if_idle(&id, now, &mut effects);
+        }
+        effects
+    }
+
+    /// Counts a reader done; the hold ends with the last one.
+    fn reader_done(&mut self, id: &RequestId, now: Instant, effects: &mut Vec<PushEffect>) {
+        if let Some(live) = self.live.get_mut(id) {
+            live.done += 1;
+        }
+        self.end_if_idle(id, now, effects);
+    }
+
+    /// Ends the hold when every reader is done, or its lease ran out and no WRITE is in flight.
+    fn end_if_idle(&mut self, id: &RequestId, now: Instant, effects: &mut Vec<PushEffect>) {
+        let Some(live) = self.live.get(id) else { return };
+        let all_done = live.readers.is_some_and(|r| live.done >= r);
+        if !(all_done || live.expired) || !live.jobs.is_empty() {
+            return;
+        }
+        let Some(live) = self.live.remove(id) else { return };
+        self.ended.insert(now, request_key(id), live.taken.into_iter().map(|(_, t)| t).collect());
+        effects.push(PushEffect::Freed(id.clone()));
+    }
+
+    fn refuse(&self, reg: PushRegistration, reason: &str, stats: &mut WorkerStats) -> PushEffect {
+        self.refuse_to(reg.reply_to, &reg.request_id, reason, stats)
+    }
+
+    fn refuse_to(
+        &self,
+        to: ReplyTo,
+        request_id: &RequestId,
+        reason: &str,
+        stats: &mut WorkerStats,
+    ) -> PushEffect {
+        stats.push_refusals += 1;
+        PushEffect::Refuse { to, request_id: request_id.clone(), reason: reason.to_owned() }
+    }
+
+    /// At close: every hold ends (in request order), with the WRITEs in flight to cancel.
+    pub(super) fn close(&mut self, config: &WorkerConfig) -> (Vec<RequestId>, Vec<XferId>) {
+        let writes: Vec<XferId> = self.writes.keys().copied().collect();
+        let mut ended: Vec<RequestId> = self.live.drain().map(|(id, _)| id).collect();
+        ended.sort();
+        *self = Pushes::new(config, self.instance);
+        (ended, writes)
+    }
+}
+
+/// The prefill blocks and the registered decode blocks they go to, index by index, group by
+/// group; refused when the registration names positions the hold does not have.
+fn pairs(held: &[GroupBlocks], registered: &[GroupBlocks]) -> Result<(Vec<BlockId>, Vec<BlockId>), String> {
+    if held.len() != registered.len() {
+        return Err(format!("{} KV-cache groups registered, {} held", registered.len(), held.len()));
+    }
+    let (mut local, mut remote) = (Vec::new(), Vec::new());
+    for (g, (h, r)) in held.iter().zip(registered).enumerate() {
+        let Some(ids) = h.at(u64::from(r.first), r.end()) else {
+            return Err(format!(
+                "group {g}: block positions {}..{} registered, but the prefill engine holds {}..{}",
+                r.first,
+                r.end(),
+                h.first,
+                h.end()
+            ));
+        };
+        local.extend_from_slice(ids);
+        remote.extend_from_slice(&r.ids);
+    }
+    Ok((local, remote))
+}
