@@ -217,7 +217,9 @@ pub struct Heartbeat {
 }
 
 /// A request whose blocks the prefill engine now holds for a push: its workers WRITE them into
-/// the blocks a decode engine registered for the request.
+/// the blocks a decode engine registered for the request. Without blocks (the request was
+/// aborted, failed, or computed no full block) nothing is held and the registrations for it are
+/// refused at once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PushHold {
     /// The request (the prefill engine's id, which the registrations name).

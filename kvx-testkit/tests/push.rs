@@ -8,9 +8,13 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::*;
-use kvx_core::{FinishReason, TransferMode};
-use kvx_testkit::sim::{HeadLayout, ModelSpec, RequestState};
+use kvx_core::{ErrorKind, FinishReason, TransferMode, TransferParams};
+use kvx_testkit::chaos::Faults;
+use kvx_testkit::matrix::{assert_failed, step_until};
+use kvx_testkit::sim::{Cluster, EngineConfig, HeadLayout, LoadFailurePolicy, ModelSpec, RequestState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -84,4 +88,157 @@ fn mla_on_every_pair() {
 fn hybrid_windows_on_every_pair() {
     let model = split_heads().with_windows(vec![None, Some(1)]);
     on_every_pair(&model, 400);
+}
+
+/// A push cluster of TP 2 engines in simulated time, the decode engine under `policy`.
+fn push_cluster(lb: &Loopback, policy: LoadFailurePolicy) -> Cluster {
+    let m = model();
+    let prefill = lb.engine(lb.config("prefill", &m));
+    let decode = lb.engine(EngineConfig { load_failure: policy, ..lb.config("decode", &m) });
+    lb.cluster_of(vec![prefill], decode).with_mode(TransferMode::Push)
+}
+
+/// Simulated time since the cluster started.
+fn elapsed(lb: &Loopback) -> Duration {
+    lb.time.as_ref().unwrap().clock().elapsed()
+}
+
+/// A WRITE that fails reaches its decode engine at once, as that request's failure: not after
+/// the registration's wait or the lease. The requests before and after it are pushed whole.
+#[test]
+fn a_failed_write_fails_exactly_that_request_at_once() {
+    let lb = Loopback::simulated();
+    let mut c = push_cluster(&lb, LoadFailurePolicy::Fail);
+    submit(&mut c, &id("before"), prompt(1, 3 * BS));
+    c.run_until_idle(LIMIT).unwrap();
+    lb.agent("prefill", 1).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
+    let start = elapsed(&lb);
+    submit(&mut c, &id("victim"), prompt(2, 3 * BS));
+    c.run_until_idle(LIMIT).unwrap();
+    let e = assert_failed(&c.decodes[0], &id("victim"), &[ErrorKind::Transfer]);
+    assert!(e.message().contains("did not write") && e.message().contains("injected"), "{e}");
+    let took = elapsed(&lb) - start;
+    assert!(took < Duration::from_secs(1), "failed at once, not after a wait: {took:?}");
+    submit(&mut c, &id("after"), prompt(3, 3 * BS));
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    for rid in ["before", "after"] {
+        assert_state(&c.decodes[0], &id(rid), RequestState::Finished(FinishReason::LengthCapped), rid);
+    }
+    assert_no_hold_expired(&c.prefills[0], "a failed WRITE ends its hold");
+    let pw = c.prefills[0].worker_stats();
+    assert_eq!(pw.iter().map(|w| (w.writes_failed, w.push_refusals)).collect::<Vec<_>>(), [(0, 0), (1, 1)]);
+}
+
+/// Under the recompute policy the request whose WRITE failed computes its prompt locally.
+#[test]
+fn a_failed_write_recomputes_under_the_recompute_policy() {
+    let lb = Loopback::simulated();
+    let mut c = push_cluster(&lb, LoadFailurePolicy::Recompute);
+    lb.agent("prefill", 0).set_faults(Faults::none().fail_nth_transfer(1)).unwrap();
+    submit(&mut c, &id("victim"), prompt(2, 3 * BS));
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    assert_state(
+        &c.decodes[0],
+        &id("victim"),
+        RequestState::Finished(FinishReason::LengthCapped),
+        "recomputed",
+    );
+    assert_eq!(c.decodes[0].stats().recomputed, 1);
+}
+
+/// A request aborted at its prefill engine keeps no blocks there: the registration is refused at
+/// once and the decode leg fails (or recomputes), without waiting for anything.
+#[test]
+fn a_request_aborted_at_the_prefill_engine_fails_its_decode_leg_at_once() {
+    for policy in [LoadFailurePolicy::Fail, LoadFailurePolicy::Recompute] {
+        let lb = Loopback::simulated();
+        let mut c = push_cluster(&lb, policy);
+        let rid = id("aborted-at-prefill");
+        submit(&mut c, &rid, prompt(4, 3 * BS));
+        c.prefills[0].abort(&rid);
+        c.run_until_idle(LIMIT).unwrap();
+        assert_clean(&c);
+        assert!(elapsed(&lb) < Duration::from_secs(1), "{policy:?}: {:?}", elapsed(&lb));
+        match policy {
+            LoadFailurePolicy::Fail => {
+                let e = assert_failed(&c.decodes[0], &rid, &[ErrorKind::Transfer]);
+                assert!(e.message().contains("kept no blocks"), "{e}");
+            }
+            LoadFailurePolicy::Recompute => assert_state(
+                &c.decodes[0],
+                &rid,
+                RequestState::Finished(FinishReason::LengthCapped),
+                "recomputed",
+            ),
+        }
+    }
+}
+
+/// A request aborted at its decode engine while it waits for the WRITE keeps its blocks until
+/// the WRITE landed: nothing is written into freed blocks, and both pools end whole.
+#[test]
+fn an_abort_at_the_decode_engine_keeps_its_blocks_until_the_write_lands() {
+    let lb = Loopback::simulated();
+    let mut c = push_cluster(&lb, LoadFailurePolicy::Fail);
+    let rid = id("aborted-at-decode");
+    submit(&mut c, &rid, prompt(5, 4 * BS));
+    step_until(&mut c, "registered", |c| c.decodes[0].workers().all(|w| w.num_in_flight() == 1));
+    c.decodes[0].abort(&rid);
+    assert_eq!(c.decodes[0].pool().num_in_flight(), 4, "its blocks wait for the WRITE");
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    assert_state(&c.decodes[0], &rid, RequestState::Finished(FinishReason::Aborted), "aborted");
+    assert!(c.prefills[0].worker_stats().iter().all(|w| w.writes_posted == 1 && w.expired_holds == 0));
+}
+
+/// Engines under one deployment key push as without one: each registration carries a MAC the
+/// prefill workers check.
+#[test]
+fn authenticated_engines_push() {
+    let lb = Loopback::simulated();
+    let m = model();
+    let key = Some(kvx_core::AuthKey::new("a deployment's shared secret").unwrap());
+    let prefill = lb.engine(EngineConfig { auth_key: key.clone(), ..lb.config("prefill", &m) });
+    let decode = lb.engine(EngineConfig { auth_key: key, ..lb.config("decode", &m) });
+    let mut c = lb.cluster_of(vec![prefill], decode).with_mode(TransferMode::Push);
+    submit(&mut c, &id("signed"), prompt(6, 3 * BS));
+    c.run_until_idle(LIMIT).unwrap();
+    assert_clean(&c);
+    assert_state(&c.decodes[0], &id("signed"), RequestState::Finished(FinishReason::LengthCapped), "signed");
+    assert!(
+        c.prefills[0].worker_stats().iter().all(|w| w.writes_posted == 1 && w.rejected_notifications == 0)
+    );
+}
+
+/// A decode engine told to push to a prefill engine that holds the request for a pull (two
+/// routers that disagree) fails at once with an error that says so; the prefill engine's hold
+/// ends by its lease.
+#[test]
+fn a_push_to_a_pull_hold_fails_at_once_and_says_why() {
+    let lb = Loopback::default();
+    let m = model();
+    let short = Duration::from_millis(300);
+    let mut prefill = lb.engine(EngineConfig { lease_duration: short, ..lb.config("prefill", &m) });
+    let mut decode = lb.engine(lb.config("decode", &m));
+    let rid = id("modes-differ");
+    let tokens = prompt(7, 3 * BS);
+    let pull = TransferParams { do_remote_decode: true, ..Default::default() };
+    prefill.add_request(rid.clone(), &tokens, 1, Some(pull)).unwrap();
+    let push = TransferParams::for_push(prefill.coordinates().clone(), rid.clone(), Some(2));
+    decode.add_request(rid.clone(), &tokens, 2, Some(push)).unwrap();
+    let deadline = Instant::now() + LIMIT;
+    while !(prefill.is_idle() && decode.is_idle()) {
+        assert!(Instant::now() < deadline, "not idle: {prefill:?} {decode:?}");
+        prefill.step().unwrap();
+        prefill.take_transfer_params();
+        decode.step().unwrap();
+        std::thread::yield_now();
+    }
+    let e = assert_failed(&decode, &rid, &[ErrorKind::Transfer]);
+    assert!(e.message().contains("the modes differ"), "{e}");
+    for engine in [&prefill, &decode] {
+        assert!(engine.pool().is_whole() && engine.errors().is_empty(), "{engine:?}");
+    }
 }

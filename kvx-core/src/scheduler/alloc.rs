@@ -139,7 +139,8 @@ impl ConnectorScheduler {
         let push = params.mode() == TransferMode::Push;
         if num_external_tokens == 0 {
             self.awaiting.remove(request_id);
-            if push || params.has_remote_blocks() {
+            // A push's prefill engine holds blocks when the prompt has a full one.
+            if (push && prompt_len >= self.block_size()) || params.has_remote_blocks() {
                 debug!(%request_id, "nothing to load: notify the prefill engine only");
                 self.pending_recv.insert(request_id.clone(), PendingRecv::new(remote, params, groups));
             }

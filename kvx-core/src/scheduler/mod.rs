@@ -350,7 +350,16 @@ impl ConnectorScheduler {
             return FinishOutcome::default();
         }
         let keeps = matches!(reason, FinishReason::LengthCapped | FinishReason::Stopped);
-        if !params.is_some_and(|p| p.do_remote_decode) || !keeps {
+        let Some(params) = params.filter(|p| p.do_remote_decode) else {
+            return FinishOutcome::default();
+        };
+        let mode = params.mode();
+        if !keeps {
+            if mode == TransferMode::Push {
+                // The decode engine registered (or will) without waiting for this answer: an
+                // empty hold tells the workers to refuse its registrations now.
+                self.new_pushing.push(PushHold { request_id: request_id.clone(), groups: Vec::new() });
+            }
             return FinishOutcome::default();
         }
         // No block position past 2^32 - 1 (a block id's range).
@@ -364,16 +373,18 @@ impl ConnectorScheduler {
             .collect();
         let delay_free = computed.iter().any(|g| !g.ids.is_empty());
         let nonce = self.nonces.next_nonce();
-        let mode = params.map(TransferParams::mode).unwrap_or_default();
         if delay_free {
             self.sending.insert(request_id.clone());
-            match mode {
-                TransferMode::Pull => {
-                    self.new_sending.push(HeldRequest { request_id: request_id.clone(), nonce })
-                }
-                TransferMode::Push => self
-                    .new_pushing
-                    .push(PushHold { request_id: request_id.clone(), groups: computed.clone() }),
+        }
+        match mode {
+            TransferMode::Pull if delay_free => {
+                self.new_sending.push(HeldRequest { request_id: request_id.clone(), nonce })
+            }
+            TransferMode::Pull => {}
+            // Without a full block the hold is empty: the registrations are refused at once.
+            TransferMode::Push => {
+                let groups = if delay_free { computed.clone() } else { Vec::new() };
+                self.new_pushing.push(PushHold { request_id: request_id.clone(), groups })
             }
         }
         let remote = RemoteCoordinates {

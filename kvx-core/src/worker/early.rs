@@ -162,6 +162,11 @@ impl<E: Reader> EarlyReleases<E> {
         taken
     }
 
+    /// Whether nothing is kept.
+    pub(super) fn is_empty(&self) -> bool {
+        self.senders.is_empty()
+    }
+
     /// Drops the releases whose time is up; returns how many.
     pub(super) fn expire(&mut self, now: Instant) -> u64 {
         let expired = self.senders.values_mut().map(|s| s.releases.expire(now)).sum();

@@ -466,6 +466,8 @@ impl ConnectorWorker {
         for held in &meta.reqs_to_send {
             let effects = self.holds.hold(now, held, &mut self.stats);
             self.apply_holds(now, effects);
+            let effects = self.pushes.pull_held(now, &held.request_id, &mut self.stats);
+            self.apply_pushes(now, effects);
         }
         for held in &meta.reqs_to_push {
             self.push_hold(now, held);

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::deadlines::Deadlines;
-use super::early::{EarlyReleases, Reader};
+use super::early::{EarlyReleases, MAX_EARLY_READERS, Reader};
 use super::ttl::{Key, TtlMap};
 use super::{WorkerConfig, WorkerStats};
 use crate::auth::{AuthKey, HexBytes, Nonce};
@@ -110,13 +110,26 @@ pub(super) struct Pushes {
     live: HashMap<RequestId, Live>,
     due: Deadlines<RequestId>,
     early: EarlyReleases<Early>,
-    /// Holds that ended, with the tokens of the registrations they took: a registration that
-    /// comes later is refused, a cancel of one they took is not answered again.
-    ended: TtlMap<Vec<Nonce>>,
+    /// Holds that ended (see [`Ended`]).
+    ended: TtlMap<Ended>,
     /// Registrations their decode worker cancelled, by request and token.
     cancelled: TtlMap<()>,
     writes: HashMap<XferId, PushKey>,
 }
+
+/// A hold that ended, or a request that will not be pushed: a registration that comes later is
+/// refused with `reason` (at most [`MAX_EARLY_READERS`] of them, so that replays cost bounded
+/// work), a cancel of a registration it took (`tokens`) is not answered again.
+#[derive(Debug, Default)]
+struct Ended {
+    tokens: Vec<Nonce>,
+    reason: String,
+    answered: usize,
+}
+
+/// Why a registration for a request held for a pull is refused.
+const PULL_HELD: &str =
+    "the prefill engine holds the request for a pull (READ), not a push: the modes differ";
 
 /// The key of a request in the maps keyed by request and nonce, where only the request counts.
 fn request_key(request_id: &RequestId) -> Key {
@@ -170,6 +183,9 @@ impl Pushes {
     /// it are taken.
     pub(super) fn hold(&mut self, now: Instant, held: &PushHold, stats: &mut WorkerStats) -> Vec<PushEffect> {
         let id = held.request_id.clone();
+        if held.groups.iter().all(|g| g.ids.is_empty()) {
+            return self.end_unheld(now, &id, "the prefill engine kept no blocks of the request", stats);
+        }
         let live = Live {
             groups: held.groups.clone(),
             until: now + self.lease,
@@ -218,19 +234,30 @@ impl Pushes {
             self.register_live(now, reg, stats, &mut effects);
             return effects;
         }
-        let refusal = if self.ended.contains(&request_key(&id)) {
-            Some("the prefill engine's hold of the request ended before the registration came")
-        } else if pull_held {
-            Some("the prefill engine holds the request for a pull (READ), not a push: the modes differ")
-        } else if reg.instance.is_some_and(|i| i != self.instance) {
-            Some("the registration names another instance of the prefill engine (it restarted)")
-        } else {
-            None
-        };
-        match refusal {
-            Some(reason) if connected(&reg.reply_to) => effects.push(self.refuse(reg, reason, stats)),
-            Some(_) => stats.stray_notifications += 1,
-            None => {
+        if pull_held && !self.ended.contains(&request_key(&id)) {
+            let ended = Ended { reason: PULL_HELD.to_owned(), ..Ended::default() };
+            self.ended.insert(now, request_key(&id), ended);
+        }
+        if let Some(ended) = self.ended.get_mut(&request_key(&id)) {
+            if ended.answered >= MAX_EARLY_READERS || ended.tokens.contains(&reg.reply_to.token) {
+                stats.stray_notifications += 1;
+                return effects;
+            }
+            if reg.heads.is_some() {
+                ended.answered += 1;
+                let reason = ended.reason.clone();
+                effects.push(self.refuse(reg, &reason, stats));
+            }
+            return effects;
+        }
+        let restarted = reg.instance.is_some_and(|i| i != self.instance);
+        match restarted {
+            true if connected(&reg.reply_to) => {
+                let reason = "the registration names another instance of the prefill engine (it restarted)";
+                effects.push(self.refuse(reg, reason, stats))
+            }
+            true => stats.stray_notifications += 1,
+            false => {
                 stats.early_notifications += 1;
                 let kept = self.early.insert(now, from, request_key(&id), Early { registration: reg });
                 stats.stray_notifications += kept.stray;
@@ -238,6 +265,37 @@ impl Pushes {
             }
         }
         effects
+    }
+
+    /// A request this worker will not push (`reason`): the registrations kept for it are
+    /// refused, and so are those that come later.
+    fn end_unheld(
+        &mut self,
+        now: Instant,
+        id: &RequestId,
+        reason: &str,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        let early = self.early.take(&request_key(id));
+        let ended = Ended { tokens: Vec::new(), reason: reason.to_owned(), answered: early.len() };
+        self.ended.insert(now, request_key(id), ended);
+        // A registration with nothing to write waits for no answer.
+        let waiting = early.into_iter().filter(|e| e.registration.heads.is_some());
+        waiting.map(|e| self.refuse(e.registration, reason, stats)).collect()
+    }
+
+    /// A pull hold came for `id`: registrations that came before it are refused (the modes
+    /// differ), and so are those to come.
+    pub(super) fn pull_held(
+        &mut self,
+        now: Instant,
+        id: &RequestId,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
+        if self.early.is_empty() {
+            return Vec::new();
+        }
+        self.end_unheld(now, id, PULL_HELD, stats)
     }
 
     /// Within kvx's bounds, and not naming this engine.
@@ -433,7 +491,7 @@ impl Pushes {
     /// answered.
     fn taken(&mut self, id: &RequestId, token: &Nonce) -> bool {
         let live = self.live.get(id).is_some_and(|live| live.taken.iter().any(|(_, t)| t == token));
-        live || self.ended.get_mut(&request_key(id)).is_some_and(|tokens| tokens.contains(token))
+        live || self.ended.get_mut(&request_key(id)).is_some_and(|e| e.tokens.contains(token))
     }
 
     /// Ends the holds whose lease ran out: registrations not written are refused, WRITEs in
@@ -485,7 +543,12 @@ impl Pushes {
             return;
         }
         let Some(live) = self.live.remove(id) else { return };
-        self.ended.insert(now, request_key(id), live.taken.into_iter().map(|(_, t)| t).collect());
+        let ended = Ended {
+            tokens: live.taken.into_iter().map(|(_, t)| t).collect(),
+            reason: "the prefill engine's hold of the request ended".to_owned(),
+            answered: 0,
+        };
+        self.ended.insert(now, request_key(id), ended);
         effects.push(PushEffect::Freed(id.clone()));
     }
 

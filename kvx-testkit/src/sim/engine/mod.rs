@@ -454,7 +454,7 @@ impl SimEngine {
         self.schedule_waiting();
         self.run_model();
         let meta = self.scheduler.build_connector_meta(self.config.clock.now());
-        for recv in &meta.reqs_to_recv {
+        for recv in meta.reqs_to_recv.iter().chain(&meta.reqs_to_register) {
             if recv.is_notify_only() {
                 continue;
             }
