@@ -10,7 +10,7 @@ use kvx_testkit::sim::{Cluster, EngineConfig, InProcessSideChannels, RequestStat
 use crate::backend::Backend;
 use crate::roles::AuthArgs;
 use crate::summary::Summary;
-use crate::workload::{ModelArgs, WorkloadArgs};
+use crate::workload::{Mode, ModelArgs, WorkloadArgs};
 
 /// The most engines of each kind (each has its own pool, runtime and agents).
 const MAX_ENGINES: i64 = 16;
@@ -35,6 +35,10 @@ pub(crate) struct DemoArgs {
     /// Tensor-parallel ranks of each decode engine (default: `--tp`).
     #[arg(long, conflicts_with = "tp", value_parser = clap::value_parser!(u32).range(1..))]
     decode_tp: Option<u32>,
+    /// How the KV moves: READs by the decode engine (pull) or WRITEs by the prefill engine
+    /// (push: the router sends both legs of a request at once).
+    #[arg(long, value_enum, default_value_t = Mode::Pull)]
+    mode: Mode,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -53,7 +57,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
         (pt, dt) if pt == dt => args.model.describe_with(&format!("TP={pt}")),
         (pt, dt) => args.model.describe_with(&format!("TP={pt} prefill, TP={dt} decode")),
     };
-    println!("kvx demo: {} backend, {shape}{model}", args.backend.name());
+    println!("kvx demo: {} backend, {} mode, {shape}{model}", args.backend.name(), args.mode.name());
     let net = InProcessSideChannels::new();
     let auth_key = args.auth.key()?;
     let engine = |id: String, tp: u32| {
@@ -67,7 +71,8 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
     let engines = |role: &str, n: u32, tp: u32| -> Result<Vec<SimEngine>> {
         (0..n).map(|i| engine(if n == 1 { role.to_owned() } else { format!("{role}-{i}") }, tp)).collect()
     };
-    let mut cluster = Cluster::xpyd(engines("prefill", p, tps.0)?, engines("decode", d, tps.1)?)?;
+    let mut cluster = Cluster::xpyd(engines("prefill", p, tps.0)?, engines("decode", d, tps.1)?)?
+        .with_mode(args.mode.transfer_mode());
     let prompts = args.workload.prompts();
     let bar = ProgressBar::new(prompts.len() as u64);
     bar.set_style(
@@ -93,6 +98,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<Summary> {
     let mut summary = Summary::of_engines(&cluster.decodes, args.workload.requests, start.elapsed());
     for prefill in &cluster.prefills {
         summary.check(prefill);
+        summary.add_written(prefill);
     }
     if (p, d) != (1, 1) {
         summary.set_served(cluster.engines());

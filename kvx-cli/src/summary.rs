@@ -120,6 +120,11 @@ impl Summary {
         self.errors.extend(engine.errors().iter().map(|e| format!("{}: {e}", engine.engine_id())));
     }
 
+    /// Adds the bytes a prefill engine's push WRITEs moved.
+    pub(crate) fn add_written(&mut self, prefill: &SimEngine) {
+        self.bytes_moved += prefill.worker_stats().iter().map(|w| w.bytes_written).sum::<u64>();
+    }
+
     /// Adds another process's leaked blocks and errors.
     pub(crate) fn add_remote(&mut self, who: &str, leaked: usize, errors: Vec<String>) {
         self.leaked += leaked;

@@ -5,7 +5,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::str::FromStr;
 
-use kvx_core::RequestId;
+use kvx_core::{RequestId, TransferMode};
 use kvx_testkit::sim::{HeadLayout, ModelSpec, VOCAB};
 
 /// How each block of a layer's K or V orders its tokens and heads.
@@ -133,6 +133,34 @@ impl FromStr for LenRange {
             return Err(format!("{s:?}: need 1 <= MIN <= MAX"));
         }
         Ok(LenRange { min, max })
+    }
+}
+
+/// How the KV moves between the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum Mode {
+    /// The prefill engine holds its blocks; the decode engine READs them once the router hands
+    /// it the prefill engine's params.
+    #[default]
+    Pull,
+    /// The router sends both legs at once; the decode engine registers the blocks it allocated
+    /// and the prefill engine WRITEs into them when it finishes.
+    Push,
+}
+
+impl Mode {
+    pub(crate) fn transfer_mode(self) -> TransferMode {
+        match self {
+            Mode::Pull => TransferMode::Pull,
+            Mode::Push => TransferMode::Push,
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mode::Pull => "pull",
+            Mode::Push => "push",
+        }
     }
 }
 
