@@ -150,6 +150,23 @@ fn demo_moves_kv_between_tp_sizes() {
     demo_moves_kv_between_tp_sizes_on("loopback", (4, 2), &["--layer-window", "2"]);
 }
 
+/// `kvx demo --mode push` on `backend`: the router sends both legs at once, the prefill engines
+/// WRITE every block into the decode engines', every byte checked, nothing leaked; between TP
+/// sizes and with several engines of each kind.
+fn demo_pushes_on(backend: &str) {
+    let stdout = demo_on(backend, &["--mode", "push"]);
+    assert!(stdout.contains("push mode"), "{stdout}");
+    let stdout = demo_moves_kv_between_tp_sizes_on(backend, (2, 4), &["--mode", "push", "--window", "40"]);
+    assert!(stdout.contains("push mode"), "{stdout}");
+    demo_on(backend, &["--mode", "push", "--prefill-engines", "2", "--decode-engines", "3"]);
+}
+
+#[test]
+fn demo_pushes() {
+    demo_pushes_on("loopback");
+    demo_pushes_on("tcp");
+}
+
 /// A token-major cache cannot be sliced between TP sizes: every request fails with the
 /// handshake's refusal, and the demo says why and exits 1.
 #[test]
@@ -235,6 +252,12 @@ macro_rules! native_backend_tests {
             #[test]
             fn demo() {
                 super::demo_checks_every_byte_and_leaks_nothing_on(BACKEND);
+            }
+
+            /// `kvx demo --mode push`: the prefill engines WRITE every block.
+            #[test]
+            fn demo_push() {
+                super::demo_pushes_on(BACKEND);
             }
 
             /// `kvx demo` with two prefill and two decode engines.

@@ -46,8 +46,7 @@ impl ConnectorScheduler {
         };
         let first = (num_computed_tokens / bs) as u64;
         let end = match params.mode() {
-            // The prefill engine computes the whole prompt and writes its full blocks.
-            TransferMode::Push => Some((prompt_len / bs) as u64).filter(|&end| end > first),
+            TransferMode::Push => self.push_end(request_id, prompt_len, first),
             TransferMode::Pull => self.load_end(request_id, &groups, prompt_len, first),
         };
         let Some(end) = end else {
@@ -97,8 +96,37 @@ impl ConnectorScheduler {
         }
         let bs = self.block_size() as u64;
         let end = groups.iter().map(GroupBlocks::end).fold((prompt_len as u64) / bs, u64::min);
-        let covered =
-            groups.iter().zip(windows).all(|(g, &w)| u64::from(g.first) <= needed_from(w, first, end, bs));
+        self.covered(request_id, groups.iter().map(|g| u64::from(g.first)), first, end)
+    }
+
+    /// Where a push from `first` ends: the prompt's full blocks, which the prefill engine
+    /// computes whole. Of a sliding-window group it keeps the blocks from where the window of its
+    /// last prompt token starts on (vLLM drops those before); `None` when that is past a block
+    /// this engine's window needs, or nothing past `first` can load.
+    fn push_end(&self, request_id: &RequestId, prompt_len: usize, first: u64) -> Option<u64> {
+        let bs = self.block_size() as u64;
+        let held_from =
+            |w: &Option<u32>| w.map_or(0, |w| (prompt_len as u64 + 1).saturating_sub(u64::from(w)) / bs);
+        let firsts = self.config.windows().iter().map(held_from);
+        self.covered(request_id, firsts, first, prompt_len as u64 / bs)
+    }
+
+    /// `end`, when it is past `first` and each group's first remote position (`firsts`) is at
+    /// or before the first one this engine needs of it.
+    fn covered(
+        &self,
+        request_id: &RequestId,
+        firsts: impl Iterator<Item = u64>,
+        first: u64,
+        end: u64,
+    ) -> Option<u64> {
+        let bs = self.block_size() as u64;
+        let mut firsts = firsts;
+        let covered = self
+            .config
+            .windows()
+            .iter()
+            .all(|&w| firsts.next().unwrap_or(0) <= needed_from(w, first, end, bs));
         if end <= first {
             return None;
         }
