@@ -599,3 +599,6 @@ fn pairs(held: &[GroupBlocks], registered: &[GroupBlocks]) -> Result<(Vec<BlockI
     }
     Ok((local, remote))
 }
+
+#[cfg(test)]
+mod tests;

@@ -332,3 +332,6 @@ impl Registrations {
         (ids, cancels)
     }
 }
+
+#[cfg(test)]
+mod tests;

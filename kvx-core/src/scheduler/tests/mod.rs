@@ -3,6 +3,7 @@
 //! - `loads`: the decode side: matched tokens, allocation, aborts.
 //! - `offers`: the prefill side's offers and holds, keys, and lease renewals.
 //! - `hybrid`: models with sliding-window groups.
+//! - `push`: push mode on both sides.
 
 use super::*;
 use crate::ids::BlockId;
@@ -47,3 +48,4 @@ fn id(s: &str) -> RequestId {
 mod hybrid;
 mod loads;
 mod offers;
+mod push;
