@@ -9,6 +9,7 @@ use kvx_core::Result;
 use kvx_testkit::soak::{FaultRates, SoakConfig, run_soak_on};
 
 use crate::backend::Backend;
+use crate::workload::Mode;
 
 /// Options of `kvx soak`.
 #[derive(Debug, Args)]
@@ -33,6 +34,10 @@ pub(crate) struct SoakArgs {
     /// when, never in what must be zero.
     #[arg(long, value_enum, default_value_t = Backend::Loopback)]
     backend: Backend,
+    /// How the KV moves: READs by the decode engine (pull) or WRITEs by the prefill engine
+    /// (push: both legs of a request go out at its arrival).
+    #[arg(long, value_enum, default_value_t = Mode::Pull)]
+    mode: Mode,
 }
 
 /// Runs the soak, prints its report (the wall time goes to stderr, so that two runs of a seed
@@ -44,6 +49,7 @@ pub(crate) fn run(args: &SoakArgs) -> Result<ExitCode> {
     if args.no_faults {
         config.faults = FaultRates::none();
     }
+    config.mode = args.mode.transfer_mode();
     let backend = args.backend.sim_backend(false, &kvx_tcp::TcpConfig::default())?;
     let start = Instant::now();
     let report = run_soak_on(&config, &backend)?;
@@ -53,13 +59,17 @@ pub(crate) fn run(args: &SoakArgs) -> Result<ExitCode> {
     if args.backend != Backend::Loopback {
         flags += &format!(" --backend {}", args.backend.name());
     }
+    if args.mode != Mode::Pull {
+        flags += &format!(" --mode {}", args.mode.name());
+    }
     println!(
         "  {:<22} kvx soak --requests {} --seed {} --prefills {} --decodes {}{flags}",
         "replay", args.requests, args.seed, config.prefills, config.decodes
     );
     eprintln!(
-        "kvx soak: {} backend, wall time {:.3} s ({:.0} requests/s, {:.0}x simulated time)",
+        "kvx soak: {} backend, {} mode, wall time {:.3} s ({:.0} requests/s, {:.0}x simulated time)",
         args.backend.name(),
+        args.mode.name(),
         wall.as_secs_f64(),
         args.requests as f64 / wall.as_secs_f64().max(1e-9),
         report.virtual_time.as_secs_f64() / wall.as_secs_f64().max(1e-9)

@@ -185,7 +185,10 @@ impl TransferParams {
     /// The params a router hands a decode engine for a push, at the same time as it sends the
     /// prompt to the prefill engine `remote` under `request_id` (with
     /// [`for_push_prefill`](Self::for_push_prefill)): no blocks and no nonce, only where the
-    /// prefill engine is, its id of the request and its tensor-parallel size.
+    /// prefill engine is, its id of the request and its tensor-parallel size. A router that knows
+    /// the prefill engine's instance (from an earlier answer of it) sets
+    /// [`kvx_instance`](Self::kvx_instance) too, so that a decode engine still connected to an
+    /// earlier instance connects again before it registers.
     pub fn for_push(remote: RemoteCoordinates, request_id: RequestId, tp_size: Option<u32>) -> Self {
         TransferParams {
             remote_request_id: Some(request_id),

@@ -57,8 +57,10 @@ pub(super) struct WriteJob {
 pub(super) enum PushEffect {
     /// Post the WRITE of `key` once its decode worker is ready ([`Pushes::job`]).
     Write(PushKey),
-    /// Tell the decode worker its registration will not be written.
-    Refuse { to: ReplyTo, request_id: RequestId, reason: String },
+    /// Tell the decode worker whether its registration was written: `written: false` (why in
+    /// `reason`) once nothing of it is in flight, or `written: true` again for a WRITE that ended
+    /// well (its own notification said so first).
+    Answer { to: ReplyTo, request_id: RequestId, written: bool, reason: String },
     /// Cancel a WRITE in flight (the hold's lease ran out).
     Cancel(XferId),
     /// Report the held request finished: its blocks are free.
@@ -114,18 +116,31 @@ pub(super) struct Pushes {
     ended: TtlMap<Ended>,
     /// Registrations their decode worker cancelled, by request and token.
     cancelled: TtlMap<()>,
+    /// The answers given, by request and token.
+    answered: TtlMap<Answered>,
     writes: HashMap<XferId, PushKey>,
 }
 
 /// A hold that ended, or a request that will not be pushed: a registration that comes later is
 /// refused with `reason` (at most [`MAX_EARLY_READERS`] of them, so that replays cost bounded
-/// work), a cancel of a registration it took (`tokens`) is not answered again.
+/// work).
 #[derive(Debug, Default)]
 struct Ended {
-    tokens: Vec<Nonce>,
     reason: String,
     answered: usize,
 }
+
+/// The answer given to a registration: its decode worker may ask again (a registration sent
+/// again, a cancel) when the first answer was lost.
+#[derive(Debug, Clone, Copy)]
+struct Answered {
+    written: bool,
+    /// Times it was given again.
+    again: u32,
+}
+
+/// At most this many times is one registration's answer given again.
+const MAX_ANSWERS_AGAIN: u32 = 8;
 
 /// Why a registration for a request held for a pull is refused.
 const PULL_HELD: &str =
@@ -150,6 +165,7 @@ impl Pushes {
             early: EarlyReleases::new(config),
             ended: TtlMap::new(kept, ttl),
             cancelled: TtlMap::new(kept, ttl),
+            answered: TtlMap::new(kept, ttl),
             writes: HashMap::new(),
         }
     }
@@ -177,6 +193,7 @@ impl Pushes {
         stats.stray_notifications += self.early.expire(now);
         self.ended.expire(now);
         self.cancelled.expire(now);
+        self.answered.expire(now);
     }
 
     /// A push hold from the scheduler: its lease starts now; the registrations that came before
@@ -238,15 +255,19 @@ impl Pushes {
             let ended = Ended { reason: PULL_HELD.to_owned(), ..Ended::default() };
             self.ended.insert(now, request_key(&id), ended);
         }
+        if let Some(again) = self.answer_again(&id, &reg.reply_to, stats) {
+            effects.extend(again);
+            return effects;
+        }
         if let Some(ended) = self.ended.get_mut(&request_key(&id)) {
-            if ended.answered >= MAX_EARLY_READERS || ended.tokens.contains(&reg.reply_to.token) {
+            if ended.answered >= MAX_EARLY_READERS {
                 stats.stray_notifications += 1;
                 return effects;
             }
             if reg.heads.is_some() {
                 ended.answered += 1;
                 let reason = ended.reason.clone();
-                effects.push(self.refuse(reg, &reason, stats));
+                effects.push(self.refuse(now, reg, &reason, stats));
             }
             return effects;
         }
@@ -254,7 +275,7 @@ impl Pushes {
         match restarted {
             true if connected(&reg.reply_to) => {
                 let reason = "the registration names another instance of the prefill engine (it restarted)";
-                effects.push(self.refuse(reg, reason, stats))
+                effects.push(self.refuse(now, reg, reason, stats))
             }
             true => stats.stray_notifications += 1,
             false => {
@@ -277,11 +298,11 @@ impl Pushes {
         stats: &mut WorkerStats,
     ) -> Vec<PushEffect> {
         let early = self.early.take(&request_key(id));
-        let ended = Ended { tokens: Vec::new(), reason: reason.to_owned(), answered: early.len() };
+        let ended = Ended { reason: reason.to_owned(), answered: early.len() };
         self.ended.insert(now, request_key(id), ended);
         // A registration with nothing to write waits for no answer.
         let waiting = early.into_iter().filter(|e| e.registration.heads.is_some());
-        waiting.map(|e| self.refuse(e.registration, reason, stats)).collect()
+        waiting.map(|e| self.refuse(now, e.registration, reason, stats)).collect()
     }
 
     /// A pull hold came for `id`: registrations that came before it are refused (the modes
@@ -324,9 +345,14 @@ impl Pushes {
             stats.stray_notifications += 1;
             return;
         }
+        if let Some(again) = self.answer_again(&id, &reg.reply_to, stats) {
+            effects.extend(again);
+            return;
+        }
         let Some(live) = self.live.get_mut(&id) else { return };
         if live.taken.iter().any(|&(r, t)| r == reg.reader || t == reg.reply_to.token) {
-            // A second registration of one reader: the first stands.
+            // A second registration of one reader (being written, or another token): the first
+            // stands.
             stats.stray_notifications += 1;
             return;
         }
@@ -342,7 +368,7 @@ impl Pushes {
         };
         if let Some(reason) = refusal {
             stats.rejected_notifications += 1;
-            effects.push(self.refuse(reg, &reason, stats));
+            effects.push(self.refuse(now, reg, &reason, stats));
             return;
         }
         live.taken.push((reg.reader, reg.reply_to.token));
@@ -361,7 +387,7 @@ impl Pushes {
                 effects.push(PushEffect::Write(PushKey { request_id: id, reader: reg.reader }));
             }
             Some(Err(reason)) => {
-                effects.push(self.refuse(reg, &reason, stats));
+                effects.push(self.refuse(now, reg, &reason, stats));
                 self.reader_done(&id, now, effects);
             }
             // Nothing to write: the registration only frees its share of the hold.
@@ -398,7 +424,7 @@ impl Pushes {
             Err(e) => {
                 warn!(request_id = %key.request_id, error = %e, "push WRITE not posted");
                 stats.writes_failed += 1;
-                effects.push(self.refuse_to(job.to, &key.request_id, &e.to_string(), stats));
+                effects.push(self.refuse_to(now, job.to, &key.request_id, &e.to_string(), stats));
                 self.reader_done(&key.request_id, now, &mut effects);
             }
         }
@@ -440,11 +466,15 @@ impl Pushes {
         let Some(live) = self.live.get_mut(&key.request_id) else { return effects };
         let Some(Job::Writing { to, bytes, .. }) = live.jobs.remove(&key.reader) else { return effects };
         match outcome {
-            Ok(()) => stats.bytes_written += bytes,
+            Ok(()) => {
+                stats.bytes_written += bytes;
+                let answered = Answered { written: true, again: 0 };
+                self.answered.insert(now, (key.request_id.clone(), to.token), answered);
+            }
             Err(e) => {
                 warn!(request_id = %key.request_id, error = %e, "push WRITE failed");
                 stats.writes_failed += 1;
-                effects.push(self.refuse_to(to, &key.request_id, &e.to_string(), stats));
+                effects.push(self.refuse_to(now, to, &key.request_id, &e.to_string(), stats));
             }
         }
         self.reader_done(&key.request_id, now, &mut effects);
@@ -479,19 +509,26 @@ impl Pushes {
             }
         });
         if let Some(to) = waiting {
-            effects.push(self.refuse_to(to, &id, "cancelled before it was written", stats));
+            effects.push(self.refuse_to(now, to, &id, "cancelled before it was written", stats));
             self.reader_done(&id, now, &mut effects);
-        } else if connected && !self.taken(&id, &reply_to.token) {
-            effects.push(self.refuse_to(reply_to, &id, "cancelled: not written, and it will not be", stats));
+        } else if let Some(again) = self.answer_again(&id, &reply_to, stats) {
+            effects.extend(again);
+        } else if connected && !self.writing(&id, &reply_to.token) {
+            effects.push(self.refuse_to(
+                now,
+                reply_to,
+                &id,
+                "cancelled: not written, and it will not be",
+                stats,
+            ));
         }
         effects
     }
 
-    /// Whether the registration with `token` was taken by its hold: it is being written, or was
-    /// answered.
-    fn taken(&mut self, id: &RequestId, token: &Nonce) -> bool {
-        let live = self.live.get(id).is_some_and(|live| live.taken.iter().any(|(_, t)| t == token));
-        live || self.ended.get_mut(&request_key(id)).is_some_and(|e| e.tokens.contains(token))
+    /// Whether the registration with `token` was taken by its live hold and is not answered yet:
+    /// its WRITE is in flight, or waits for its decode worker.
+    fn writing(&self, id: &RequestId, token: &Nonce) -> bool {
+        self.live.get(id).is_some_and(|live| live.taken.iter().any(|(_, t)| t == token))
     }
 
     /// Ends the holds whose lease ran out: registrations not written are refused, WRITEs in
@@ -520,7 +557,7 @@ impl Pushes {
                 }
             }
             for to in refused {
-                effects.push(self.refuse_to(to, &id, "the prefill engine's lease ran out", stats));
+                effects.push(self.refuse_to(now, to, &id, "the prefill engine's lease ran out", stats));
             }
             self.end_if_idle(&id, now, &mut effects);
         }
@@ -542,29 +579,60 @@ impl Pushes {
         if !(all_done || live.expired) || !live.jobs.is_empty() {
             return;
         }
-        let Some(live) = self.live.remove(id) else { return };
-        let ended = Ended {
-            tokens: live.taken.into_iter().map(|(_, t)| t).collect(),
-            reason: "the prefill engine's hold of the request ended".to_owned(),
-            answered: 0,
-        };
+        self.live.remove(id);
+        let ended =
+            Ended { reason: "the prefill engine's hold of the request ended".to_owned(), answered: 0 };
         self.ended.insert(now, request_key(id), ended);
         effects.push(PushEffect::Freed(id.clone()));
     }
 
-    fn refuse(&self, reg: PushRegistration, reason: &str, stats: &mut WorkerStats) -> PushEffect {
-        self.refuse_to(reg.reply_to, &reg.request_id, reason, stats)
+    fn refuse(
+        &mut self,
+        now: Instant,
+        reg: PushRegistration,
+        reason: &str,
+        stats: &mut WorkerStats,
+    ) -> PushEffect {
+        self.refuse_to(now, reg.reply_to, &reg.request_id, reason, stats)
     }
 
+    /// Answers "not written", and remembers it (see [`Pushes::answered`]).
     fn refuse_to(
-        &self,
+        &mut self,
+        now: Instant,
         to: ReplyTo,
         request_id: &RequestId,
         reason: &str,
         stats: &mut WorkerStats,
     ) -> PushEffect {
         stats.push_refusals += 1;
-        PushEffect::Refuse { to, request_id: request_id.clone(), reason: reason.to_owned() }
+        self.answered.insert(now, (request_id.clone(), to.token), Answered { written: false, again: 0 });
+        PushEffect::Answer { to, request_id: request_id.clone(), written: false, reason: reason.to_owned() }
+    }
+
+    /// The answer given to the registration of `id` with `token`, given again (its decode worker
+    /// sent the registration or a cancel again: the first answer may have been lost), at most
+    /// [`MAX_ANSWERS_AGAIN`] times.
+    fn answer_again(
+        &mut self,
+        id: &RequestId,
+        to: &ReplyTo,
+        stats: &mut WorkerStats,
+    ) -> Option<Option<PushEffect>> {
+        let answered = self.answered.get_mut(&(id.clone(), to.token))?;
+        if answered.again >= MAX_ANSWERS_AGAIN {
+            stats.stray_notifications += 1;
+            return Some(None);
+        }
+        answered.again += 1;
+        stats.push_answers_again += 1;
+        let reason = if answered.written { "" } else { "not written (answered before)" };
+        Some(Some(PushEffect::Answer {
+            to: to.clone(),
+            request_id: id.clone(),
+            written: answered.written,
+            reason: reason.to_owned(),
+        }))
     }
 
     /// At close: every hold ends (in request order), with the WRITEs in flight to cancel.

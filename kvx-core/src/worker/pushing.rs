@@ -123,14 +123,22 @@ impl ConnectorWorker {
         while let Some(effect) = todo.pop() {
             let more = match effect {
                 RegEffect::Register(key) => {
-                    let Some(remote) = self.registrations.to_send(&key).map(|s| s.req.remote.clone()) else {
-                        continue;
-                    };
+                    let Some(req) = self.registrations.to_send(&key).map(|s| s.req) else { continue };
+                    let (remote, instance) = (req.remote.clone(), req.prefill_instance());
+                    // Connected to another instance of the prefill engine: connect again first.
+                    let peer = (remote.engine_id.clone(), key.rank);
+                    if self.peers.ready(&peer).is_some_and(|c| instance.is_some_and(|i| i != c.instance)) {
+                        self.invalidate(&peer);
+                    }
                     match self.peers.when_ready(now, &remote, key.rank, Waiter::Register(key.clone())) {
                         Ok(Some(_)) => self.send_registration_effects(now, &key),
                         Ok(None) => Vec::new(),
                         Err(e) => self.registrations.sent(now, &key, Err(e), &mut self.stats),
                     }
+                }
+                RegEffect::Resend(key) => {
+                    self.resend_registration(&key);
+                    Vec::new()
                 }
                 RegEffect::Cancel { peer, request_id, token } => {
                     self.send_cancel(&peer, request_id, token);
@@ -192,13 +200,32 @@ impl ConnectorWorker {
                         format!("prefill engine {} restarted (a new instance) before the push", peer.0),
                     ));
                 }
-                let agent = conn.agent.clone();
-                self.agent.notify(&agent, &msg).map(|()| agent)
+                let (agent, instance) = (conn.agent.clone(), conn.instance);
+                self.agent.notify(&agent, &msg).map(|()| (agent, instance))
             });
         if outcome.is_err() {
             self.invalidate(&peer);
         }
         self.registrations.sent(now, key, outcome, &mut self.stats)
+    }
+
+    /// Decode side: sends a registration again to the agent and instance it went to, if that
+    /// peer is still connected (else its wait and cancel settle it).
+    fn resend_registration(&mut self, key: &LoadKey) {
+        let Some((send, agent, instance)) = self.registrations.to_resend(key) else { return };
+        let peer = (send.req.remote.engine_id.clone(), key.rank);
+        let (req, heads, readers, token, agent) =
+            (send.req.clone(), send.heads, send.readers, send.token, agent.clone());
+        if !self.peers.ready(&peer).is_some_and(|c| c.agent == agent && c.instance == instance) {
+            return;
+        }
+        match self.registration(&req, heads, readers, token).and_then(|r| wire::encode(&r)) {
+            Ok(msg) => {
+                self.stats.push_resends += 1;
+                self.notify_peer(&peer, &msg);
+            }
+            Err(e) => debug!(error = %e, "a registration could not be made again"),
+        }
     }
 
     /// Decode side: a prefill rank's word on a registration.
@@ -254,20 +281,30 @@ impl ConnectorWorker {
                         Err(_) => self.pushes.unreachable(now, &key, &mut self.stats),
                     }
                 }
-                PushEffect::Refuse { to, request_id, reason } => {
-                    let result = PushResult { request_id, token: to.token, written: false, reason };
+                PushEffect::Answer { to, request_id, written, reason } => {
+                    let result = PushResult { request_id, token: to.token, written, reason };
                     match wire::encode(&result) {
                         Ok(msg) => self.send_to(now, &to.engine, to.rank, msg),
                         Err(e) => debug!(error = %e, "encoding a push result failed"),
                     }
                     Vec::new()
                 }
-                PushEffect::Cancel(xfer) => {
-                    if let Err(e) = self.agent.release(xfer) {
+                // Cancelled, the WRITE is over (no completion will come); one that cannot be
+                // cancelled yet ends on its own.
+                PushEffect::Cancel(xfer) => match self.agent.release(xfer) {
+                    Ok(()) => match self.pushes.take_write(xfer) {
+                        Some(key) => {
+                            let cancelled =
+                                Error::new(ErrorKind::Transfer, "the WRITE was cancelled: the lease ran out");
+                            self.pushes.write_ended(now, &key, Err(cancelled), &mut self.stats)
+                        }
+                        None => Vec::new(),
+                    },
+                    Err(e) => {
                         debug!(%xfer, error = %e, "a push WRITE cannot be cancelled yet: it ends on its own");
+                        Vec::new()
                     }
-                    Vec::new()
-                }
+                },
                 PushEffect::Freed(id) => {
                     self.finished.sending.push(id);
                     Vec::new()

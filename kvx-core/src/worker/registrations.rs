@@ -30,6 +30,9 @@ use crate::tp::{Slice, Target};
 pub(super) enum RegEffect {
     /// Send the registration of `key` once its prefill rank is ready ([`Registrations::to_send`]).
     Register(LoadKey),
+    /// Send the registration of `key` again to the agent it went to ([`Registrations::to_resend`]):
+    /// no answer came yet, and the registration or its answer may have been lost.
+    Resend(LoadKey),
     /// Tell the prefill rank `peer` not to write the registration of `request_id` (its id)
     /// with `token`.
     Cancel { peer: PeerKey, request_id: RequestId, token: Nonce },
@@ -45,10 +48,11 @@ pub(super) enum RegEffect {
 enum Phase {
     /// Waiting for the prefill rank's handshake.
     AwaitingPeer,
-    /// Sent to `agent`; a WRITE may come until `until`.
-    Registered { agent: AgentName, until: Instant },
-    /// Cancelled at `agent`; its answer is awaited until `until`.
-    Cancelling { agent: AgentName, until: Instant },
+    /// Sent to `agent` (of prefill `instance`); a WRITE may come until `until`; sent again at
+    /// `resend` while no answer came.
+    Registered { agent: AgentName, instance: u64, until: Instant, resend: Instant },
+    /// Cancelled at `agent` (of prefill `instance`); its answer is awaited until `until`.
+    Cancelling { agent: AgentName, instance: u64, until: Instant },
     /// Written.
     Written,
     /// Not written, and nothing of it in flight.
@@ -85,6 +89,8 @@ pub(super) struct ToSend<'a> {
 pub(super) struct Registrations {
     wait: Duration,
     confirm: Duration,
+    /// How often an unanswered registration is sent again.
+    resend: Duration,
     loads: HashMap<RequestId, Load>,
     /// Each registration's token, to its load and rank.
     tokens: HashMap<Nonce, LoadKey>,
@@ -96,6 +102,7 @@ impl Registrations {
         Registrations {
             wait: config.transfer_timeout,
             confirm: config.confirm_timeout,
+            resend: (config.confirm_timeout / 10).max(Duration::from_millis(1)),
             loads: HashMap::new(),
             tokens: HashMap::new(),
             due: Deadlines::default(),
@@ -116,7 +123,8 @@ impl Registrations {
 
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         let until = |r: &Rank| match &r.phase {
-            Phase::Registered { until, .. } | Phase::Cancelling { until, .. } => Some(*until),
+            Phase::Registered { resend, .. } => Some(*resend),
+            Phase::Cancelling { until, .. } => Some(*until),
             _ => None,
         };
         self.loads.values().flat_map(|l| l.ranks.values().filter_map(until)).min()
@@ -153,27 +161,37 @@ impl Registrations {
         Some(ToSend { req: &load.req, heads: rank.heads, readers: rank.readers, token: rank.token })
     }
 
-    /// The registration of `key` went to `agent`, or could not (the handshake failed, the send
-    /// failed): nothing can be written then.
+    /// The registration of `key`, while it waits for an answer.
+    pub(super) fn to_resend(&self, key: &LoadKey) -> Option<(ToSend<'_>, &AgentName, u64)> {
+        let load = self.loads.get(&key.request_id)?;
+        let rank = load.ranks.get(&key.rank)?;
+        let Phase::Registered { agent, instance, .. } = &rank.phase else { return None };
+        let send = ToSend { req: &load.req, heads: rank.heads, readers: rank.readers, token: rank.token };
+        Some((send, agent, *instance))
+    }
+
+    /// The registration of `key` went to `agent` of prefill `instance`, or could not (the
+    /// handshake failed, the send failed): nothing can be written then.
     pub(super) fn sent(
         &mut self,
         now: Instant,
         key: &LoadKey,
-        outcome: Result<AgentName, Error>,
+        outcome: Result<(AgentName, u64), Error>,
         stats: &mut WorkerStats,
     ) -> Vec<RegEffect> {
         let until = now + self.wait;
+        let resend = now + self.resend;
         let rank = self.loads.get_mut(&key.request_id).and_then(|l| l.ranks.get_mut(&key.rank));
         let Some(rank) = rank.filter(|r| r.phase == Phase::AwaitingPeer) else {
             return Vec::new();
         };
         match outcome {
-            Ok(agent) => {
+            Ok((agent, instance)) => {
                 stats.push_registrations += 1;
                 // A rank with nothing to write only frees its share of the hold.
                 rank.phase = if rank.heads.is_some() {
-                    self.due.push(until, key.clone());
-                    Phase::Registered { agent, until }
+                    self.due.push(resend, key.clone());
+                    Phase::Registered { agent, instance, until, resend }
                 } else {
                     Phase::Written
                 };
@@ -235,7 +253,7 @@ impl Registrations {
         let engine = load.req.remote.engine_id.clone();
         for (&rank_no, rank) in load.ranks.iter_mut() {
             match &rank.phase {
-                Phase::Registered { agent, .. } => {
+                &Phase::Registered { ref agent, instance, .. } => {
                     let until = now + self.confirm;
                     self.due.push(until, LoadKey::new(request_id.clone(), rank_no));
                     effects.push(RegEffect::Cancel {
@@ -243,7 +261,7 @@ impl Registrations {
                         request_id: prefill_id.clone(),
                         token: rank.token,
                     });
-                    rank.phase = Phase::Cancelling { agent: agent.clone(), until };
+                    rank.phase = Phase::Cancelling { agent: agent.clone(), instance, until };
                 }
                 // Never sent: it never will be.
                 Phase::AwaitingPeer => rank.phase = Phase::Settled,
@@ -273,14 +291,25 @@ impl Registrations {
         }]
     }
 
-    /// Registrations past their wait are cancelled; cancels past theirs give their peer up.
+    /// Registrations past their wait are cancelled, those waiting less sent again every
+    /// `resend`; cancels past their wait give their peer up.
     pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<RegEffect> {
         let mut due = Vec::new();
         self.due.take_due(now, &mut due);
-        let mut effects = Vec::new();
+        due.sort();
+        due.dedup();
+        let (every, mut effects) = (self.resend, Vec::new());
         for key in due {
             let Some(rank) = self.rank_mut(&key) else { continue };
             match rank.phase.clone() {
+                Phase::Registered { resend, until, .. } if resend <= now && now < until => {
+                    let next = (now + every).min(until);
+                    if let Phase::Registered { resend, .. } = &mut rank.phase {
+                        *resend = next;
+                    }
+                    self.due.push(next, key.clone());
+                    effects.push(RegEffect::Resend(key));
+                }
                 Phase::Registered { until, .. } if until <= now => {
                     stats.push_cancels += 1;
                     let e = Error::new(
@@ -292,7 +321,7 @@ impl Registrations {
                     );
                     effects.extend(self.fail(now, &key.request_id, e));
                 }
-                Phase::Cancelling { agent, until } if until <= now => {
+                Phase::Cancelling { agent, until, .. } if until <= now => {
                     stats.push_cancels_unanswered += 1;
                     rank.phase = Phase::Settled;
                     let Some(load) = self.loads.get(&key.request_id) else { continue };
@@ -306,6 +335,31 @@ impl Registrations {
                 }
                 _ => {}
             }
+        }
+        effects
+    }
+
+    /// Prefill rank `peer` restarted (a handshake found a new instance): registrations that went
+    /// to instance `old` will not be written by it (it is gone), and their loads fail now.
+    pub(super) fn peer_restarted(&mut self, now: Instant, peer: &PeerKey, old: u64) -> Vec<RegEffect> {
+        let stale: Vec<LoadKey> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.req.remote.engine_id == peer.0)
+            .filter_map(|(id, l)| {
+                let rank = l.ranks.get(&peer.1)?;
+                matches!(rank.phase,
+                    Phase::Registered { instance, .. } | Phase::Cancelling { instance, .. } if instance == old)
+                    .then(|| LoadKey::new(id.clone(), peer.1))
+            })
+            .collect();
+        let mut effects = Vec::new();
+        for key in stale {
+            if let Some(rank) = self.rank_mut(&key) {
+                rank.phase = Phase::Settled;
+            }
+            let e = Error::new(ErrorKind::Transfer, format!("engine {} restarted before it wrote", peer.0));
+            effects.extend(self.fail(now, &key.request_id, e));
         }
         effects
     }

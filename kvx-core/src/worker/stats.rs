@@ -219,6 +219,12 @@ worker_stats! {
             /// Prefill side: registrations answered "not written" (refused, failed, cancelled).
             push_refusals => "push_refusals":
                 "Prefill side: push registrations answered not written (refused, failed or cancelled)",
+            /// Prefill side: answers given again to a registration or cancel whose decode worker
+            /// asked again (its first answer may have been lost).
+            push_answers_again => "push_answers_again":
+                "Prefill side: push answers given again to a decode worker that asked again",
+            /// Decode side: registrations sent again while no answer came.
+            push_resends => "push_resends": "Decode side: push registrations sent again while no answer came",
             /// Messages for a peer dropped because its handshake failed or the send failed.
             unsent_messages => "messages_unsent":
                 "Messages for a peer dropped because its handshake failed or the send failed",

@@ -22,7 +22,8 @@
 //!   unanswered handshakes;
 //! - per request: a client abort at a random time, so at every stage (waiting on the prefill
 //!   engine, between the engines, waiting on the decode engine, loading, running), and params the
-//!   client loses between the engines;
+//!   client loses between the engines (in push mode, where both legs go out at once, a lost
+//!   decode leg instead: the prefill engine's hold waits for a registration that never comes);
 //! - per run: prefill and decode engine restarts (the engine is dropped with its agents and comes
 //!   back with the same id and side-channel ports), and decode engines whose steps stall for
 //!   longer than a lease. Each happens at least once, at a quarter, half and three quarters of the
@@ -53,7 +54,7 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::{Clock, Result, TransferAgent};
+use kvx_core::{Clock, Result, TransferAgent, TransferMode};
 use kvx_loopback::Fabric;
 
 use crate::chaos::Faults;
@@ -100,6 +101,11 @@ pub struct SoakConfig {
     pub max_drain: Duration,
     /// The faults.
     pub faults: FaultRates,
+    /// Pull: a request goes to its prefill engine, and its params to a decode engine. Push: both
+    /// legs go out at its arrival, the decode leg naming the prefill engine; the transport's
+    /// faults then strike registrations (lost, doubled, late), WRITEs (failed, late) and
+    /// results.
+    pub mode: TransferMode,
 }
 
 impl SoakConfig {
@@ -127,6 +133,7 @@ impl SoakConfig {
             recompute: 0.5,
             max_drain: Duration::from_secs(600),
             faults: FaultRates::default(),
+            mode: TransferMode::Pull,
         }
     }
 }

@@ -77,6 +77,9 @@ pub struct ProtocolCounts {
     pub rejected_notifications: u64,
     /// Received blocks checked byte for byte (per rank and region).
     pub blocks_verified: u64,
+    /// Push: registrations sent, WRITEs posted, WRITEs failed, registrations answered "not
+    /// written", registrations cancelled after their wait (of them unanswered).
+    pub push: [u64; 6],
 }
 
 impl ProtocolCounts {
@@ -97,6 +100,17 @@ impl ProtocolCounts {
         self.early_answers += w.early_answers;
         self.stray_notifications += w.stray_notifications;
         self.rejected_notifications += w.rejected_notifications;
+        let push = [
+            w.push_registrations,
+            w.writes_posted,
+            w.writes_failed,
+            w.push_refusals,
+            w.push_cancels,
+            w.push_cancels_unanswered,
+        ];
+        for (sum, n) in self.push.iter_mut().zip(push) {
+            *sum += n;
+        }
     }
 }
 
@@ -244,7 +258,7 @@ impl fmt::Display for SoakReport {
             ("panics", must(self.panics)),
             ("engine errors", must(self.errors.len() as u64 + self.more_errors)),
             ("time to finish", format!("p50 {}, p99 {}, max {}", secs(p50), secs(p99), secs(max))),
-            ("faults: READs", format!("{} failed, {} late", fl.transfers_failed, fl.transfers_delayed)),
+            ("faults: transfers", format!("{} failed, {} late", fl.transfers_failed, fl.transfers_delayed)),
             (
                 "faults: notifications",
                 format!(
@@ -268,6 +282,14 @@ impl fmt::Display for SoakReport {
             ),
             ("handshakes", format!("{} ({} failed)", pc.handshakes, pc.handshake_failures)),
             ("READs", format!("{} posted, {} loads failed (per rank)", pc.reads, pc.failed_loads)),
+            (
+                "pushes",
+                format!(
+                    "{} registered, {} WRITEs posted ({} failed), {} answered not written, {} cancelled \
+                     ({} unanswered)",
+                    pc.push[0], pc.push[1], pc.push[2], pc.push[3], pc.push[4], pc.push[5]
+                ),
+            ),
             (
                 "holds",
                 format!(

@@ -6,7 +6,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::{Clock, FinishReason, ManualClock, RequestId, Result, TransferParams};
+use kvx_core::{Clock, FinishReason, ManualClock, RequestId, Result, TransferMode, TransferParams};
 use kvx_net::Handshakes;
 
 use super::SoakConfig;
@@ -32,6 +32,12 @@ enum Place {
     /// Params on their way to a decode engine, arriving at this time.
     Handoff(Instant),
     Decode(usize),
+    /// Push: at both engines at once (its prefill leg until it ends there). The request ends
+    /// with its decode leg.
+    Both {
+        prefill: Option<usize>,
+        decode: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -184,11 +190,21 @@ impl<'c> Soak<'c> {
         let (role, index) = (slot.role, slot.index);
         self.tally.retire(&engine);
         drop(engine);
+        // A push whose prefill engine went down goes on at its decode engine, whose load fails.
+        for live in self.live.values_mut() {
+            if let Place::Both { prefill, .. } = &mut live.place {
+                if role == Role::Prefill && *prefill == Some(index) {
+                    *prefill = None;
+                }
+            }
+        }
         let lost: Vec<RequestId> = self
             .live
             .iter()
             .filter(|(_, l)| match (role, l.place) {
-                (Role::Prefill, Place::Prefill(i)) | (Role::Decode, Place::Decode(i)) => i == index,
+                (Role::Prefill, Place::Prefill(i))
+                | (Role::Decode, Place::Decode(i))
+                | (Role::Decode, Place::Both { decode: i, .. }) => i == index,
                 _ => false,
             })
             .map(|(id, _)| id.clone())
@@ -238,14 +254,30 @@ impl<'c> Soak<'c> {
             let n = self.arrived;
             let plan = plan(self.cfg, n);
             let Some(s) = self.up(Role::Prefill, plan.prefill) else { return };
-            let params = TransferParams { do_remote_decode: true, ..Default::default() };
-            let place = Place::Prefill(self.slots[s].index);
+            let push = self.cfg.mode == TransferMode::Push;
+            let decode = if push {
+                let Some(d) = self.up(Role::Decode, plan.decode) else { return };
+                Some(d)
+            } else {
+                None
+            };
+            let params = match push {
+                true => TransferParams::for_push_prefill(),
+                false => TransferParams { do_remote_decode: true, ..Default::default() },
+            };
+            let place = match decode {
+                Some(d) => Place::Both { prefill: Some(self.slots[s].index), decode: self.slots[d].index },
+                None => Place::Prefill(self.slots[s].index),
+            };
             self.live.insert(plan.id.clone(), Live { n, arrived: now, place, aborting: None });
             if let Some(engine) = self.slots[s].engine.as_mut() {
                 if let Err(e) = engine.add_request(plan.id.clone(), &plan.prompt, 1, Some(params)) {
                     self.tally.error(format!("request {}: prefill refused it: {e}", plan.id));
                     self.resolve(&plan.id, Outcome::Failed);
                 }
+            }
+            if let Some(d) = decode {
+                self.push_decode_leg(s, d, n);
             }
             if let Some(after) = plan.abort_after {
                 self.aborts.insert((now + after, n));
@@ -254,6 +286,31 @@ impl<'c> Soak<'c> {
             let gap = self.arrivals.duration(Duration::ZERO, self.cfg.mean_arrival_gap * 2);
             self.next_arrival += gap;
             self.chaos(n);
+        }
+    }
+
+    /// Push: the decode leg of request `n`, naming the prefill engine of slot `s`, goes to slot
+    /// `d`'s engine at once (unless its client loses it: the prefill engine's hold then waits for
+    /// a registration that never comes).
+    fn push_decode_leg(&mut self, s: usize, d: usize, n: u64) {
+        let plan = plan(self.cfg, n);
+        if plan.lost_handoff {
+            self.resolve(&plan.id, Outcome::Aborted(AbortStage::Handoff));
+            return;
+        }
+        let Some(prefill) = self.slots[s].engine.as_ref() else { return };
+        let params = TransferParams::for_push(
+            prefill.coordinates().clone(),
+            plan.id.clone(),
+            Some(prefill.config().tp),
+        );
+        if let Some(engine) = self.slots[d].engine.as_mut() {
+            if let Err(e) =
+                engine.add_request(plan.id.clone(), &plan.prompt, plan.max_new_tokens, Some(params))
+            {
+                self.tally.error(format!("request {}: decode refused it: {e}", plan.id));
+                self.resolve(&plan.id, Outcome::Failed);
+            }
         }
     }
 
@@ -313,6 +370,17 @@ impl<'c> Soak<'c> {
                 }
                 Place::Prefill(i) => (self.slot_index(Role::Prefill, i), None),
                 Place::Decode(i) => (self.slot_index(Role::Decode, i), Some(())),
+                // A client that goes away closes both legs; the request ends with its decode leg.
+                Place::Both { prefill, decode } => {
+                    let p = prefill.map(|i| self.slot_index(Role::Prefill, i));
+                    if let Some(engine) = p.and_then(|p| self.slots[p].running(now)) {
+                        engine.abort(&id);
+                    }
+                    if let Some(p) = p {
+                        self.collect(p);
+                    }
+                    (self.slot_index(Role::Decode, decode), Some(()))
+                }
             };
             if let Some(until) = self.slots[s].stalled_until.filter(|t| *t > now) {
                 self.aborts.insert((until, n));
@@ -369,7 +437,13 @@ impl<'c> Soak<'c> {
     }
 
     fn ended(&mut self, role: Role, e: EndedRequest) {
-        let Some(live) = self.live.get(&e.id) else { return };
+        let Some(live) = self.live.get_mut(&e.id) else { return };
+        if let (Role::Prefill, Place::Both { prefill, .. }) = (role, &mut live.place) {
+            // A push's prefill leg ended (with its blocks held, or not): the decode leg goes on.
+            *prefill = None;
+            return;
+        }
+        let live = &*live;
         let outcome = match (role, &e.state) {
             // A prefill's params follow, from the same step.
             (Role::Prefill, RequestState::Finished(FinishReason::LengthCapped | FinishReason::Stopped)) => {
@@ -403,6 +477,10 @@ impl<'c> Soak<'c> {
     }
 
     fn handed_out(&mut self, id: &RequestId, params: TransferParams) {
+        if self.cfg.mode == TransferMode::Push {
+            // Its decode leg went out with it.
+            return;
+        }
         let Some(n) = self.live.get(id).map(|l| l.n) else { return };
         let plan = plan(self.cfg, n);
         if plan.lost_handoff {
@@ -503,7 +581,9 @@ impl<'c> Soak<'c> {
             .map(|(id, l)| {
                 let state = match l.place {
                     Place::Prefill(i) => self.slots[self.slot_index(Role::Prefill, i)].engine.as_ref(),
-                    Place::Decode(i) => self.slots[self.slot_index(Role::Decode, i)].engine.as_ref(),
+                    Place::Decode(i) | Place::Both { decode: i, .. } => {
+                        self.slots[self.slot_index(Role::Decode, i)].engine.as_ref()
+                    }
                     Place::Handoff(_) => None,
                 }
                 .and_then(|e| e.state(id).cloned());

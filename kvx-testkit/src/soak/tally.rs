@@ -243,10 +243,10 @@ fn figures(r: &SoakReport) -> Vec<u64> {
         p.stray_notifications,
         p.rejected_notifications,
         p.blocks_verified,
-        u64::try_from(r.virtual_time.as_nanos()).unwrap_or(u64::MAX),
-        r.rounds,
     ]
     .into_iter()
+    .chain(p.push)
+    .chain([u64::try_from(r.virtual_time.as_nanos()).unwrap_or(u64::MAX), r.rounds])
     .chain(r.finish_times.iter().map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)))
     .collect()
 }

@@ -114,6 +114,8 @@ impl ConnectorWorker {
             self.stats.peer_restarts += 1;
             let effects = self.loads.peer_restarted(now, key, old, &mut self.stats);
             self.apply(now, effects);
+            let effects = self.registrations.peer_restarted(now, key, old);
+            self.apply_registrations(now, effects);
         }
         let took = connection.took;
         debug!(%engine_id, rank, ?took, "handshake done");

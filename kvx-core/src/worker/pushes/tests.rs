@@ -46,7 +46,7 @@ fn refusals(effects: &[PushEffect]) -> Vec<String> {
     effects
         .iter()
         .filter_map(|e| match e {
-            PushEffect::Refuse { reason, .. } => Some(reason.clone()),
+            PushEffect::Answer { reason, written: false, .. } => Some(reason.clone()),
             _ => None,
         })
         .collect()
@@ -71,9 +71,14 @@ fn a_registration_before_its_hold_is_written_when_the_hold_comes_and_the_hold_en
     let done = p.write_ended(now, &key("r"), Ok(()), &mut stats);
     assert_eq!(done, [PushEffect::Freed("r".into())]);
     assert_eq!((stats.writes_posted, stats.bytes_written, p.len()), (1, 64, 0));
-    // A copy of the registration after the hold ended: its token was taken, no second answer.
-    let late = p.register(now, &from("d"), registration("r", 1, &[7, 8]), |_| true, false, &mut stats);
-    assert!(late.is_empty());
+    // The registration again after the hold ended (its decode worker did not hear the WRITE's
+    // notification): "written" again, since the WRITE ended well; a bounded number of times.
+    let again: Vec<_> = (0..20)
+        .flat_map(|_| p.register(now, &from("d"), registration("r", 1, &[7, 8]), |_| true, false, &mut stats))
+        .collect();
+    assert_eq!(again.len() as u32, MAX_ANSWERS_AGAIN);
+    assert!(matches!(&again[0], PushEffect::Answer { written: true, .. }), "{again:?}");
+    assert_eq!(stats.push_answers_again, u64::from(MAX_ANSWERS_AGAIN));
 }
 
 #[test]

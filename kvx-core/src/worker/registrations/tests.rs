@@ -65,7 +65,7 @@ fn registered(r: &mut Registrations, stats: &mut WorkerStats, now: Instant) {
     let effects = r.admit(&req("r"), &targets(), tokens());
     assert_eq!(effects.len(), 2);
     for rank in 0..2 {
-        assert!(r.sent(now, &LoadKey::new("r".into(), rank), Ok(agent(rank)), stats).is_empty());
+        assert!(r.sent(now, &LoadKey::new("r".into(), rank), Ok((agent(rank), 7)), stats).is_empty());
     }
 }
 
@@ -109,7 +109,10 @@ fn a_registration_nobody_writes_is_cancelled_and_given_up_on_if_the_cancel_is_no
     let (mut r, mut stats, now) = (registrations(), WorkerStats::default(), Instant::now());
     registered(&mut r, &mut stats, now);
     assert!(r.result(now, &agent(1), result("r", 2, true), &mut stats).is_empty());
-    assert_eq!(r.next_deadline(), Some(now + 10 * SECOND));
+    // Unanswered, it is sent again every tenth of the confirmation's wait.
+    assert_eq!(r.next_deadline(), Some(now + SECOND / 5));
+    assert_eq!(r.expire(now + SECOND / 5, &mut stats), [RegEffect::Resend(LoadKey::new("r".into(), 0))]);
+    assert!(r.to_resend(&LoadKey::new("r".into(), 0)).is_some());
     let cancels = r.expire(now + 10 * SECOND, &mut stats);
     assert!(matches!(&cancels[..], [RegEffect::Cancel { peer, .. }] if peer.1 == 0), "{cancels:?}");
     assert_eq!(stats.push_cancels, 1);
@@ -123,10 +126,21 @@ fn a_registration_nobody_writes_is_cancelled_and_given_up_on_if_the_cancel_is_no
 }
 
 #[test]
+fn a_restarted_prefill_engine_fails_the_registrations_it_had_at_once() {
+    let (mut r, mut stats, now) = (registrations(), WorkerStats::default(), Instant::now());
+    registered(&mut r, &mut stats, now);
+    assert!(r.peer_restarted(now, &("prefill".into(), 0), 6).is_empty(), "another instance");
+    let effects = r.peer_restarted(now, &("prefill".into(), 0), 7);
+    assert!(matches!(&effects[..], [RegEffect::Cancel { peer, .. }] if peer.1 == 1), "{effects:?}");
+    let done = r.result(now, &agent(1), result("r", 2, false), &mut stats);
+    assert!(matches!(&done[..], [RegEffect::Failed { error, .. }] if error.message().contains("restarted")));
+}
+
+#[test]
 fn a_registration_that_could_not_be_sent_fails_the_load_after_the_others_settle() {
     let (mut r, mut stats, now) = (registrations(), WorkerStats::default(), Instant::now());
     r.admit(&req("r"), &targets(), tokens());
-    r.sent(now, &LoadKey::new("r".into(), 0), Ok(agent(0)), &mut stats);
+    r.sent(now, &LoadKey::new("r".into(), 0), Ok((agent(0), 7)), &mut stats);
     let failed =
         r.sent(now, &LoadKey::new("r".into(), 1), Err(Error::new(ErrorKind::Handshake, "no")), &mut stats);
     assert!(matches!(&failed[..], [RegEffect::Cancel { peer, .. }] if peer.1 == 0), "{failed:?}");

@@ -107,6 +107,8 @@ pub struct SimEngine {
     side_channel_port: u16,
     /// Where decode engines find this engine: its id and side channel.
     coordinates: RemoteCoordinates,
+    /// The instance its scheduler and workers name.
+    instance: u64,
     /// Each rank's side channel, over TCP (empty in-process).
     tcp_side_channels: Vec<Arc<kvx_net::SideChannel>>,
     /// Requests that finished or failed since [`take_ended`](Self::take_ended) last took them.
@@ -252,6 +254,7 @@ impl SimEngine {
             errors: Vec::new(),
             side_channel_port: base_port,
             coordinates: own_side_channel,
+            instance,
             tcp_side_channels: tcp,
             ended: Vec::new(),
             _runtime: runtime,
@@ -272,6 +275,14 @@ impl SimEngine {
     /// a router hands a decode engine for a push to this engine).
     pub fn coordinates(&self) -> &RemoteCoordinates {
         &self.coordinates
+    }
+
+    /// The params a router hands a decode engine to push request `id` from this engine (its
+    /// coordinates, tensor-parallel size and instance), as it sends this engine the prompt.
+    pub fn push_params(&self, id: &RequestId) -> TransferParams {
+        let mut params = TransferParams::for_push(self.coordinates.clone(), id.clone(), Some(self.config.tp));
+        params.kvx_instance = Some(kvx_core::HexBytes(self.instance.to_le_bytes()));
+        params
     }
 
     /// The base port of the engine's side channel (0 with [`SideChannel::ById`]).
