@@ -242,3 +242,22 @@ fn a_push_to_a_pull_hold_fails_at_once_and_says_why() {
         assert!(engine.pool().is_whole() && engine.errors().is_empty(), "{engine:?}");
     }
 }
+
+/// A lost registration (the decode side's first notification) or a lost WRITE notification (the
+/// prefill side's): the registration is sent again a tenth of the confirmation wait later and
+/// answered again, so the request finishes after a second, not after the registration's wait.
+#[test]
+fn a_lost_registration_or_result_costs_a_resend_not_the_wait() {
+    for (engine, what) in [("decode", "registration"), ("prefill", "WRITE notification")] {
+        let lb = Loopback::simulated();
+        let mut c = push_cluster(&lb, LoadFailurePolicy::Fail);
+        lb.agent(engine, 0).set_faults(Faults::none().drop_nth_notification(1)).unwrap();
+        submit(&mut c, &id("r"), prompt(8, 3 * BS));
+        c.run_until_idle(LIMIT).unwrap();
+        assert_clean(&c);
+        assert_state(&c.decodes[0], &id("r"), RequestState::Finished(FinishReason::LengthCapped), what);
+        let took = elapsed(&lb);
+        assert!(took < Duration::from_secs(3), "{what} lost: took {took:?}");
+        assert!(c.decodes[0].worker_stats()[0].push_resends >= 1, "{what}");
+    }
+}

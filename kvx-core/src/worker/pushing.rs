@@ -137,7 +137,7 @@ impl ConnectorWorker {
                     }
                 }
                 RegEffect::Resend(key) => {
-                    self.resend_registration(&key);
+                    self.resend_registration(now, &key);
                     Vec::new()
                 }
                 RegEffect::Cancel { peer, request_id, token } => {
@@ -209,15 +209,25 @@ impl ConnectorWorker {
         self.registrations.sent(now, key, outcome, &mut self.stats)
     }
 
-    /// Decode side: sends a registration again to the agent and instance it went to, if that
-    /// peer is still connected (else its wait and cancel settle it).
-    fn resend_registration(&mut self, key: &LoadKey) {
-        let Some((send, agent, instance)) = self.registrations.to_resend(key) else { return };
+    /// Decode side: sends a registration again to the instance it went to. A peer dropped since
+    /// (a failed send) is connected again first: a handshake that finds a new instance fails the
+    /// registrations of the old one (`peer_restarted`), one that finds the same instance sends
+    /// it again.
+    pub(super) fn resend_registration(&mut self, now: Instant, key: &LoadKey) {
+        let Some((send, _, instance)) = self.registrations.to_resend(key) else { return };
         let peer = (send.req.remote.engine_id.clone(), key.rank);
-        let (req, heads, readers, token, agent) =
-            (send.req.clone(), send.heads, send.readers, send.token, agent.clone());
-        if !self.peers.ready(&peer).is_some_and(|c| c.agent == agent && c.instance == instance) {
-            return;
+        let (req, heads, readers, token) = (send.req.clone(), send.heads, send.readers, send.token);
+        match self.peers.ready(&peer).map(|c| c.instance) {
+            Some(i) if i == instance => {}
+            // Another instance: the handshake that connected it failed the registration already.
+            Some(_) => return,
+            None => {
+                if let Err(e) = self.peers.when_ready(now, &req.remote, key.rank, Waiter::Resend(key.clone()))
+                {
+                    debug!(error = %e, "a registration cannot be sent again");
+                }
+                return;
+            }
         }
         match self.registration(&req, heads, readers, token).and_then(|r| wire::encode(&r)) {
             Ok(msg) => {

@@ -222,7 +222,7 @@ pub(super) struct TransferFate {
 }
 
 /// A 64-bit mixer (splitmix64's finaliser over `a` combined with `b`).
-fn mix(a: u64, b: u64) -> u64 {
+pub(super) fn mix(a: u64, b: u64) -> u64 {
     let mut z = a ^ b.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

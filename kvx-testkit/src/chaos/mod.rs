@@ -107,6 +107,16 @@ impl<A: TransferAgent + ?Sized> Chaos<A> {
         Ok(fate)
     }
 
+    /// The key of `msg` from this agent to `to`: its [`message_key`], and how many times the
+    /// same message went that way before (so that a copy sent again has a fate of its own).
+    fn key_of(&self, to: &str, msg: &[u8]) -> Result<u64> {
+        let key = message_key(self.name.as_str(), to, msg);
+        let mut sent = lock(&self.net.inner.sent_keys, "sent notifications")?;
+        let times = sent.entry(key).or_insert(0);
+        *times += 1;
+        Ok(if *times == 1 { key } else { faults::mix(key, *times) })
+    }
+
     /// How a notification of key `key` is delivered, by this agent's faults and the net's;
     /// counted.
     fn delivery(&self, key: u64) -> Result<Delivery> {
@@ -210,7 +220,7 @@ impl<A: TransferAgent + ?Sized> Chaos<A> {
         let mut st = self.state()?;
         let peer = st.remote_lists.get(&remote).cloned();
         let key = match (&peer, notify) {
-            (Some(peer), Some(msg)) => Some(message_key(self.name.as_str(), peer.as_str(), msg)),
+            (Some(peer), Some(msg)) => Some(self.key_of(peer.as_str(), msg)?),
             _ => None,
         };
         let fate = self.transfer_fate(key)?;
@@ -422,7 +432,7 @@ impl<A: TransferAgent + ?Sized> TransferAgent for Chaos<A> {
     }
 
     fn notify(&self, agent: &AgentName, msg: &[u8]) -> Result<()> {
-        let key = message_key(self.name.as_str(), agent.as_str(), msg);
+        let key = self.key_of(agent.as_str(), msg)?;
         let delivery = self.delivery(key)?;
         if delivery == (Delivery { copies: 1, delay: std::time::Duration::ZERO, stray: None }) {
             return self.send_now(agent, msg);

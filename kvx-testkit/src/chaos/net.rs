@@ -38,6 +38,9 @@ pub(super) struct NetInner {
     pub(super) injected: Mutex<FaultCounts>,
     /// The live agents, by name.
     pub(super) agents: Mutex<HashMap<AgentName, Weak<Shared>>>,
+    /// How many times each notification (by its key) was sent so far: a copy sent again meets a
+    /// fate of its own, as a retransmission does on a real network.
+    pub(super) sent_keys: Mutex<HashMap<u64, u64>>,
 }
 
 impl ChaosNet {
@@ -55,6 +58,7 @@ impl ChaosNet {
                 faults: Mutex::new(FaultPlan::default()),
                 injected: Mutex::new(FaultCounts::default()),
                 agents: Mutex::new(HashMap::new()),
+                sent_keys: Mutex::new(HashMap::new()),
             }),
         }
     }

@@ -130,6 +130,7 @@ impl ConnectorWorker {
                 Waiter::Load(id) => self.issue(now, &id),
                 Waiter::Message(msg) => self.notify_peer(key, &msg),
                 Waiter::Register(id) => self.send_registration(now, &id),
+                Waiter::Resend(id) => self.resend_registration(now, &id),
                 Waiter::Write(id) => self.post_write(now, &id),
             }
         }
@@ -162,6 +163,8 @@ impl ConnectorWorker {
                     self.apply_registrations(now, effects);
                 }
                 Waiter::Write(id) => self.push_unreachable(now, &id),
+                // Its wait and cancel settle it.
+                Waiter::Resend(_) => {}
             }
         }
         // A peer refused for its layout or model can still be told to free its blocks.

@@ -57,6 +57,9 @@ pub(super) enum Waiter {
     Message(Vec<u8>),
     /// A push load's registration with this (prefill) peer, sent once it is ready.
     Register(LoadKey),
+    /// A push load's registration sent again once this peer is ready again (its connection was
+    /// dropped while the registration waited).
+    Resend(LoadKey),
     /// A push WRITE into this (decode) peer, posted once it is ready.
     Write(PushKey),
 }
