@@ -162,6 +162,11 @@ impl<E: Reader> EarlyReleases<E> {
         taken
     }
 
+    /// Whether some sender's entry for `key` satisfies `f`.
+    pub(super) fn any(&self, key: &Key, f: impl Fn(&E) -> bool) -> bool {
+        self.senders.values().any(|s| s.releases.get(key).is_some_and(|list| list.iter().any(&f)))
+    }
+
     /// Whether nothing is kept.
     pub(super) fn is_empty(&self) -> bool {
         self.senders.is_empty()
@@ -169,7 +174,14 @@ impl<E: Reader> EarlyReleases<E> {
 
     /// Drops the releases whose time is up; returns how many.
     pub(super) fn expire(&mut self, now: Instant) -> u64 {
-        let expired = self.senders.values_mut().map(|s| s.releases.expire(now)).sum();
+        self.expire_into(now, &mut Vec::new())
+    }
+
+    /// Drops the entries whose time is up into `out`; returns how many.
+    pub(super) fn expire_into(&mut self, now: Instant, out: &mut Vec<E>) -> u64 {
+        let mut lists = Vec::new();
+        let expired = self.senders.values_mut().map(|s| s.releases.expire_into(now, &mut lists)).sum();
+        out.extend(lists.into_iter().flatten());
         self.senders.retain(|_, s| !s.releases.is_empty());
         expired
     }

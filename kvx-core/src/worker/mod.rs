@@ -551,7 +551,8 @@ impl ConnectorWorker {
             }
         }
         self.holds.expire_buffers(now, &mut self.stats);
-        self.pushes.expire_buffers(now, &mut self.stats);
+        let effects = self.pushes.expire_buffers(now, &mut self.stats);
+        self.apply_pushes(now, effects);
     }
 
     /// The earliest time at which [`get_finished`](Self::get_finished) has something to expire,

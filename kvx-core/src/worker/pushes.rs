@@ -154,7 +154,10 @@ fn request_key(request_id: &RequestId) -> Key {
 impl Pushes {
     pub(super) fn new(config: &WorkerConfig, instance: u64) -> Self {
         let kept = config.early_releases_per_sender.saturating_mul(config.max_early_senders);
-        let ttl = config.lease_duration.max(config.early_release_ttl);
+        // Ended holds, cancels and answers are remembered for ten leases: a decode engine may
+        // register long after its prefill leg ended (its own queue was full), and learns at once
+        // that nothing will be written.
+        let ttl = config.lease_duration.max(config.early_release_ttl).saturating_mul(10);
         Pushes {
             engine_id: config.engine_id.clone(),
             instance,
@@ -189,11 +192,18 @@ impl Pushes {
         self.live.values().any(writing)
     }
 
-    pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) {
-        stats.stray_notifications += self.early.expire(now);
+    /// Registrations whose hold did not come within `early_release_ttl` are answered "not
+    /// written" (the decode worker need not wait for its registration's end), and the other
+    /// memories expire.
+    pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<PushEffect> {
+        let mut expired = Vec::new();
+        stats.stray_notifications += self.early.expire_into(now, &mut expired);
         self.ended.expire(now);
         self.cancelled.expire(now);
         self.answered.expire(now);
+        let waiting = expired.into_iter().filter(|e| e.registration.heads.is_some());
+        let reason = "no hold of the request came to the prefill engine in time";
+        waiting.map(|e| self.refuse(now, e.registration, reason, stats)).collect()
     }
 
     /// A push hold from the scheduler: its lease starts now; the registrations that came before
@@ -483,7 +493,8 @@ impl Pushes {
 
     /// A decode worker's cancel: a registration not written yet never will be (answered so);
     /// one being written is answered by its WRITE. One this worker does not have is answered only
-    /// when its decode worker is `connected` (no handshake for whatever a cancel names).
+    /// when its decode worker is `connected` (no handshake for whatever a cancel names); one it
+    /// keeps for a hold to come is answered in any case.
     pub(super) fn cancel(
         &mut self,
         now: Instant,
@@ -513,7 +524,7 @@ impl Pushes {
             self.reader_done(&id, now, &mut effects);
         } else if let Some(again) = self.answer_again(&id, &reply_to, stats) {
             effects.extend(again);
-        } else if connected && !self.writing(&id, &reply_to.token) {
+        } else if (connected || self.kept(&id, &reply_to.token)) && !self.writing(&id, &reply_to.token) {
             effects.push(self.refuse_to(
                 now,
                 reply_to,
@@ -523,6 +534,13 @@ impl Pushes {
             ));
         }
         effects
+    }
+
+    /// Whether a registration of `id` with `token` waits for its hold: its decode worker is
+    /// answered (connected to first, if need be) when it cancels, for the token proves the cancel
+    /// comes from the worker that registered.
+    fn kept(&self, id: &RequestId, token: &Nonce) -> bool {
+        self.early.any(&request_key(id), |e| e.registration.reply_to.token == *token)
     }
 
     /// Whether the registration with `token` was taken by its live hold and is not answered yet:

@@ -71,8 +71,8 @@ impl<V> TtlMap<V> {
         let mut dropped = 0;
         // `order` also keeps the keys of taken entries until they reach the front: bound it too.
         while self.total > self.capacity as u64 || self.order.len() > 2 * self.capacity {
-            let Some(weight) = self.pop_front() else { break };
-            dropped += weight;
+            let Some(entry) = self.pop_front() else { break };
+            dropped += entry.map_or(0, |(weight, _)| weight);
         }
         dropped
     }
@@ -86,6 +86,11 @@ impl<V> TtlMap<V> {
     }
 
     /// The value of `key`'s entry, if it is there.
+    pub(super) fn get(&self, key: &Key) -> Option<&V> {
+        self.entries.get(key).map(|(_, v)| v)
+    }
+
+    /// The value of `key`'s entry, to change, if it is there.
     pub(super) fn get_mut(&mut self, key: &Key) -> Option<&mut V> {
         self.entries.get_mut(key).map(|(_, v)| v)
     }
@@ -107,26 +112,35 @@ impl<V> TtlMap<V> {
 
     /// Drops the entries whose time is up; returns how many notifications they stood for.
     pub(super) fn expire(&mut self, now: Instant) -> u64 {
+        self.expire_into(now, &mut Vec::new())
+    }
+
+    /// Drops the entries whose time is up into `out`; returns how many notifications they stood
+    /// for.
+    pub(super) fn expire_into(&mut self, now: Instant, out: &mut Vec<V>) -> u64 {
         let mut expired = 0;
         while let Some((_, until)) = self.order.front() {
             if *until > now {
                 break;
             }
-            expired += self.pop_front().unwrap_or(0);
+            if let Some(Some((weight, value))) = self.pop_front() {
+                expired += weight;
+                out.push(value);
+            }
         }
         expired
     }
 
-    /// Removes the oldest entry of `order`; returns the weight of the entry if it was still live
-    /// (0 for a stale one), `None` when `order` is empty.
-    fn pop_front(&mut self) -> Option<u64> {
+    /// Removes the oldest entry of `order`; returns the entry if it was still live (`None` for a
+    /// stale one) with its weight, `None` when `order` is empty.
+    fn pop_front(&mut self) -> Option<Option<(u64, V)>> {
         let (key, until) = self.order.pop_front()?;
         if self.entries.get(&key).is_none_or(|(u, _)| *u != until) {
-            return Some(0);
+            return Some(None);
         }
-        let weight = self.entries.remove(&key).map_or(0, |(_, v)| (self.weight)(&v));
-        self.total -= weight;
-        Some(weight)
+        let entry = self.entries.remove(&key).map(|(_, v)| ((self.weight)(&v), v));
+        self.total -= entry.as_ref().map_or(0, |(w, _)| *w);
+        Some(entry)
     }
 
     #[cfg(test)]
