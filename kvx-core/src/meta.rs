@@ -253,6 +253,11 @@ pub struct PushRegistration {
     /// The prefill instance the decode engine expects, when it knows one.
     #[serde(default)]
     pub instance: Option<u64>,
+    /// How long after it arrives the prefill engine may still post the WRITE, in milliseconds:
+    /// the decode worker's wait left, which it ends, when no answer came, by giving its blocks
+    /// up. Past it the registration is refused and a WRITE of it still in flight cancelled.
+    #[serde(default)]
+    pub valid_ms: u64,
     /// With a deployment key: the MAC over the registration ([`tag`](Self::tag)).
     #[serde(default)]
     pub mac: Option<MacTag>,
@@ -288,6 +293,7 @@ impl PushRegistration {
             [self.reply_to.rank, self.reader, self.readers].into_iter().flat_map(u32::to_le_bytes).collect();
         let instances: Vec<u8> =
             std::iter::once(self.reply_to.instance).chain(self.instance).flat_map(u64::to_le_bytes).collect();
+        let valid = self.valid_ms.to_le_bytes();
         f(&[
             REGISTRATION_VERSION,
             engine.engine_id.as_str().as_bytes(),
@@ -298,6 +304,7 @@ impl PushRegistration {
             &heads,
             &ranks,
             &instances,
+            &valid,
             self.reply_to.token.as_bytes(),
         ])
     }

@@ -50,6 +50,9 @@ pub(super) struct WriteJob {
     pub(super) local: Vec<BlockId>,
     pub(super) remote: Vec<BlockId>,
     pub(super) heads: Slice,
+    /// When the registration's time runs out (see [`PushRegistration::valid_ms`]): no WRITE is
+    /// posted after it, and one in flight is cancelled.
+    pub(super) expires: Instant,
 }
 
 /// What the worker does for [`Pushes`], in the order given.
@@ -71,8 +74,17 @@ pub(super) enum PushEffect {
 enum Job {
     /// Waiting for the decode worker's handshake.
     AwaitingPeer(WriteJob),
-    /// Posted to `agent`: `bytes` go to the decode worker `to`.
-    Writing { xfer: XferId, agent: AgentName, to: ReplyTo, bytes: u64 },
+    /// Posted to `agent`: `bytes` go to the decode worker `to`, and must have by `expires`.
+    Writing { xfer: XferId, agent: AgentName, to: ReplyTo, bytes: u64, expires: Instant },
+}
+
+impl Job {
+    fn expires(&self) -> Instant {
+        match self {
+            Job::AwaitingPeer(job) => job.expires,
+            Job::Writing { expires, .. } => *expires,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -90,10 +102,11 @@ struct Live {
     expired: bool,
 }
 
-/// A registration kept before its hold.
+/// A registration kept before its hold, and when its time runs out.
 #[derive(Debug)]
 pub(super) struct Early {
     registration: PushRegistration,
+    expires: Instant,
 }
 
 impl Reader for Early {
@@ -141,6 +154,9 @@ struct Answered {
 
 /// At most this many times is one registration's answer given again.
 const MAX_ANSWERS_AGAIN: u32 = 8;
+
+/// Why a registration whose time ran out is refused.
+const TIME_RAN_OUT: &str = "the registration's time ran out before the WRITE";
 
 /// Why a registration for a request held for a pull is refused.
 const PULL_HELD: &str =
@@ -226,7 +242,7 @@ impl Pushes {
         self.live.insert(id.clone(), live);
         let mut effects = Vec::new();
         for early in self.early.take(&request_key(&id)) {
-            self.register_live(now, early.registration, stats, &mut effects);
+            self.register_live(now, early.registration, early.expires, stats, &mut effects);
         }
         effects
     }
@@ -257,8 +273,10 @@ impl Pushes {
             }
         }
         let id = reg.request_id.clone();
+        // Never past ten leases, whatever the registration says.
+        let expires = now + Duration::from_millis(reg.valid_ms).min(self.lease.saturating_mul(10));
         if self.live.contains_key(&id) {
-            self.register_live(now, reg, stats, &mut effects);
+            self.register_live(now, reg, expires, stats, &mut effects);
             return effects;
         }
         if pull_held && !self.ended.contains(&request_key(&id)) {
@@ -290,7 +308,8 @@ impl Pushes {
             true => stats.stray_notifications += 1,
             false => {
                 stats.early_notifications += 1;
-                let kept = self.early.insert(now, from, request_key(&id), Early { registration: reg });
+                let kept =
+                    self.early.insert(now, from, request_key(&id), Early { registration: reg, expires });
                 stats.stray_notifications += kept.stray;
                 stats.early_notifications_dropped += kept.dropped;
             }
@@ -347,6 +366,7 @@ impl Pushes {
         &mut self,
         now: Instant,
         reg: PushRegistration,
+        expires: Instant,
         stats: &mut WorkerStats,
         effects: &mut Vec<PushEffect>,
     ) {
@@ -368,6 +388,8 @@ impl Pushes {
         }
         let refusal = if live.expired {
             Some("the prefill engine's lease of the request ran out".to_owned())
+        } else if expires <= now {
+            Some(TIME_RAN_OUT.to_owned())
         } else if *live.readers.get_or_insert(reg.readers) != reg.readers {
             Some(format!(
                 "{} readers registered, the first registration said {:?}",
@@ -386,7 +408,8 @@ impl Pushes {
         let job = match (reg.heads, pairs(&live.groups, &reg.groups)) {
             (None, _) => None,
             (Some(heads), Ok((local, remote))) if !local.is_empty() => {
-                Some(Ok(WriteJob { to: reg.reply_to.clone(), local, remote, heads: heads.mirrored() }))
+                let to = reg.reply_to.clone();
+                Some(Ok(WriteJob { to, local, remote, heads: heads.mirrored(), expires }))
             }
             (Some(_), Ok(_)) => None,
             (Some(_), Err(e)) => Some(Err(e)),
@@ -394,6 +417,7 @@ impl Pushes {
         match job {
             Some(Ok(job)) => {
                 live.jobs.insert(reg.reader, Job::AwaitingPeer(job));
+                self.due.push(expires, id.clone());
                 effects.push(PushEffect::Write(PushKey { request_id: id, reader: reg.reader }));
             }
             Some(Err(reason)) => {
@@ -428,7 +452,8 @@ impl Pushes {
         match outcome {
             Ok((xfer, agent, bytes)) => {
                 stats.writes_posted += 1;
-                live.jobs.insert(key.reader, Job::Writing { xfer, agent, to: job.to, bytes });
+                let expires = job.expires;
+                live.jobs.insert(key.reader, Job::Writing { xfer, agent, to: job.to, bytes, expires });
                 self.writes.insert(xfer, key.clone());
             }
             Err(e) => {
@@ -549,8 +574,9 @@ impl Pushes {
         self.live.get(id).is_some_and(|live| live.taken.iter().any(|(_, t)| t == token))
     }
 
-    /// Ends the holds whose lease ran out: registrations not written are refused, WRITEs in
-    /// flight cancelled; the blocks are freed once none is in flight.
+    /// Ends the holds whose lease ran out, and the WRITEs whose registration's time ran out:
+    /// registrations not written are refused, WRITEs in flight cancelled; a hold is freed once
+    /// none is in flight.
     pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<PushEffect> {
         let mut due = Vec::new();
         self.due.take_due(now, &mut due);
@@ -558,24 +584,31 @@ impl Pushes {
         due.dedup();
         let mut effects = Vec::new();
         for id in due {
-            let Some(live) = self.live.get_mut(&id).filter(|l| !l.expired && l.until <= now) else {
-                continue;
-            };
-            warn!(request_id = %id, "push lease ran out before every reader was written: ending the hold");
-            live.expired = true;
-            stats.expired_holds += 1;
+            let Some(live) = self.live.get_mut(&id) else { continue };
+            let lease_over = !live.expired && live.until <= now;
+            if lease_over {
+                warn!(request_id = %id, "push lease ran out before every reader was written: ending the hold");
+                live.expired = true;
+                stats.expired_holds += 1;
+            }
             let mut refused = Vec::new();
             for (reader, job) in std::mem::take(&mut live.jobs) {
+                let over = live.expired || job.expires() <= now;
                 match job {
-                    Job::AwaitingPeer(job) => refused.push(job.to),
-                    Job::Writing { xfer, agent, to, bytes } => {
+                    Job::AwaitingPeer(job) if over => refused.push(job.to),
+                    Job::Writing { xfer, .. } if over => {
                         effects.push(PushEffect::Cancel(xfer));
-                        live.jobs.insert(reader, Job::Writing { xfer, agent, to, bytes });
+                        live.jobs.insert(reader, job);
+                    }
+                    job => {
+                        live.jobs.insert(reader, job);
                     }
                 }
             }
+            live.done += refused.len() as u32;
+            let reason = if live.expired { "the prefill engine's lease ran out" } else { TIME_RAN_OUT };
             for to in refused {
-                effects.push(self.refuse_to(now, to, &id, "the prefill engine's lease ran out", stats));
+                effects.push(self.refuse_to(now, to, &id, reason, stats));
             }
             self.end_if_idle(&id, now, &mut effects);
         }

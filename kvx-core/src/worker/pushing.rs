@@ -51,7 +51,8 @@ impl ConnectorWorker {
     fn register_free_only(&mut self, now: Instant, req: &RecvRequest, targets: &[Target]) {
         for t in targets {
             let token = self.tokens.next_nonce();
-            match self.registration(req, None, t.readers, token).and_then(|r| wire::encode(&r)) {
+            let wait = self.config.transfer_timeout;
+            match self.registration(req, None, t.readers, token, wait).and_then(|r| wire::encode(&r)) {
                 Ok(msg) => self.send_to(now, &req.remote, t.rank, msg),
                 Err(e) => debug!(error = %e, "a registration that frees could not be made"),
             }
@@ -98,6 +99,7 @@ impl ConnectorWorker {
         heads: Option<crate::tp::Slice>,
         readers: u32,
         token: crate::auth::Nonce,
+        valid: std::time::Duration,
     ) -> Result<PushRegistration> {
         let Some(me) = &self.config.side_channel else {
             return Err(Error::new(ErrorKind::State, "no side channel to be written and answered on"));
@@ -110,6 +112,7 @@ impl ConnectorWorker {
             reader: self.config.rank,
             readers,
             instance: req.prefill_instance(),
+            valid_ms: u64::try_from(valid.as_millis()).unwrap_or(u64::MAX),
             mac: None,
         };
         reg.mac = self.config.auth_key.as_ref().map(|key| reg.tag(key));
@@ -190,8 +193,11 @@ impl ConnectorWorker {
         let peer = (send.req.remote.engine_id.clone(), key.rank);
         let (heads, readers, token) = (send.heads, send.readers, send.token);
         let req = send.req.clone();
-        let outcome =
-            self.registration(&req, heads, readers, token).and_then(|r| wire::encode(&r)).and_then(|msg| {
+        let wait = self.config.transfer_timeout;
+        let outcome = self
+            .registration(&req, heads, readers, token, wait)
+            .and_then(|r| wire::encode(&r))
+            .and_then(|msg| {
                 let conn =
                     self.peers.ready(&peer).ok_or_else(|| Error::new(ErrorKind::State, "peer not ready"))?;
                 if req.prefill_instance().is_some_and(|i| i != conn.instance) {
@@ -214,7 +220,8 @@ impl ConnectorWorker {
     /// registrations of the old one (`peer_restarted`), one that finds the same instance sends
     /// it again.
     pub(super) fn resend_registration(&mut self, now: Instant, key: &LoadKey) {
-        let Some((send, _, instance)) = self.registrations.to_resend(key) else { return };
+        let Some((send, _, instance, until)) = self.registrations.to_resend(key) else { return };
+        let left = until.saturating_duration_since(now);
         let peer = (send.req.remote.engine_id.clone(), key.rank);
         let (req, heads, readers, token) = (send.req.clone(), send.heads, send.readers, send.token);
         match self.peers.ready(&peer).map(|c| c.instance) {
@@ -229,7 +236,7 @@ impl ConnectorWorker {
                 return;
             }
         }
-        match self.registration(&req, heads, readers, token).and_then(|r| wire::encode(&r)) {
+        match self.registration(&req, heads, readers, token, left).and_then(|r| wire::encode(&r)) {
             Ok(msg) => {
                 self.stats.push_resends += 1;
                 self.notify_peer(&peer, &msg);
@@ -332,6 +339,10 @@ impl ConnectorWorker {
 
     fn post_write_effects(&mut self, now: Instant, key: &PushKey) -> Vec<PushEffect> {
         let Some(job) = self.pushes.job(key).cloned() else { return Vec::new() };
+        if job.expires <= now {
+            let late = Error::new(ErrorKind::Timeout, "the registration's time ran out before the WRITE");
+            return self.pushes.posted(now, key, Err(late), &mut self.stats);
+        }
         let peer = (job.to.engine.engine_id.clone(), job.to.rank);
         let done = PushResult {
             request_id: key.request_id.clone(),

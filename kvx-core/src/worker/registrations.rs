@@ -161,13 +161,14 @@ impl Registrations {
         Some(ToSend { req: &load.req, heads: rank.heads, readers: rank.readers, token: rank.token })
     }
 
-    /// The registration of `key`, while it waits for an answer.
-    pub(super) fn to_resend(&self, key: &LoadKey) -> Option<(ToSend<'_>, &AgentName, u64)> {
+    /// The registration of `key` while it waits for an answer: what to send, the agent and
+    /// instance it went to, and when its wait ends.
+    pub(super) fn to_resend(&self, key: &LoadKey) -> Option<(ToSend<'_>, &AgentName, u64, Instant)> {
         let load = self.loads.get(&key.request_id)?;
         let rank = load.ranks.get(&key.rank)?;
-        let Phase::Registered { agent, instance, .. } = &rank.phase else { return None };
+        let Phase::Registered { agent, instance, until, .. } = &rank.phase else { return None };
         let send = ToSend { req: &load.req, heads: rank.heads, readers: rank.readers, token: rank.token };
-        Some((send, agent, *instance))
+        Some((send, agent, *instance, *until))
     }
 
     /// The registration of `key` went to `agent` of prefill `instance`, or could not (the

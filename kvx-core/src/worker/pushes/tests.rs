@@ -34,6 +34,7 @@ fn registration(id: &str, token: u8, blocks: &[u32]) -> PushRegistration {
         reader: 0,
         readers: 1,
         instance: Some(INSTANCE),
+        valid_ms: 60_000,
         mac: None,
     }
 }
@@ -218,4 +219,31 @@ fn an_empty_hold_and_a_pull_hold_refuse_registrations_at_once() {
     // Registered after the pull hold came, from a decode worker not connected yet: refused too.
     let after = p.register(now, &from("d"), registration("other", 3, &[7]), |_| false, true, &mut stats);
     assert!(refusals(&after)[0].contains("the modes differ"), "{after:?}");
+}
+
+#[test]
+fn no_write_outlives_its_registrations_time() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    // Kept before its hold with 2 s left; the hold comes after 3 s: refused, not written.
+    let mut short = registration("late", 1, &[7]);
+    short.valid_ms = 2_000;
+    p.register(now, &from("d"), short, |_| true, false, &mut stats);
+    let refused = p.hold(now + 3 * SECOND, &hold("late", &[1]), &mut stats);
+    assert_eq!(refusals(&refused), [TIME_RAN_OUT]);
+    // Taken in time, posted, still in flight when its time runs out: cancelled then, and the
+    // hold is freed once the WRITE ends.
+    p.hold(now, &hold("r", &[1]), &mut stats);
+    let mut reg = registration("r", 2, &[7]);
+    reg.valid_ms = 5_000;
+    p.register(now, &from("d"), reg, |_| true, false, &mut stats);
+    p.posted(now, &key("r"), Ok((XferId(3), from("d"), 8)), &mut stats);
+    assert!(p.expire(now + 4 * SECOND, &mut stats).is_empty());
+    assert_eq!(p.expire(now + 5 * SECOND, &mut stats), [PushEffect::Cancel(XferId(3))]);
+    let ended = p.write_ended(now, &key("r"), Err(Error::new(ErrorKind::Transfer, "cancelled")), &mut stats);
+    assert_eq!(ended.last(), Some(&PushEffect::Freed("r".into())));
+    // A registration claiming more than ten leases gets ten.
+    let mut long = registration("long", 3, &[7]);
+    long.valid_ms = u64::MAX;
+    p.register(now, &from("d"), long, |_| true, false, &mut stats);
+    assert_eq!(refusals(&p.hold(now + 101 * SECOND, &hold("long", &[1]), &mut stats)), [TIME_RAN_OUT]);
 }
