@@ -47,6 +47,15 @@ for backend in tcp ucx nixl; do
 done
 rm -r "$soak_dir"
 
+step "the fault soak in push mode over each real transport: 5 000 requests, both legs dispatched at once, the prefill engines WRITE (about 15-35 s each)"
+soak_dir="$(mktemp -d)"
+for backend in tcp ucx nixl; do
+    UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL "$KVX_BIN" soak --requests 5000 --seed 1 --mode push --backend "$backend" \
+        >"$soak_dir/$backend.txt" || { cat "$soak_dir/$backend.txt"; exit 1; }
+    grep -E '^  (finished|unresolved|blocks mismatched|blocks leaked|pushes) ' "$soak_dir/$backend.txt"
+done
+rm -r "$soak_dir"
+
 step "fuzzing ucx and nixl agent metadata (kvx-fuzz, bounded; a library that does not load fails)"
 # The libraries' own error lines for the refused inputs are silenced.
 KVX_FUZZ_TARGETS=ucx_metadata,nixl_metadata UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL \

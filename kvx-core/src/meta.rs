@@ -196,6 +196,10 @@ impl WireMessage for HoldStatus {
 pub struct RenewLeases {
     /// The holds, by the prefill engine's request id and nonce.
     pub holds: Vec<HeldRequest>,
+    /// Push holds, by the prefill engine's request id: requests whose decode leg waits for its
+    /// blocks (each push hold is renewed to at most ten leases from its start).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pushes: Vec<RequestId>,
 }
 
 impl WireMessage for RenewLeases {
@@ -214,6 +218,9 @@ pub struct Heartbeat {
     pub remote_tp_size: Option<u32>,
     /// Its holds to renew.
     pub holds: Vec<HeldRequest>,
+    /// Its push holds to renew, by its request ids.
+    #[serde(default)]
+    pub pushes: Vec<RequestId>,
 }
 
 /// A request whose blocks the prefill engine now holds for a push: its workers WRITE them into

@@ -134,6 +134,15 @@ impl PendingRecv {
     }
 }
 
+/// What a decode request waiting for its KV renews at its prefill engine.
+#[derive(Debug, Clone)]
+enum Renewal {
+    /// A pull's hold, by its request id and nonce.
+    Hold(HeldRequest),
+    /// A push's hold, by the prefill engine's request id.
+    Push(RequestId),
+}
+
 /// The scheduler side of the connector, one per engine.
 ///
 /// # Calling order, per engine step
@@ -158,7 +167,7 @@ pub struct ConnectorScheduler {
     /// Prefill side: each hold's nonce.
     nonces: NonceSource,
     /// Decode side: requests waiting for their KV (queued, loading), whose leases are renewed.
-    awaiting: HashMap<RequestId, (RemoteCoordinates, Option<u32>, HeldRequest)>,
+    awaiting: HashMap<RequestId, (RemoteCoordinates, Option<u32>, Renewal)>,
     /// Decode side: when the next heartbeat is due.
     next_heartbeat: Option<Instant>,
 }
@@ -215,8 +224,17 @@ impl ConnectorScheduler {
         }
     }
 
-    /// The prefill engine and hold whose lease a request's params name, if they check.
-    fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, Option<u32>, HeldRequest)> {
+    /// The prefill engine and hold whose lease a request's params name, if they check (for a
+    /// push: the prefill engine and its request id).
+    fn lease_of(&self, params: &TransferParams) -> Option<(RemoteCoordinates, Option<u32>, Renewal)> {
+        if params.mode() == TransferMode::Push {
+            let remote = params.coordinates().filter(|r| r.check().is_ok())?;
+            let id = params
+                .remote_request_id
+                .clone()
+                .filter(|id| id.as_str().len() <= crate::params::MAX_ID_LEN)?;
+            return Some((remote, params.tp_size, Renewal::Push(id)));
+        }
         if !params.has_remote_blocks() {
             return None;
         }
@@ -233,7 +251,7 @@ impl ConnectorScheduler {
             tp_size: params.tp_size,
         };
         offer.check(self.config.auth_key.as_ref(), params.kvx_offer_mac.as_ref()).ok()?;
-        Some((remote, params.tp_size, HeldRequest { request_id, nonce }))
+        Some((remote, params.tp_size, Renewal::Hold(HeldRequest { request_id, nonce })))
     }
 }
 
@@ -286,20 +304,22 @@ impl ConnectorScheduler {
         }
         self.next_heartbeat = Some(now + self.config.lease_duration / 6);
         let mut by_engine: BTreeMap<(&RemoteCoordinates, Option<u32>), Heartbeat> = BTreeMap::new();
-        for (remote, tp_size, held) in self.awaiting.values() {
-            by_engine
-                .entry((remote, *tp_size))
-                .or_insert_with(|| Heartbeat {
-                    remote: remote.clone(),
-                    remote_tp_size: *tp_size,
-                    holds: Vec::new(),
-                })
-                .holds
-                .push(held.clone());
+        for (remote, tp_size, renewal) in self.awaiting.values() {
+            let beat = by_engine.entry((remote, *tp_size)).or_insert_with(|| Heartbeat {
+                remote: remote.clone(),
+                remote_tp_size: *tp_size,
+                holds: Vec::new(),
+                pushes: Vec::new(),
+            });
+            match renewal {
+                Renewal::Hold(held) => beat.holds.push(held.clone()),
+                Renewal::Push(id) => beat.pushes.push(id.clone()),
+            }
         }
         let mut beats: Vec<Heartbeat> = by_engine.into_values().collect();
         for beat in &mut beats {
             beat.holds.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+            beat.pushes.sort();
         }
         beats
     }

@@ -482,11 +482,20 @@ impl ConnectorWorker {
             return;
         }
         let ranks: Vec<u32> = self.round_robin(beat.remote_tp_size).collect();
-        for chunk in beat.holds.chunks(RENEWALS_PER_MESSAGE) {
-            match wire::encode(&RenewLeases { holds: chunk.to_vec() }) {
+        let holds = beat
+            .holds
+            .chunks(RENEWALS_PER_MESSAGE)
+            .map(|c| RenewLeases { holds: c.to_vec(), pushes: Vec::new() });
+        let pushes = beat
+            .pushes
+            .chunks(RENEWALS_PER_MESSAGE)
+            .map(|c| RenewLeases { holds: Vec::new(), pushes: c.to_vec() });
+        for renew in holds.chain(pushes) {
+            let n = (renew.holds.len() + renew.pushes.len()) as u64;
+            match wire::encode(&renew) {
                 Ok(msg) => {
                     for &rank in &ranks {
-                        self.stats.renewals_sent += chunk.len() as u64;
+                        self.stats.renewals_sent += n;
                         self.send_to(now, &beat.remote, rank, msg.clone());
                     }
                 }

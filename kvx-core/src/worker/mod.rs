@@ -528,9 +528,13 @@ impl ConnectorWorker {
                         self.apply_holds(now, effects);
                     })
                     .is_ok(),
-                Ok((MessageKind::RenewLeases, m)) => {
-                    m.decode::<RenewLeases>().map(|r| self.holds.renew(now, r, &mut self.stats)).is_ok()
-                }
+                Ok((MessageKind::RenewLeases, m)) => m
+                    .decode::<RenewLeases>()
+                    .map(|r| {
+                        self.pushes.renew(now, &r.pushes, &mut self.stats);
+                        self.holds.renew(now, r, &mut self.stats);
+                    })
+                    .is_ok(),
                 Ok((MessageKind::HoldStatus, m)) => {
                     m.decode::<HoldStatus>().map(|s| self.on_hold_status(now, &n.from, s)).is_ok()
                 }

@@ -90,6 +90,8 @@ impl Job {
 #[derive(Debug)]
 struct Live {
     groups: Vec<GroupBlocks>,
+    /// When the hold came: heartbeats renew it to at most ten leases from then.
+    start: Instant,
     until: Instant,
     /// The readers the first registration announced.
     readers: Option<u32>,
@@ -231,6 +233,7 @@ impl Pushes {
         }
         let live = Live {
             groups: held.groups.clone(),
+            start: now,
             until: now + self.lease,
             readers: None,
             taken: Vec::new(),
@@ -332,6 +335,21 @@ impl Pushes {
         // A registration with nothing to write waits for no answer.
         let waiting = early.into_iter().filter(|e| e.registration.heads.is_some());
         waiting.map(|e| self.refuse(now, e.registration, reason, stats)).collect()
+    }
+
+    /// A heartbeat of a decode engine whose requests wait for their blocks: the push holds of
+    /// `ids` live a lease longer, to at most ten leases from their start (a heartbeat needs no
+    /// secret, so it can pin a hold only so long).
+    pub(super) fn renew(&mut self, now: Instant, ids: &[RequestId], stats: &mut WorkerStats) {
+        for id in ids {
+            let Some(live) = self.live.get_mut(id).filter(|l| !l.expired) else { continue };
+            let until = (now + self.lease).min(live.start + self.lease.saturating_mul(10));
+            if until > live.until {
+                live.until = until;
+                self.due.push(until, id.clone());
+                stats.leases_renewed += 1;
+            }
+        }
     }
 
     /// A pull hold came for `id`: registrations that came before it are refused (the modes

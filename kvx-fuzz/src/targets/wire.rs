@@ -176,6 +176,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     remote: RemoteCoordinates::at("prefill", "h".repeat(300), 5600),
                     remote_tp_size: Some(8),
                     holds: vec![HeldRequest { request_id: "x".into(), nonce: NONCE }; 3],
+                    pushes: vec!["p".into()],
                 }],
                 reqs_to_push: vec![kvx_core::PushHold {
                     request_id: "p".into(),
@@ -285,9 +286,9 @@ pub(crate) fn renew_leases_samples() -> Vec<(&'static str, RenewLeases)> {
         nonce: super::fixture::nonce_of(&k.to_string()),
     };
     vec![
-        ("typical", RenewLeases { holds: (0..3).map(held).collect() }),
-        ("empty", RenewLeases { holds: vec![] }),
-        ("a-full-message", RenewLeases { holds: (0..128).map(held).collect() }),
+        ("typical", RenewLeases { holds: (0..3).map(held).collect(), pushes: vec!["p".into()] }),
+        ("empty", RenewLeases { holds: vec![], pushes: vec![] }),
+        ("a-full-message", RenewLeases { holds: (0..128).map(held).collect(), pushes: vec![] }),
     ]
 }
 

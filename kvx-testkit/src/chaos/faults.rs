@@ -382,7 +382,7 @@ pub(super) fn stray_message(seed: u64, msg: &[u8]) -> Vec<u8> {
                 Some(wire::encode(&HoldStatus { nonce: nonce(), held: !real.held, ..real }))
             } else if let Ok(real) = wire::decode::<RenewLeases>(msg) {
                 let holds = real.holds.into_iter().map(|h| HeldRequest { nonce: nonce(), ..h }).collect();
-                Some(wire::encode(&RenewLeases { holds }))
+                Some(wire::encode(&RenewLeases { holds, pushes: Vec::new() }))
             } else {
                 None
             }
@@ -530,8 +530,10 @@ mod tests {
         let status = HoldStatus { request_id: "req-1".into(), nonce: HexBytes([9; 16]), held: false, token };
         let forged = wire::decode::<HoldStatus>(&stray_message(2, &wire::encode(&status).unwrap())).unwrap();
         assert!(forged.held && forged.nonce != status.nonce, "a forged status claims the opposite");
-        let renew =
-            RenewLeases { holds: vec![HeldRequest { request_id: "req-1".into(), nonce: HexBytes([9; 16]) }] };
+        let renew = RenewLeases {
+            holds: vec![HeldRequest { request_id: "req-1".into(), nonce: HexBytes([9; 16]) }],
+            pushes: Vec::new(),
+        };
         let forged = wire::decode::<RenewLeases>(&stray_message(5, &wire::encode(&renew).unwrap())).unwrap();
         assert_ne!(forged.holds[0].nonce, renew.holds[0].nonce);
         assert!(wire::decode::<HoldRelease>(&stray_message(2, b"not a message")).is_err());

@@ -86,3 +86,17 @@ fn an_unknown_transfer_mode_is_refused_as_a_wire_error() {
     assert_eq!(p.mode(), TransferMode::Push);
     assert_eq!(TransferParams::default().mode(), TransferMode::Pull);
 }
+
+#[test]
+fn a_push_waiting_for_its_blocks_renews_its_prefill_hold() {
+    let mut s = sched();
+    let p = push_params("queued");
+    s.on_new_request(&id("queued"), Some(&p));
+    let now = Instant::now();
+    assert!(s.build_connector_meta(now).heartbeats.is_empty(), "the first renewal waits a sixth of a lease");
+    let beats = s.build_connector_meta(now + Duration::from_secs(5)).heartbeats;
+    let [beat] = beats.as_slice() else { panic!("{beats:?}") };
+    assert_eq!((beat.holds.len(), beat.pushes.clone()), (0, vec![id("queued")]));
+    s.update_finished(&Finished { recving: vec![id("queued")], ..Finished::default() });
+    assert!(s.is_idle());
+}

@@ -140,12 +140,12 @@ fn a_lease_runs_out_unless_renewed_and_a_late_release_is_answered_not_held_once(
     h.hold(t0, &held("a"), &mut stats);
     h.hold(t0, &held("b"), &mut stats);
     assert_eq!(h.next_deadline(), Some(t0 + 10 * SECOND));
-    let renew = |id: &str| RenewLeases { holds: vec![held(id)] };
+    let renew = |id: &str| RenewLeases { holds: vec![held(id)], pushes: Vec::new() };
     h.renew(t0 + 5 * SECOND, renew("a"), &mut stats);
     // A heartbeat with the wrong nonce extends nothing.
     h.renew(
         t0 + 5 * SECOND,
-        RenewLeases { holds: vec![HeldRequest { nonce: nonce("x"), ..held("b") }] },
+        RenewLeases { holds: vec![HeldRequest { nonce: nonce("x"), ..held("b") }], pushes: Vec::new() },
         &mut stats,
     );
     assert_eq!(stats.leases_renewed, 1);

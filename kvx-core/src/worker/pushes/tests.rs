@@ -247,3 +247,20 @@ fn no_write_outlives_its_registrations_time() {
     p.register(now, &from("d"), long, |_| true, false, &mut stats);
     assert_eq!(refusals(&p.hold(now + 101 * SECOND, &hold("long", &[1]), &mut stats)), [TIME_RAN_OUT]);
 }
+
+#[test]
+fn heartbeats_keep_a_push_hold_for_at_most_ten_leases() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    p.hold(now, &hold("r", &[1]), &mut stats);
+    let mut t = now;
+    for _ in 0..20 {
+        t += 5 * SECOND;
+        p.renew(t, &["r".into(), "unknown".into()], &mut stats);
+        if let [PushEffect::Freed(id)] = p.expire(t, &mut stats).as_slice() {
+            assert_eq!(id.as_str(), "r");
+            break;
+        }
+    }
+    assert_eq!((p.len(), t.duration_since(now)), (0, 100 * SECOND), "freed at ten leases, renewed or not");
+    assert!(stats.leases_renewed > 0);
+}

@@ -186,7 +186,12 @@ fn heartbeats_go_to_the_matching_rank_in_small_messages() {
     let now = Instant::now();
     let ids: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
     let holds = held(&ids.iter().map(String::as_str).collect::<Vec<_>>());
-    let beat = Heartbeat { remote: recv("x", vec![], vec![]).remote, remote_tp_size: None, holds };
+    let beat = Heartbeat {
+        remote: recv("x", vec![], vec![]).remote,
+        remote_tp_size: None,
+        holds,
+        pushes: Vec::new(),
+    };
     w.start_load_kv(now, &ConnectorMetadata { heartbeats: vec![beat], ..Default::default() });
     assert!(matches!(
         w.poll_command(),

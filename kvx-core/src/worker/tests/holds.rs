@@ -144,7 +144,8 @@ fn heartbeats_with_the_right_nonce_extend_a_lease() {
     let now = Instant::now();
     let lease = w.config().lease_duration;
     w.start_load_kv(now, &ConnectorMetadata { reqs_to_send: held(&["a", "b"]), ..Default::default() });
-    let renew = |holds: Vec<HeldRequest>| notif(&wire::encode(&RenewLeases { holds }).unwrap());
+    let renew =
+        |holds: Vec<HeldRequest>| notif(&wire::encode(&RenewLeases { holds, pushes: Vec::new() }).unwrap());
     let forged = vec![HeldRequest { request_id: "b".into(), nonce: nonce_of("not b") }];
     let at = now + lease / 2;
     inbox.lock().unwrap().extend([renew(held(&["a"])), renew(forged)]);

@@ -100,7 +100,7 @@ impl Session {
                     let k = holds.len();
                     holds.push(HeldRequest { request_id: format!("r-{k}").into(), nonce: NONCE });
                 }
-                let msg = must(wire::encode(&RenewLeases { holds }), "encoding");
+                let msg = must(wire::encode(&RenewLeases { holds, pushes: Vec::new() }), "encoding");
                 self.send(To::Prefill, src.below(4) == 3, &msg);
             }
             3 => {
@@ -143,7 +143,10 @@ impl Session {
                     1 => (To::Decode, wire::encode(&self.forged_release(src, request_id, nonce))),
                     _ => (
                         To::Decode,
-                        wire::encode(&RenewLeases { holds: vec![HeldRequest { request_id, nonce }] }),
+                        wire::encode(&RenewLeases {
+                            holds: vec![HeldRequest { request_id, nonce }],
+                            pushes: Vec::new(),
+                        }),
                     ),
                 };
                 let msg = must(msg, "encoding");
@@ -188,7 +191,7 @@ impl Session {
                     _ => RemoteCoordinates::at(prefill_coordinates().engine_id, "10.0.0.1", u16::MAX),
                 };
                 let meta = ConnectorMetadata {
-                    heartbeats: vec![Heartbeat { remote, remote_tp_size: None, holds }],
+                    heartbeats: vec![Heartbeat { remote, remote_tp_size: None, holds, pushes: Vec::new() }],
                     ..Default::default()
                 };
                 self.decode.worker.start_load_kv(self.now, &meta);

@@ -59,6 +59,7 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
             Heartbeat {
                 remote: prefill_coordinates(),
                 remote_tp_size: None,
+                pushes: Vec::new(),
                 holds: vec![
                     HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") },
                     HeldRequest { request_id: "ok".into(), nonce: NONCE },
@@ -72,10 +73,12 @@ pub(crate) fn worker_connector_metadata_seeds() -> Vec<Seed> {
                 },
                 remote_tp_size: Some(4),
                 holds: vec![HeldRequest { request_id: "unreachable".into(), nonce: nonce_of("unreachable") }],
+                pushes: vec!["unreachable".into()],
             },
             Heartbeat {
                 remote: kvx_core::RemoteCoordinates::at(PREFILL, "h".repeat(300), 5600),
                 remote_tp_size: Some(u32::MAX),
+                pushes: Vec::new(),
                 holds: vec![HeldRequest { request_id: "ok".into(), nonce: nonce_of("ok") }],
             },
         ],
