@@ -22,7 +22,10 @@ pub use worker::{
 };
 
 use kvx_core::wire::HandshakePayload;
-use kvx_core::{ConnectorMetadata, HoldRelease, HoldStatus, RankReport, RenewLeases};
+use kvx_core::{
+    ConnectorMetadata, HoldRelease, HoldStatus, PushCancel, PushRegistration, PushResult, RankReport,
+    RenewLeases,
+};
 use kvx_net::MetadataRequest;
 use kvx_net::session::{SessionReply, SessionRequest};
 
@@ -39,6 +42,9 @@ pub fn all() -> Vec<Target> {
         Target::wire::<HoldRelease>("wire_hold_release", wire::hold_release_samples),
         Target::wire::<HoldStatus>("wire_hold_status", wire::hold_status_samples),
         Target::wire::<RenewLeases>("wire_renew_leases", wire::renew_leases_samples),
+        Target::wire::<PushRegistration>("wire_push_registration", wire::push_registration_samples),
+        Target::wire::<PushResult>("wire_push_result", wire::push_result_samples),
+        Target::wire::<PushCancel>("wire_push_cancel", wire::push_cancel_samples),
         Target::wire::<MetadataRequest>("wire_metadata_request", wire::metadata_request_samples),
         Target::wire::<SessionRequest>("wire_session_request", wire::session_request_samples),
         Target::wire::<SessionReply>("wire_session_reply", wire::session_reply_samples),

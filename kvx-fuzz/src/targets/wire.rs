@@ -5,7 +5,8 @@ use std::fmt;
 use kvx_core::wire::{self, HandshakePayload, WireMessage};
 use kvx_core::{
     ConnectorMetadata, ConnectorScheduler, ErrorKind, FinishReason, GroupBlocks, HeldRequest, HoldRelease,
-    HoldStatus, RecvRequest, RemoteCoordinates, RenewLeases, ReplyTo, SchedulerConfig, TransferParams,
+    HoldStatus, PushCancel, PushRegistration, PushResult, RecvRequest, RemoteCoordinates, RenewLeases,
+    ReplyTo, SchedulerConfig, TransferParams,
 };
 use kvx_net::MetadataRequest;
 use kvx_net::session::{Refusal, SessionReply, SessionRequest};
@@ -289,6 +290,77 @@ pub(crate) fn renew_leases_samples() -> Vec<(&'static str, RenewLeases)> {
         ("typical", RenewLeases { holds: (0..3).map(held).collect(), pushes: vec!["p".into()] }),
         ("empty", RenewLeases { holds: vec![], pushes: vec![] }),
         ("a-full-message", RenewLeases { holds: (0..128).map(held).collect(), pushes: vec![] }),
+    ]
+}
+
+/// A decode worker's push registrations: a typical one, one of several groups and heads, one
+/// that only frees, and hostile variants (huge ids, absurd readers and waits, an empty MAC).
+pub(crate) fn push_registration_samples() -> Vec<(&'static str, PushRegistration)> {
+    let reply_to = ReplyTo {
+        engine: RemoteCoordinates::at("decode", "10.0.0.2", 5700),
+        rank: 1,
+        instance: 7,
+        token: NONCE,
+    };
+    let typical = PushRegistration {
+        request_id: "cmpl-1-0".into(),
+        reply_to: reply_to.clone(),
+        groups: vec![GroupBlocks::whole(vec![3, 4, 5])],
+        heads: Some(kvx_core::tp::Slice { remote_head: 0, local_head: 0, heads: 2 }),
+        reader: 1,
+        readers: 2,
+        instance: Some(9),
+        valid_ms: 60_000,
+        mac: None,
+    };
+    vec![
+        ("typical", typical.clone()),
+        (
+            "groups-and-heads",
+            PushRegistration {
+                groups: vec![GroupBlocks::new(2, vec![7]), GroupBlocks::whole(vec![1, 2, 3])],
+                heads: Some(kvx_core::tp::Slice { remote_head: 4, local_head: 1, heads: 1 }),
+                mac: Some(kvx_core::HexBytes([0x5a; 32])),
+                ..typical.clone()
+            },
+        ),
+        ("frees-only", PushRegistration { groups: vec![], heads: None, ..typical.clone() }),
+        (
+            "hostile",
+            PushRegistration {
+                request_id: "x".repeat(4096).into(),
+                reader: u32::MAX,
+                readers: u32::MAX,
+                valid_ms: u64::MAX,
+                groups: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX; 4])],
+                ..typical
+            },
+        ),
+    ]
+}
+
+/// A prefill worker's answers to a registration: written, not written with its reason.
+pub(crate) fn push_result_samples() -> Vec<(&'static str, PushResult)> {
+    let written =
+        PushResult { request_id: "cmpl-1-0".into(), token: NONCE, written: true, reason: String::new() };
+    vec![
+        ("written", written.clone()),
+        ("not-written", PushResult { written: false, reason: "the modes differ".into(), ..written.clone() }),
+        ("long-reason", PushResult { written: false, reason: "r".repeat(4096), ..written }),
+    ]
+}
+
+/// A decode worker's cancels.
+pub(crate) fn push_cancel_samples() -> Vec<(&'static str, PushCancel)> {
+    let reply_to = ReplyTo {
+        engine: RemoteCoordinates::at("decode", "10.0.0.2", 5700),
+        rank: 0,
+        instance: 7,
+        token: NONCE,
+    };
+    vec![
+        ("typical", PushCancel { request_id: "cmpl-1-0".into(), reply_to: reply_to.clone() }),
+        ("empty-id", PushCancel { request_id: "".into(), reply_to }),
     ]
 }
 

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use kvx_core::wire;
 use kvx_core::{
-    ConnectorMetadata, ConnectorWorker, HeldRequest, HoldRelease, MAX_NOTIFICATION_LEN, Nonce, RequestId,
-    TransferAgent,
+    ConnectorMetadata, ConnectorWorker, HeldRequest, HoldRelease, MAX_NOTIFICATION_LEN, Nonce,
+    PushRegistration, RequestId, TransferAgent,
 };
 use kvx_loopback::Fabric;
 
@@ -140,6 +140,14 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
     ]
     .concat();
     let mut seeds = crate::seeds::wire_seeds(&samples);
+    // Push messages to a rank that holds these requests for a pull: refused, nothing freed.
+    for (name, reg) in crate::targets::wire::push_registration_samples() {
+        let reg = PushRegistration { request_id: "req-0".into(), ..reg };
+        seeds.push(Seed::new(&format!("push-registration-{name}"), must(wire::encode(&reg), "encoding")));
+    }
+    for (name, msg) in crate::targets::wire::push_cancel_samples() {
+        seeds.push(Seed::new(&format!("push-cancel-{name}"), must(wire::encode(&msg), "encoding")));
+    }
     seeds.extend(
         [("bare-id", &b"req-0"[..]), ("not-utf8", b"\xff\xfereq-0"), ("empty", b"")]
             .into_iter()
