@@ -143,10 +143,10 @@ pub(crate) fn worker_notification_seeds() -> Vec<Seed> {
     // Push messages to a rank that holds these requests for a pull: refused, nothing freed.
     for (name, reg) in crate::targets::wire::push_registration_samples() {
         let reg = PushRegistration { request_id: "req-0".into(), ..reg };
-        seeds.push(Seed::new(&format!("push-registration-{name}"), must(wire::encode(&reg), "encoding")));
+        seeds.push(Seed::new(format!("push-registration-{name}"), must(wire::encode(&reg), "encoding")));
     }
     for (name, msg) in crate::targets::wire::push_cancel_samples() {
-        seeds.push(Seed::new(&format!("push-cancel-{name}"), must(wire::encode(&msg), "encoding")));
+        seeds.push(Seed::new(format!("push-cancel-{name}"), must(wire::encode(&msg), "encoding")));
     }
     seeds.extend(
         [("bare-id", &b"req-0"[..]), ("not-utf8", b"\xff\xfereq-0"), ("empty", b"")]
