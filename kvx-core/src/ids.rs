@@ -87,6 +87,20 @@ impl GroupBlocks {
         u64::from(self.first) + self.ids.len() as u64
     }
 
+    /// `groups` as a MAC's input: each group's first position, its length and its blocks, as
+    /// little-endian u32s (so no two group splits of the same blocks share bytes).
+    pub fn mac_bytes(groups: &[GroupBlocks]) -> Vec<u8> {
+        groups
+            .iter()
+            .flat_map(|g| {
+                [g.first, g.ids.len() as u32]
+                    .into_iter()
+                    .chain(g.ids.iter().copied())
+                    .flat_map(u32::to_le_bytes)
+            })
+            .collect()
+    }
+
     /// The blocks at positions `from..to`, if the group has every one of them.
     pub fn at(&self, from: u64, to: u64) -> Option<&[BlockId]> {
         let skip = usize::try_from(from.checked_sub(u64::from(self.first))?).ok()?;

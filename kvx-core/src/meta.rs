@@ -275,16 +275,7 @@ const REGISTRATION_VERSION: &[u8] = b"push-registration/1";
 
 impl PushRegistration {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
-        let blocks: Vec<u8> = self
-            .groups
-            .iter()
-            .flat_map(|g| {
-                [g.first, g.ids.len() as u32]
-                    .into_iter()
-                    .chain(g.ids.iter().copied())
-                    .flat_map(u32::to_le_bytes)
-            })
-            .collect();
+        let blocks = GroupBlocks::mac_bytes(&self.groups);
         let engine = &self.reply_to.engine;
         let (host, port) = match &engine.endpoint {
             Some(e) => (e.host.as_bytes(), e.port.to_le_bytes().to_vec()),

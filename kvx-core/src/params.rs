@@ -307,18 +307,7 @@ pub const OFFER_VERSION: &[u8] = b"offer/2";
 
 impl Offer<'_> {
     fn with_parts<T>(&self, f: impl FnOnce(&[&[u8]]) -> T) -> T {
-        // Each group: its first position, its length, its blocks (so no two group splits of
-        // the same blocks share bytes).
-        let blocks: Vec<u8> = self
-            .groups
-            .iter()
-            .flat_map(|g| {
-                [g.first, g.ids.len() as u32]
-                    .into_iter()
-                    .chain(g.ids.iter().copied())
-                    .flat_map(u32::to_le_bytes)
-            })
-            .collect();
+        let blocks = GroupBlocks::mac_bytes(self.groups);
         // Without an endpoint, an empty host and an empty port: no 2-byte port is empty. So are
         // an absent instance (8 bytes) and TP size (4 bytes).
         let (host, port) = match &self.remote.endpoint {

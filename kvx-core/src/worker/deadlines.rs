@@ -28,8 +28,10 @@ impl<K: Ord> Deadlines<K> {
         self.heap.push(Reverse((when, id)));
     }
 
-    /// Takes the ids whose entries came due by `now`, earliest first, into `out`.
-    pub(super) fn take_due(&mut self, now: Instant, out: &mut Vec<K>) {
+    /// Takes the ids whose entries came due by `now`, each once, in id order (an id pushed
+    /// several times comes once).
+    pub(super) fn take_due(&mut self, now: Instant) -> Vec<K> {
+        let mut out = Vec::new();
         while let Some(Reverse((when, _))) = self.heap.peek() {
             if *when > now {
                 break;
@@ -38,6 +40,9 @@ impl<K: Ord> Deadlines<K> {
                 out.push(id);
             }
         }
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Drops every entry (the worker's loads or holds were all ended at once).
@@ -65,11 +70,9 @@ mod tests {
         d.push(now + 3 * s, RequestId::new("c"));
         d.push(now + s, RequestId::new("a"));
         d.push(now + 2 * s, RequestId::new("b"));
-        let mut out = Vec::new();
-        d.take_due(now, &mut out);
-        assert!(out.is_empty());
-        d.take_due(now + 2 * s, &mut out);
-        assert_eq!(out, [RequestId::new("a"), RequestId::new("b")]);
+        assert!(d.take_due(now).is_empty());
+        d.push(now + s, RequestId::new("a"));
+        assert_eq!(d.take_due(now + 2 * s), [RequestId::new("a"), RequestId::new("b")], "each once");
         assert_eq!(d.len(), 1);
     }
 }

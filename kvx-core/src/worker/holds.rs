@@ -318,10 +318,7 @@ impl Holds {
     /// Frees the holds whose lease ran out.
     /// Looks only at the holds whose lease entries came due: O(what is due), not O(holds).
     pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<HoldEffect> {
-        let mut due = Vec::new();
-        self.due.take_due(now, &mut due);
-        due.sort_unstable();
-        due.dedup();
+        let due = self.due.take_due(now);
         let mut effects = Vec::new();
         for id in due {
             // An entry whose hold ended, or whose lease was renewed, is stale.

@@ -596,10 +596,7 @@ impl Pushes {
     /// registrations not written are refused, WRITEs in flight cancelled; a hold is freed once
     /// none is in flight.
     pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<PushEffect> {
-        let mut due = Vec::new();
-        self.due.take_due(now, &mut due);
-        due.sort_unstable();
-        due.dedup();
+        let due = self.due.take_due(now);
         let mut effects = Vec::new();
         for id in due {
             let Some(live) = self.live.get_mut(&id) else { continue };

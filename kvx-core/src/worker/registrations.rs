@@ -295,10 +295,7 @@ impl Registrations {
     /// Registrations past their wait are cancelled, those waiting less sent again every
     /// `resend`; cancels past their wait give their peer up.
     pub(super) fn expire(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<RegEffect> {
-        let mut due = Vec::new();
-        self.due.take_due(now, &mut due);
-        due.sort();
-        due.dedup();
+        let due = self.due.take_due(now);
         let (every, mut effects) = (self.resend, Vec::new());
         for key in due {
             let Some(rank) = self.rank_mut(&key) else { continue };

@@ -307,11 +307,7 @@ impl Loads {
     /// checked with [`overdue`](Self::overdue): an entry whose READ ended or whose deadline moved
     /// on is stale. O(what is due), not O(loads).
     pub(in crate::worker) fn take_due(&mut self, now: Instant) -> Vec<LoadKey> {
-        let mut due = Vec::new();
-        self.deadlines.take_due(now, &mut due);
-        due.sort_unstable();
-        due.dedup();
-        due
+        self.deadlines.take_due(now)
     }
 
     /// READ `key` if it is past its deadline: a READ (whose transfer the caller cancels before
