@@ -14,6 +14,9 @@
 //!   heads, lease confirmation); `decode` checks loads, posts their READs, carries out their
 //!   effects, and sends heartbeats.
 //! - `holds`: the prefill side (`Holds`: leases, releases, their answers).
+//! - Push mode: `registrations`, the decode side (`Registrations`: a registration per prefill
+//!   rank, resent while unanswered, cancels); `pushes`, the prefill side (`Pushes`: push holds,
+//!   registrations kept until their hold, WRITEs, answers); `pushing` carries out both.
 //! - `peers`: handshakes, instance epochs, and messages waiting for a peer to be ready (`Peers`);
 //!   `peers::handshake` checks payloads, loads and forgets peers' agents, and sends.
 //! - `close`: the teardown that gives the agent back every registration, list and peer.

@@ -64,7 +64,7 @@ pub(super) enum PushEffect {
     /// `reason`) once nothing of it is in flight, or `written: true` again for a WRITE that ended
     /// well (its own notification said so first).
     Answer { to: ReplyTo, request_id: RequestId, written: bool, reason: String },
-    /// Cancel a WRITE in flight (the hold's lease ran out).
+    /// Cancel a WRITE in flight (the hold's lease, or its registration's time, ran out).
     Cancel(XferId),
     /// Report the held request finished: its blocks are free.
     Freed(RequestId),
