@@ -56,34 +56,12 @@ impl RecvRequest {
     /// positions of the same group, the groups one after another (borrowed for one group);
     /// refused when a group to load is not offered at those positions.
     pub fn read_pairs(&self) -> Result<BlockPairs<'_>> {
-        let (local, offered) = (&self.local_block_ids, &self.remote_block_ids);
-        if local.len() != offered.len() {
-            return Err(Error::invalid_peer_data(format!(
-                "{} KV-cache groups to load, but {} offered",
-                local.len(),
-                offered.len()
-            )));
-        }
-        fn remote<'a>(l: &GroupBlocks, r: &'a GroupBlocks) -> Result<&'a [BlockId]> {
-            r.at(u64::from(l.first), l.end()).ok_or_else(|| {
-                Error::invalid_peer_data(format!(
-                    "block positions {}..{} to load, but the remote offers {}..{}",
-                    l.first,
-                    l.end(),
-                    r.first,
-                    r.end()
-                ))
-            })
-        }
-        if let ([l], [r]) = (local.as_slice(), offered.as_slice()) {
-            return Ok((Cow::Borrowed(l.ids.as_slice()), Cow::Borrowed(remote(l, r)?)));
-        }
-        let (mut local_ids, mut remote_ids) = (Vec::new(), Vec::new());
-        for (l, r) in local.iter().zip(offered) {
-            local_ids.extend_from_slice(&l.ids);
-            remote_ids.extend_from_slice(remote(l, r)?);
-        }
-        Ok((Cow::Owned(local_ids), Cow::Owned(remote_ids)))
+        block_pairs(
+            &self.local_block_ids,
+            &self.remote_block_ids,
+            "to load",
+            ("offered", "the remote offers"),
+        )
     }
 
     /// The id the prefill engine holds the blocks under.
@@ -107,6 +85,45 @@ impl RecvRequest {
             tp_size: self.remote_tp_size,
         })
     }
+}
+
+/// The blocks of `wanted` paired with those of `offered` at the same positions of the same group,
+/// the groups one after another (borrowed for one group); refused when `offered` lacks a position
+/// `wanted` names. `wanted_as` and `offered_as` (the count's word, the positions' words) say in the
+/// error which side is which.
+pub(crate) fn block_pairs<'a>(
+    wanted: &'a [GroupBlocks],
+    offered: &'a [GroupBlocks],
+    wanted_as: &str,
+    (count_as, positions_as): (&str, &str),
+) -> Result<BlockPairs<'a>> {
+    if wanted.len() != offered.len() {
+        return Err(Error::invalid_peer_data(format!(
+            "{} KV-cache groups {wanted_as}, but {} {count_as}",
+            wanted.len(),
+            offered.len()
+        )));
+    }
+    let at = |w: &GroupBlocks, o: &'a GroupBlocks| -> Result<&'a [BlockId]> {
+        o.at(u64::from(w.first), w.end()).ok_or_else(|| {
+            Error::invalid_peer_data(format!(
+                "block positions {}..{} {wanted_as}, but {positions_as} {}..{}",
+                w.first,
+                w.end(),
+                o.first,
+                o.end()
+            ))
+        })
+    };
+    if let ([w], [o]) = (wanted, offered) {
+        return Ok((Cow::Borrowed(w.ids.as_slice()), Cow::Borrowed(at(w, o)?)));
+    }
+    let (mut wanted_ids, mut offered_ids) = (Vec::new(), Vec::new());
+    for (w, o) in wanted.iter().zip(offered) {
+        wanted_ids.extend_from_slice(&w.ids);
+        offered_ids.extend_from_slice(at(w, o)?);
+    }
+    Ok((Cow::Owned(wanted_ids), Cow::Owned(offered_ids)))
 }
 
 /// A request whose blocks the prefill engine now holds for a reader, and the hold's nonce.

@@ -9,13 +9,13 @@ use std::collections::HashSet;
 use std::time::Instant;
 use tracing::{debug, warn};
 
-use super::ConnectorWorker;
 use super::loads::{LoadEffect, LoadKey, PeerRelease, PostRead, Posted, free_at_once};
 use super::peers::{PeerKey, Waiter};
+use super::{ConnectorWorker, Registered, carry_out};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{AgentName, BlockId, RequestId};
 use crate::layout::KvCacheLayout;
-use crate::meta::{FailedRecv, Heartbeat, HoldRelease, HoldStatus, RecvRequest, RenewLeases, ReplyTo};
+use crate::meta::{FailedRecv, Heartbeat, HoldRelease, HoldStatus, RecvRequest, RenewLeases};
 use crate::tp::{self, HeadSplit, MAX_TP, Slice, Target};
 use crate::transfer::{BlockList, BlockPost, DlistId, DlistOwner, RegionBlocks, XferId, XferOp, XferState};
 use crate::wire;
@@ -91,51 +91,46 @@ impl ConnectorWorker {
     /// Carries out what `Loads` asked for, in order; what an effect leads to (a READ posted, a
     /// load failed) is carried out before the effects after it.
     pub(super) fn apply(&mut self, now: Instant, effects: Vec<LoadEffect>) {
-        let mut todo = effects;
-        todo.reverse();
-        while let Some(effect) = todo.pop() {
-            let more = match effect {
-                LoadEffect::AwaitPeer { key, remote, free } => {
-                    match self.peers.when_ready(now, &remote, key.rank, Waiter::Load(key.clone())) {
-                        Ok(Some(_)) => self.issue_effects(now, &key),
-                        Ok(None) => Vec::new(),
-                        Err(e) => self.loads.fail(now, &key, e, free),
-                    }
+        carry_out(effects, |effect| match effect {
+            LoadEffect::AwaitPeer { key, remote, free } => {
+                match self.peers.when_ready(now, &remote, key.rank, Waiter::Load(key.clone())) {
+                    Ok(Some(_)) => self.issue_effects(now, &key),
+                    Ok(None) => Vec::new(),
+                    Err(e) => self.loads.fail(now, &key, e, free),
                 }
-                LoadEffect::Post(post) => {
-                    let peer = (post.req.remote.engine_id.clone(), post.key.rank);
-                    let outcome = self.post_read(&peer, &post);
-                    self.loads.posted(now, &post.key, post.instance, outcome)
+            }
+            LoadEffect::Post(post) => {
+                let peer = (post.req.remote.engine_id.clone(), post.key.rank);
+                let outcome = self.post_read(&peer, &post);
+                self.loads.posted(now, &post.key, post.instance, outcome)
+            }
+            LoadEffect::ReleaseTransfer(xfer) => {
+                if let Err(e) = self.agent.release(xfer) {
+                    debug!(%xfer, error = %e, "releasing a finished transfer failed");
                 }
-                LoadEffect::ReleaseTransfer(xfer) => {
-                    if let Err(e) = self.agent.release(xfer) {
-                        debug!(%xfer, error = %e, "releasing a finished transfer failed");
-                    }
-                    Vec::new()
-                }
-                LoadEffect::FreeHold { remote, rank, release } => {
-                    self.send_to(now, &remote, rank, release);
-                    Vec::new()
-                }
-                LoadEffect::DropPeer { peer, agent: Some(agent) } => {
-                    self.invalidate_connection(&peer, &agent);
-                    Vec::new()
-                }
-                LoadEffect::DropPeer { peer, agent: None } => {
-                    self.invalidate(&peer);
-                    Vec::new()
-                }
-                LoadEffect::Loaded(id) => {
-                    self.finished.recving.push(id);
-                    Vec::new()
-                }
-                LoadEffect::Failed { request_id, error } => {
-                    self.fail(&request_id, error);
-                    Vec::new()
-                }
-            };
-            todo.extend(more.into_iter().rev());
-        }
+                Vec::new()
+            }
+            LoadEffect::FreeHold { remote, rank, release } => {
+                self.send_to(now, &remote, rank, release);
+                Vec::new()
+            }
+            LoadEffect::DropPeer { peer, agent: Some(agent) } => {
+                self.invalidate_connection(&peer, &agent);
+                Vec::new()
+            }
+            LoadEffect::DropPeer { peer, agent: None } => {
+                self.invalidate(&peer);
+                Vec::new()
+            }
+            LoadEffect::Loaded(id) => {
+                self.finished.recving.push(id);
+                Vec::new()
+            }
+            LoadEffect::Failed { request_id, error } => {
+                self.fail(&request_id, error);
+                Vec::new()
+            }
+        });
     }
 
     /// Posts the READ of a load whose peer is ready (see `Loads::issue`).
@@ -204,20 +199,31 @@ impl ConnectorWorker {
             return Ok(());
         }
         plan.as_ref().map_err(|e| Refusal::freeing(e.clone()))?;
+        let (local_ids, _) = req.read_pairs().map_err(Refusal::freeing)?;
+        self.check_local_blocks(registered, req.local_block_ids.len(), &local_ids).map_err(Refusal::freeing)
+    }
+
+    /// What a load's own side must be, pull or push: a side channel (the prefill engine answers,
+    /// and for a push connects back, there), one group for layers with their own windows, and
+    /// `local_ids` (of `groups` groups) in range, none twice.
+    pub(super) fn check_local_blocks(
+        &self,
+        registered: &Registered,
+        groups: usize,
+        local_ids: &[BlockId],
+    ) -> Result<()> {
         if self.config.side_channel.is_none() {
             let e = "a decode worker needs WorkerConfig::side_channel: the prefill engine answers there";
-            return Err(Refusal::freeing(Error::new(ErrorKind::State, e)));
+            return Err(Error::new(ErrorKind::State, e));
         }
-        let local = Refusal::freeing;
-        if registered.region_windows.is_some() && req.local_block_ids.len() > 1 {
+        if registered.region_windows.is_some() && groups > 1 {
             let e = "layers with their own windows take one KV-cache group, not several";
-            return Err(local(Error::new(ErrorKind::Incompatible, e)));
+            return Err(Error::new(ErrorKind::Incompatible, e));
         }
-        let (local_ids, _) = req.read_pairs().map_err(local)?;
-        KvCacheLayout::check_block_ids(&local_ids, registered.layout.num_blocks, "local").map_err(local)?;
+        KvCacheLayout::check_block_ids(local_ids, registered.layout.num_blocks, "local")?;
         let mut seen = HashSet::with_capacity(local_ids.len());
         if let Some(dup) = local_ids.iter().find(|b| !seen.insert(**b)) {
-            return Err(local(Error::invalid_argument(format!("local block {dup} appears twice"))));
+            return Err(Error::invalid_argument(format!("local block {dup} appears twice")));
         }
         Ok(())
     }
@@ -383,17 +389,15 @@ impl ConnectorWorker {
     /// side channel whether the hold lived through the READ.
     fn post_read(&mut self, peer: &PeerKey, load: &PostRead) -> Result<Posted> {
         let req = &load.req;
-        let (Some(nonce), Some(me)) = (req.nonce, &self.config.side_channel) else {
+        let Some(nonce) = req.nonce.filter(|_| self.config.side_channel.is_some()) else {
             return Err(Error::new(ErrorKind::State, "no nonce or no side channel to answer on"));
         };
         let token = self.tokens.next_nonce();
-        let (rank, instance) = (self.config.rank, self.instance);
-        let reply_to = Some(ReplyTo { engine: me.clone(), rank, instance, token });
         let release = wire::encode(&HoldRelease {
             request_id: req.prefill_request_id().clone(),
             nonce,
-            reply_to,
-            reader: rank,
+            reply_to: self.reply_to(token),
+            reader: self.config.rank,
             readers: load.readers,
             instance: req.prefill_instance(),
         })?;

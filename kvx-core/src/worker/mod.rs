@@ -486,6 +486,13 @@ impl ConnectorWorker {
         }
     }
 
+    /// This worker as the one to answer (a release's or a registration's `reply_to`), with
+    /// `token`; `None` without a side channel.
+    fn reply_to(&self, token: crate::auth::Nonce) -> Option<ReplyTo> {
+        let engine = self.config.side_channel.clone()?;
+        Some(ReplyTo { engine, rank: self.config.rank, instance: self.instance, token })
+    }
+
     /// The next network command for the driver.
     pub fn poll_command(&mut self) -> Option<WorkerCommand> {
         self.peers.poll_command()
@@ -523,10 +530,7 @@ impl ConnectorWorker {
                     .decode::<HoldRelease>()
                     .map(|r| {
                         let peers = &self.peers;
-                        let connected = |to: &ReplyTo| {
-                            let peer = (to.engine.engine_id.clone(), to.rank);
-                            peers.ready(&peer).is_some_and(|c| c.instance == to.instance)
-                        };
+                        let connected = |to: &ReplyTo| peers.connected_at(to);
                         let effects = self.holds.release(now, &n.from, r, connected, &mut self.stats);
                         self.apply_holds(now, effects);
                     })
@@ -575,6 +579,16 @@ impl ConnectorWorker {
         .into_iter()
         .flatten()
         .min()
+    }
+}
+
+/// Carries out `effects` in order with `one`, each effect's own effects (what `one` returns)
+/// before the effects after it.
+fn carry_out<E>(effects: Vec<E>, mut one: impl FnMut(E) -> Vec<E>) {
+    let mut todo = effects;
+    todo.reverse();
+    while let Some(effect) = todo.pop() {
+        todo.extend(one(effect).into_iter().rev());
     }
 }
 

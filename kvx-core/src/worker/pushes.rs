@@ -30,7 +30,7 @@ use super::ttl::{Key, TtlMap};
 use super::{WorkerConfig, WorkerStats};
 use crate::auth::{AuthKey, HexBytes, Nonce};
 use crate::ids::{AgentName, BlockId, EngineId, GroupBlocks, RequestId};
-use crate::meta::{PushCancel, PushHold, PushRegistration, ReplyTo};
+use crate::meta::{PushCancel, PushHold, PushRegistration, ReplyTo, block_pairs};
 use crate::params::MAX_ID_LEN;
 use crate::tp::{MAX_TP, Slice};
 use crate::transfer::XferId;
@@ -714,24 +714,10 @@ impl Pushes {
 /// The prefill blocks and the registered decode blocks they go to, index by index, group by
 /// group; refused when the registration names positions the hold does not have.
 fn pairs(held: &[GroupBlocks], registered: &[GroupBlocks]) -> Result<(Vec<BlockId>, Vec<BlockId>), String> {
-    if held.len() != registered.len() {
-        return Err(format!("{} KV-cache groups registered, {} held", registered.len(), held.len()));
-    }
-    let (mut local, mut remote) = (Vec::new(), Vec::new());
-    for (g, (h, r)) in held.iter().zip(registered).enumerate() {
-        let Some(ids) = h.at(u64::from(r.first), r.end()) else {
-            return Err(format!(
-                "group {g}: block positions {}..{} registered, but the prefill engine holds {}..{}",
-                r.first,
-                r.end(),
-                h.first,
-                h.end()
-            ));
-        };
-        local.extend_from_slice(ids);
-        remote.extend_from_slice(&r.ids);
-    }
-    Ok((local, remote))
+    let (registered, held) =
+        block_pairs(registered, held, "registered", ("held", "the prefill engine holds"))
+            .map_err(|e| e.message().to_owned())?;
+    Ok((held.into_owned(), registered.into_owned()))
 }
 
 #[cfg(test)]

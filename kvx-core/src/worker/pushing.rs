@@ -5,19 +5,17 @@
 //! [`Registrations`]: super::registrations::Registrations
 //! [`Pushes`]: super::pushes::Pushes
 
-use std::collections::HashSet;
 use std::time::Instant;
 use tracing::debug;
 
-use super::ConnectorWorker;
 use super::decode::Pairs;
 use super::loads::LoadKey;
 use super::peers::Waiter;
 use super::pushes::{PushEffect, PushKey};
 use super::registrations::RegEffect;
+use super::{ConnectorWorker, carry_out};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::AgentName;
-use crate::layout::KvCacheLayout;
 use crate::meta::{PushCancel, PushHold, PushRegistration, PushResult, RecvRequest, ReplyTo};
 use crate::tp::Target;
 use crate::transfer::{XferId, XferOp};
@@ -74,22 +72,8 @@ impl ConnectorWorker {
         if self.registrations.contains(&req.request_id) || self.loads.is_loading(&req.request_id, None) {
             return Err(Error::invalid_argument("a load for this request is already in flight"));
         }
-        if self.config.side_channel.is_none() {
-            let e =
-                "a decode worker needs WorkerConfig::side_channel: the prefill engine connects back there";
-            return Err(Error::new(ErrorKind::State, e));
-        }
-        if registered.region_windows.is_some() && req.local_block_ids.len() > 1 {
-            let e = "layers with their own windows take one KV-cache group, not several";
-            return Err(Error::new(ErrorKind::Incompatible, e));
-        }
         let local: Vec<_> = req.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
-        KvCacheLayout::check_block_ids(&local, registered.layout.num_blocks, "local")?;
-        let mut seen = HashSet::with_capacity(local.len());
-        if let Some(dup) = local.iter().find(|b| !seen.insert(**b)) {
-            return Err(Error::invalid_argument(format!("local block {dup} appears twice")));
-        }
-        Ok(())
+        self.check_local_blocks(registered, req.local_block_ids.len(), &local)
     }
 
     /// The registration this rank sends a prefill rank, MACed under the deployment's key.
@@ -101,12 +85,12 @@ impl ConnectorWorker {
         token: crate::auth::Nonce,
         valid: std::time::Duration,
     ) -> Result<PushRegistration> {
-        let Some(me) = &self.config.side_channel else {
+        let Some(reply_to) = self.reply_to(token) else {
             return Err(Error::new(ErrorKind::State, "no side channel to be written and answered on"));
         };
         let mut reg = PushRegistration {
             request_id: req.prefill_request_id().clone(),
-            reply_to: ReplyTo { engine: me.clone(), rank: self.config.rank, instance: self.instance, token },
+            reply_to,
             groups: if heads.is_some() { req.local_block_ids.clone() } else { Vec::new() },
             heads,
             reader: self.config.rank,
@@ -121,49 +105,44 @@ impl ConnectorWorker {
 
     /// Carries out what `Registrations` asked for, in order.
     pub(super) fn apply_registrations(&mut self, now: Instant, effects: Vec<RegEffect>) {
-        let mut todo = effects;
-        todo.reverse();
-        while let Some(effect) = todo.pop() {
-            let more = match effect {
-                RegEffect::Register(key) => {
-                    let Some(req) = self.registrations.to_send(&key).map(|s| s.req) else { continue };
-                    let (remote, instance) = (req.remote.clone(), req.prefill_instance());
-                    // Connected to another instance of the prefill engine: connect again first.
-                    let peer = (remote.engine_id.clone(), key.rank);
-                    if self.peers.ready(&peer).is_some_and(|c| instance.is_some_and(|i| i != c.instance)) {
-                        self.invalidate(&peer);
-                    }
-                    match self.peers.when_ready(now, &remote, key.rank, Waiter::Register(key.clone())) {
-                        Ok(Some(_)) => self.send_registration_effects(now, &key),
-                        Ok(None) => Vec::new(),
-                        Err(e) => self.registrations.sent(now, &key, Err(e), &mut self.stats),
-                    }
+        carry_out(effects, |effect| match effect {
+            RegEffect::Register(key) => {
+                let Some(req) = self.registrations.to_send(&key).map(|s| s.req) else { return Vec::new() };
+                let (remote, instance) = (req.remote.clone(), req.prefill_instance());
+                // Connected to another instance of the prefill engine: connect again first.
+                let peer = (remote.engine_id.clone(), key.rank);
+                if self.peers.ready(&peer).is_some_and(|c| instance.is_some_and(|i| i != c.instance)) {
+                    self.invalidate(&peer);
                 }
-                RegEffect::Resend(key) => {
-                    self.resend_registration(now, &key);
-                    Vec::new()
+                match self.peers.when_ready(now, &remote, key.rank, Waiter::Register(key.clone())) {
+                    Ok(Some(_)) => self.send_registration_effects(now, &key),
+                    Ok(None) => Vec::new(),
+                    Err(e) => self.registrations.sent(now, &key, Err(e), &mut self.stats),
                 }
-                RegEffect::Cancel { peer, request_id, token } => {
-                    self.send_cancel(&peer, request_id, token);
-                    Vec::new()
+            }
+            RegEffect::Resend(key) => {
+                self.resend_registration(now, &key);
+                Vec::new()
+            }
+            RegEffect::Cancel { peer, request_id, token } => {
+                self.send_cancel(&peer, request_id, token);
+                Vec::new()
+            }
+            RegEffect::DropPeer { peer, agent } => {
+                if self.peers.ready(&peer).is_some_and(|c| c.agent == agent) {
+                    self.invalidate(&peer);
                 }
-                RegEffect::DropPeer { peer, agent } => {
-                    if self.peers.ready(&peer).is_some_and(|c| c.agent == agent) {
-                        self.invalidate(&peer);
-                    }
-                    Vec::new()
-                }
-                RegEffect::Loaded(id) => {
-                    self.finished.recving.push(id);
-                    Vec::new()
-                }
-                RegEffect::Failed { request_id, error } => {
-                    self.fail(&request_id, error);
-                    Vec::new()
-                }
-            };
-            todo.extend(more.into_iter().rev());
-        }
+                Vec::new()
+            }
+            RegEffect::Loaded(id) => {
+                self.finished.recving.push(id);
+                Vec::new()
+            }
+            RegEffect::Failed { request_id, error } => {
+                self.fail(&request_id, error);
+                Vec::new()
+            }
+        });
     }
 
     /// Decode side: tells a prefill rank not to write a registration (its answer comes as a
@@ -174,8 +153,7 @@ impl ConnectorWorker {
         request_id: crate::ids::RequestId,
         token: crate::auth::Nonce,
     ) {
-        let Some(me) = self.config.side_channel.clone() else { return };
-        let reply_to = ReplyTo { engine: me, rank: self.config.rank, instance: self.instance, token };
+        let Some(reply_to) = self.reply_to(token) else { return };
         match wire::encode(&PushCancel { request_id, reply_to }) {
             Ok(msg) => self.notify_peer(peer, &msg),
             Err(e) => debug!(error = %e, "encoding a cancel failed"),
@@ -261,9 +239,7 @@ impl ConnectorWorker {
     pub(super) fn on_push_registration(&mut self, now: Instant, from: &AgentName, reg: PushRegistration) {
         let pull_held = self.holds.holds(&reg.request_id);
         let peers = &self.peers;
-        let connected = |to: &ReplyTo| {
-            peers.ready(&(to.engine.engine_id.clone(), to.rank)).is_some_and(|c| c.instance == to.instance)
-        };
+        let connected = |to: &ReplyTo| peers.connected_at(to);
         let effects = self.pushes.register(now, from, reg, connected, pull_held, &mut self.stats);
         self.apply_pushes(now, effects);
     }
@@ -271,64 +247,55 @@ impl ConnectorWorker {
     /// Prefill side: a decode worker's cancel. A registration this worker does not have is
     /// answered only to a decode worker already connected at the instance the cancel names.
     pub(super) fn on_push_cancel(&mut self, now: Instant, cancel: PushCancel) {
-        let to = &cancel.reply_to;
-        let connected = self
-            .peers
-            .ready(&(to.engine.engine_id.clone(), to.rank))
-            .is_some_and(|c| c.instance == to.instance);
+        let connected = self.peers.connected_at(&cancel.reply_to);
         let effects = self.pushes.cancel(now, cancel, connected, &mut self.stats);
         self.apply_pushes(now, effects);
     }
 
     /// Carries out what `Pushes` asked for, in order.
     pub(super) fn apply_pushes(&mut self, now: Instant, effects: Vec<PushEffect>) {
-        let mut todo = effects;
-        todo.reverse();
-        while let Some(effect) = todo.pop() {
-            let more = match effect {
-                PushEffect::Write(key) => {
-                    let Some(to) = self.pushes.job(&key).map(|j| j.to.clone()) else { continue };
-                    let peer = (to.engine.engine_id.clone(), to.rank);
-                    if self.peers.ready(&peer).is_some_and(|c| c.instance != to.instance) {
-                        self.invalidate(&peer);
-                    }
-                    match self.peers.when_ready(now, &to.engine, to.rank, Waiter::Write(key.clone())) {
-                        Ok(Some(_)) => self.post_write_effects(now, &key),
-                        Ok(None) => Vec::new(),
-                        Err(_) => self.pushes.unreachable(now, &key, &mut self.stats),
-                    }
+        carry_out(effects, |effect| match effect {
+            PushEffect::Write(key) => {
+                let Some(to) = self.pushes.job(&key).map(|j| j.to.clone()) else { return Vec::new() };
+                let peer = (to.engine.engine_id.clone(), to.rank);
+                if self.peers.ready(&peer).is_some_and(|c| c.instance != to.instance) {
+                    self.invalidate(&peer);
                 }
-                PushEffect::Answer { to, request_id, written, reason } => {
-                    let result = PushResult { request_id, token: to.token, written, reason };
-                    match wire::encode(&result) {
-                        Ok(msg) => self.send_to(now, &to.engine, to.rank, msg),
-                        Err(e) => debug!(error = %e, "encoding a push result failed"),
-                    }
-                    Vec::new()
+                match self.peers.when_ready(now, &to.engine, to.rank, Waiter::Write(key.clone())) {
+                    Ok(Some(_)) => self.post_write_effects(now, &key),
+                    Ok(None) => Vec::new(),
+                    Err(_) => self.pushes.unreachable(now, &key, &mut self.stats),
                 }
-                // Cancelled, the WRITE is over (no completion will come); one that cannot be
-                // cancelled yet ends on its own.
-                PushEffect::Cancel(xfer) => match self.agent.release(xfer) {
-                    Ok(()) => match self.pushes.take_write(xfer) {
-                        Some(key) => {
-                            let cancelled =
-                                Error::new(ErrorKind::Transfer, "the WRITE was cancelled: the lease ran out");
-                            self.pushes.write_ended(now, &key, Err(cancelled), &mut self.stats)
-                        }
-                        None => Vec::new(),
-                    },
-                    Err(e) => {
-                        debug!(%xfer, error = %e, "a push WRITE cannot be cancelled yet: it ends on its own");
-                        Vec::new()
+            }
+            PushEffect::Answer { to, request_id, written, reason } => {
+                let result = PushResult { request_id, token: to.token, written, reason };
+                match wire::encode(&result) {
+                    Ok(msg) => self.send_to(now, &to.engine, to.rank, msg),
+                    Err(e) => debug!(error = %e, "encoding a push result failed"),
+                }
+                Vec::new()
+            }
+            // Cancelled, the WRITE is over (no completion will come); one that cannot be
+            // cancelled yet ends on its own.
+            PushEffect::Cancel(xfer) => match self.agent.release(xfer) {
+                Ok(()) => match self.pushes.take_write(xfer) {
+                    Some(key) => {
+                        let cancelled =
+                            Error::new(ErrorKind::Transfer, "the WRITE was cancelled: the lease ran out");
+                        self.pushes.write_ended(now, &key, Err(cancelled), &mut self.stats)
                     }
+                    None => Vec::new(),
                 },
-                PushEffect::Freed(id) => {
-                    self.finished.sending.push(id);
+                Err(e) => {
+                    debug!(%xfer, error = %e, "a push WRITE cannot be cancelled yet: it ends on its own");
                     Vec::new()
                 }
-            };
-            todo.extend(more.into_iter().rev());
-        }
+            },
+            PushEffect::Freed(id) => {
+                self.finished.sending.push(id);
+                Vec::new()
+            }
+        });
     }
 
     /// Prefill side: the decode worker of `key` is ready: its WRITE is posted.

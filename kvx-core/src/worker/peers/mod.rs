@@ -21,6 +21,7 @@ use super::{WorkerCommand, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::exchange::PeerLocator;
 use crate::ids::{AgentName, EngineId};
+use crate::meta::ReplyTo;
 use crate::params::{Endpoint, RemoteCoordinates};
 use crate::tp::HeadSplit;
 use crate::transfer::{BlockList, DlistId};
@@ -138,6 +139,13 @@ impl Peers {
             Some(Peer::Ready(conn)) => Some(conn),
             _ => None,
         }
+    }
+
+    /// Whether the worker `to` names (its engine and rank) is ready at the instance it names:
+    /// only such a worker is answered about what this worker does not have (no handshake for
+    /// whatever a notification names).
+    pub(super) fn connected_at(&self, to: &ReplyTo) -> bool {
+        self.ready(&(to.engine.engine_id.clone(), to.rank)).is_some_and(|c| c.instance == to.instance)
     }
 
     pub(super) fn ready_mut(&mut self, key: &PeerKey) -> Option<&mut Connected> {
