@@ -249,8 +249,14 @@ pub(crate) async fn serve(
         tokio::select! {
             () = stopped(&mut stop) => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted.and_then(|(s, peer)| Ok((Spare::of(s)?, peer))) {
-                Ok(((stream, spare), peer)) => {
+            accepted = listener.accept() => match accepted.map(|(s, peer)| (Spare::of(s), peer)) {
+                // Accepted, but its spare could not be made (descriptors short): dropped and
+                // counted, and parked connections give their descriptors back.
+                Ok((Err(_), _)) => {
+                    state.count(Dropped::Error);
+                    lot.shed(state.limits.max_pending.max(1));
+                }
+                Ok((Ok((stream, spare)), peer)) => {
                     backoff = Duration::ZERO;
                     let ticket = gate.admit(peer);
                     let (app, state, stop, lot) = (app.clone(), state.clone(), watch_stop.clone(), lot.clone());
