@@ -14,6 +14,7 @@ MODEL="$CACHE/tiny-llama"
 OUT="${KVX_VLLM_OUT:-$ROOT/target/$OUT_NAME}"
 HYBRID_PREFILL_TP="${KVX_VLLM_HYBRID_PREFILL_TP:-1}"
 HYBRID_BACKEND="${KVX_VLLM_HYBRID_BACKEND:-ucx}"
+PUSH_BACKEND="${KVX_VLLM_PUSH_BACKEND:-ucx}"
 HYBRID_HMA="${KVX_VLLM_HYBRID_HMA:-1}"
 READY_TIMEOUT_S="${KVX_VLLM_READY_TIMEOUT_S:-240}"
 FIXED_IDS="${KVX_VLLM_FIXED_ENGINE_IDS-kvx-nixl}"
@@ -125,14 +126,17 @@ fixed_ids() { case " $FIXED_IDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; 
 uses_etcd() { case " $ETCD_CONFIGS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 kvcfg() { # config role policy side_port
-    local cfg=$1 role=$2 policy=$3 side=$4 id="" discovery=""
+    local cfg=$1 role=$2 policy=$3 side=$4 id="" discovery="" mode=""
     fixed_ids "$cfg" && id="\"engine_id\":\"kvx-test-${role#kv_}\","
     uses_etcd "$cfg" && discovery="\"discovery\":\"$ETCD_URL\","
     local backend=${cfg#kvx-}
     [ "$cfg" = kvx-hybrid ] && backend=$HYBRID_BACKEND
+    [ "$cfg" = kvx-push ] && backend=$PUSH_BACKEND mode="\"mode\":\"push\","
     case $cfg in
         kvx-*)
-            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery\"backend\":\"$backend\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
+            echo "{\"kv_connector\":\"KvxConnector\",\"kv_connector_module_path\":\"kvx_vllm.connector\",$id\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"$policy\",\"kv_connector_extra_config\":{$discovery$mode\"backend\":\"$backend\",\"side_channel_host\":\"127.0.0.1\",\"side_channel_port\":$side,\"kv_lease_duration\":$LEASE_S,\"metrics_port\":$((side + 3700))}}" ;;
+        nixl-push) # vLLM's NixlPushConnector as shipped (no probe: TTFT only)
+            echo "{\"kv_connector\":\"NixlPushConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
         nixl-*) # vLLM's NixlConnector, through the probe that records its requests' stages
             echo "{\"kv_connector\":\"ProbedNixlConnector\",\"kv_connector_module_path\":\"nixl_probe\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"],\"num_threads\":4}}" ;;
     esac
@@ -169,7 +173,7 @@ start() { # config name http_port side_port role policy (role none: a server wit
             none) env+=(VLLM_CPU_OMP_THREADS_BIND=0-1) ;;
         esac
     fi
-    [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
+    case $cfg in nixl-noprog | nixl-push) env+=(NIXL_SHIM_PROG_THREAD=0) ;; esac
     [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
     [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
@@ -286,6 +290,11 @@ router_healthy() { # config: waits (bounded) until the router has a healthy pref
 }
 
 is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
+
+# A config's P/D requests go through the router (KVX_VLLM_ROUTER), except the push configs': their
+# proxy (pd_check.py --mode push) sends both legs at once, which no router of the field does for kvx.
+routed() { [ "$ROUTER" != 0 ] && ! pushes "$1"; }
+pushes() { case $1 in kvx-push | nixl-push) return 0 ;; *) return 1 ;; esac; }
 
 sitecustomized() { # config: its servers run kvx-vllm/tools/probe/sitecustomize.py (see the top)
     ! is_kvx "$1" || [ "$ATTN_ISA" != amx ]

@@ -129,7 +129,8 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
     local cfg=$1
     local ok=true t0 down ready="null" hs0 hs1 log="$OUT/$cfg-restart.jsonl"
     local probe=(timeout 200 "$PY" "$ROOT/kvx-vllm/tools/pd_check.py" --model "$MODEL" --label "$cfg" "${SERVERS[@]}")
-    [ "$ROUTER" = 0 ] || probe+=(--router "$ROUTER_URL")
+    routed "$cfg" && probe+=(--router "$ROUTER_URL")
+    pushes "$cfg" && probe+=(--mode push)
     waited "${probe[@]}" --probe before --seed 101 >"$log" 2>&1 || ok=false
     hs0=$(worker_stat "$OUT/$cfg-decode.log" handshakes)
     t0=$(now_s)
@@ -140,9 +141,9 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
         echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
     fi
     # vllm-router: its health check takes the killed server out of rotation before it comes back.
-    if [ "$ROUTER" = vllm-router ]; then router_saw_down "$cfg" || ok=false; fi
+    if routed "$cfg" && [ "$ROUTER" = vllm-router ]; then router_saw_down "$cfg" || ok=false; fi
     start "$cfg" prefill-restarted "$P_PORT" "$P_SIDE" kv_producer fail
-    if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { [ "$ROUTER" = 0 ] || router_healthy "$cfg"; }; then
+    if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { ! routed "$cfg" || router_healthy "$cfg"; }; then
         waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
     else
         ready="null"; ok=false
@@ -312,7 +313,7 @@ for cfg in $CONFIGS; do
     fi
     args=(--model "$(model_of "$cfg")" --lens "$LENS" --trials "$TRIALS" --label "$cfg" "${SERVERS[@]}")
     [ "$cfg" = kvx-hybrid ] && args=(--model "$HYBRID" --lens "$HYBRID_LENS" --trials "$HYBRID_TRIALS" --label "$cfg" "${SERVERS[@]}")
-    if [ "$ROUTER" != 0 ]; then
+    if routed "$cfg"; then
         start_router "$cfg"
         if ! router_healthy "$cfg"; then
             # Any config's: a router that does not start is the harness failing, not a connector.
@@ -323,7 +324,9 @@ for cfg in $CONFIGS; do
     fi
     case $cfg in
         kvx-hybrid) args+=(--full-blocks-only); [ "$HYBRID_HMA" = 0 ] || args+=(--window 256) ;;
+        kvx-push) args+=(--full-blocks-only --failure-policy "$policy" --mode push) ;;
         kvx-*) args+=(--full-blocks-only --failure-policy "$policy") ;;
+        nixl-push) args+=(--mode push) ;;
     esac
     # Outputs of one model must also equal across configs.
     expected="$OUT/expected-$(basename "$(model_of "$cfg")").json"
@@ -354,7 +357,7 @@ for cfg in $CONFIGS; do
         echo "test-vllm: $cfg: no latency attribution (pd_latency.py):" >&2
         tail -5 "$OUT/$cfg-attribution.txt" >&2
     fi
-    if [ "$ROUTER" = kvx ]; then
+    if routed "$cfg" && [ "$ROUTER" = kvx ]; then
         # Every P/D request went through the router and came back whole.
         curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
         if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" <<'PY'
@@ -370,7 +373,7 @@ PY
             echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
             is_kvx "$cfg" && status=1
         fi
-    elif [ "$ROUTER" = vllm-router ]; then
+    elif routed "$cfg" && [ "$ROUTER" = vllm-router ]; then
         # Every P/D request went through vllm-router, to the prefill and then the decode server,
         # and it counted no error (its counters have no outcome of the decode stream itself: the
         # outputs and loads above are checked on what came back through it).
@@ -398,12 +401,29 @@ PY
         # kvx's own /metrics of each server's worker (metrics_port: 9300 prefill, 9310 decode) and
         # the same counts through vLLM's KVConnectorStats in the decode server's /metrics.
         for p in "$P_METRICS" "$D_METRICS" "$D_PORT"; do curl -sf --max-time 10 "http://127.0.0.1:$p/metrics" >"$OUT/$cfg-metrics-$p.txt" || true; done
-        if ! python3 - "$OUT/$cfg-metrics-$P_METRICS.txt" "$OUT/$cfg-metrics-$D_METRICS.txt" "$OUT/$cfg-metrics-$D_PORT.txt" <<'PY'
+        mode=pull
+        [ "$cfg" = kvx-push ] && mode=push
+        if ! python3 - "$OUT/$cfg-metrics-$P_METRICS.txt" "$OUT/$cfg-metrics-$D_METRICS.txt" "$OUT/$cfg-metrics-$D_PORT.txt" "$mode" <<'PY'
 import re, sys
 def total(path, name):
     vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", open(path).read(), re.M)]
     return sum(vals) if vals else None
-prefill, decode, vllm = sys.argv[1:]
+prefill, decode, vllm, mode = sys.argv[1:]
+if mode == "push":
+    # The prefill engine WRITEs: every registration written, no WRITE failed, nothing held after.
+    got = {"decode kvx_pushes_written_total": total(decode, "kvx_pushes_written_total"),
+           "decode kvx_push_registrations_total": total(decode, "kvx_push_registrations_total"),
+           "prefill kvx_writes_posted_total": total(prefill, "kvx_writes_posted_total"),
+           "prefill kvx_writes_failed_total": total(prefill, "kvx_writes_failed_total"),
+           "prefill kvx_written_bytes_total": total(prefill, "kvx_written_bytes_total"),
+           "prefill kvx_holds_live": total(prefill, "kvx_holds_live"),
+           "decode kvx_reads_posted_total": total(decode, "kvx_reads_posted_total")}
+    print(f"test-vllm: metrics: {got}")
+    ok = (got["decode kvx_pushes_written_total"] or 0) > 0 \
+        and got["prefill kvx_writes_posted_total"] == got["decode kvx_pushes_written_total"] \
+        and got["prefill kvx_writes_failed_total"] == 0 and (got["prefill kvx_written_bytes_total"] or 0) > 0 \
+        and got["prefill kvx_holds_live"] == 0 and got["decode kvx_reads_posted_total"] == 0
+    sys.exit(0 if ok else 1)
 got = {"decode kvx_reads_done_total": total(decode, "kvx_reads_done_total"),
        "decode kvx_reads_failed_total": total(decode, "kvx_reads_failed_total"),
        "decode kvx_read_bytes_total": total(decode, "kvx_read_bytes_total"),
@@ -462,7 +482,7 @@ rows[-1]["restart"] = restart
 open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
 PY
     fi
-    if [ "$ROUTER" != 0 ] && case " $FAILOVER " in *" $cfg "*) true ;; *) false ;; esac; then
+    if routed "$cfg" && case " $FAILOVER " in *" $cfg "*) true ;; *) false ;; esac; then
         t_failover=$(now_s)
         failover_check "$cfg" || status=1
         echo "test-vllm: $cfg two prefill servers, one killed mid-run ($(since "$t_failover")s in all): $(cat "$OUT/$cfg-failover.json" 2>/dev/null || echo '{"ok":false}')"
@@ -498,7 +518,8 @@ if os.path.exists(path):
 OWN = "connector's own"
 def ms(s, keys=("p50", "p99", "max")):
     return " / ".join(str(s[k]) for k in keys) if s else "-"
-print("\n| connector | P/D requests (traced, with READ) | TTFT p50 / p99 / max (ms) | prefill done -> READ posted p50 / p99 | READ p50 / p99 | READ done -> reported p50 / p99 | connector share p50 / p99 / max (ms) | of which the connector's own p50 / p99 / max |")
+print("\n| connector | P/D requests (traced, with a transfer) | TTFT p50 / p99 / max (ms) | before the transfer p50 / p99 | the transfer p50 / p99 | after it p50 / p99 | connector share p50 / p99 / max (ms) | of which the connector's own p50 / p99 / max |")
+print("(pull: prefill done -> READ posted, the READ, READ done -> reported; push: prefill done -> hold taken, hold taken or registration -> written, written -> reported)")
 print("|---|---|---|---|---|---|---|---|")
 missing = []
 for cfg in configs:
@@ -508,9 +529,9 @@ for cfg in configs:
         missing.append(cfg)
         continue
     sh = a["share_ms"]
-    print(f"| {cfg} | {a['requests']} ({a['traced']}, {a['with_read']}) | {ms(a['ttft_ms'])} | "
-          f"{ms(sh['prefill done -> READ posted'], ('p50', 'p99'))} | {ms(sh['READ'], ('p50', 'p99'))} | "
-          f"{ms(sh['READ done -> reported'], ('p50', 'p99'))} | {ms(sh['total'])} | {ms(sh.get(OWN))} |")
+    print(f"| {cfg} | {a['requests']} ({a['traced']}, {a['with_transfer']}) | {ms(a['ttft_ms'])} | "
+          f"{ms(sh['before'], ('p50', 'p99'))} | {ms(sh['transfer'], ('p50', 'p99'))} | "
+          f"{ms(sh['after'], ('p50', 'p99'))} | {ms(sh['total'])} | {ms(sh.get(OWN))} |")
 print()
 for cfg in configs:
     a = rows.get(cfg)
@@ -524,11 +545,11 @@ for cfg in configs:
         first = ", the run's first request" if x["first"] else ""
         groups = ", ".join(f"{g} {v}" for g, v in x["groups_ms"].items())
         print(f"{cfg} above 2x p50: #{x['i']} ({x['prompt_len']} tok{first}) TTFT {x['ttft_ms']} ms: {x['dominant']} ({groups})")
-# kvx's configs must be attributed, READs included; NixlConnector's rows are the baseline.
-sys.exit(1 if any(not rows.get(c, {}).get("with_read") for c in configs if c.startswith("kvx-")) else 0)
+# kvx's configs must be attributed, transfers included; NixlConnector's rows are the baseline.
+sys.exit(1 if any(not rows.get(c, {}).get("with_transfer") for c in configs if c.startswith("kvx-")) else 0)
 PY
 then
-    echo "test-vllm: the latency attribution of a kvx config is missing or has no READ" >&2
+    echo "test-vllm: the latency attribution of a kvx config is missing or has no transfer" >&2
     status=1
 fi
 echo "test-vllm: $([ $status = 0 ] && echo PASSED || echo FAILED)"

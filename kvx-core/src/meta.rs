@@ -246,10 +246,22 @@ pub struct Heartbeat {
 /// refused at once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PushHold {
-    /// The request (the prefill engine's id, which the registrations name).
+    /// The request: the prefill engine's id, which its workers report the hold freed under.
     pub request_id: RequestId,
+    /// The id the decode engines' registrations, cancels and heartbeats name the request by:
+    /// `request_id`, unless the router gave both legs a shared id (the prefill leg's
+    /// `remote_request_id`), as it must where engines rename requests on arrival (vLLM adds a
+    /// random suffix to each engine's id).
+    pub registered_as: RequestId,
     /// The held blocks of each KV-cache group, at their block positions.
     pub groups: Vec<GroupBlocks>,
+}
+
+impl PushHold {
+    /// The hold of `request_id`'s blocks `groups`, registered for under the same id.
+    pub fn new(request_id: RequestId, groups: Vec<GroupBlocks>) -> Self {
+        PushHold { registered_as: request_id.clone(), request_id, groups }
+    }
 }
 
 /// A decode worker's registration, in push mode, of the blocks it allocated for one request with
@@ -258,7 +270,8 @@ pub struct PushHold {
 /// every field ([`PushRegistration::tag`]), so only a member of the deployment can register.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PushRegistration {
-    /// The prefill engine's id of the request.
+    /// The request, by the id the prefill engine's hold is registered under
+    /// ([`PushHold::registered_as`]).
     pub request_id: RequestId,
     /// The decode worker (engine, rank, instance) to WRITE into and answer, and the
     /// registration's random token, which the result must carry.

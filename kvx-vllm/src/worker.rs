@@ -498,20 +498,23 @@ impl Worker {
         })
     }
 
-    /// Starts this step's loads and holds from the scheduler's encoded metadata; returns the
-    /// requests whose loads it started (for the connector's latency trace).
-    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<Vec<String>> {
+    /// Starts this step's loads (READs in pull mode, registrations in push mode) and holds from
+    /// the scheduler's encoded metadata; returns the requests whose loads it started and those
+    /// whose push holds it took (for the connector's latency trace).
+    fn start_load_kv(&self, metadata: &[u8]) -> PyResult<(Vec<String>, Vec<String>)> {
         let meta: ConnectorMetadata = wire::decode(metadata).map_err(py_err)?;
         self.with_state(|s| {
             s.last_call = Instant::now();
             let mut started = Vec::new();
-            for r in meta.reqs_to_recv.iter().filter(|r| !r.is_notify_only()) {
+            let loads = meta.reqs_to_recv.iter().chain(&meta.reqs_to_register);
+            for r in loads.filter(|r| !r.is_notify_only()) {
                 let blocks = r.local_block_ids.iter().flat_map(|g| g.ids.iter().copied()).collect();
                 s.loading.insert(r.request_id.clone(), blocks);
                 started.push(r.request_id.as_str().to_owned());
             }
             s.driver.start_load_kv(&meta);
-            Ok(started)
+            let held = meta.reqs_to_push.iter().map(|h| h.request_id.as_str().to_owned()).collect();
+            Ok((started, held))
         })
     }
 

@@ -27,6 +27,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,17 +35,19 @@ import urllib.request
 TIMEOUT_S = 120
 
 
-def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url, body, headers=None):
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
         return json.loads(r.read())
 
 
-def stream(url, body):
+def stream(url, body, headers=None):
     """(ttft_s, token_ids, finish_reason, gaps) of a streamed completion; gaps[i] is the
     difference between the two highest logprobs at output token i (None if not reported)."""
     body = dict(body, stream=True, return_token_ids=True, logprobs=2)
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     t0 = time.perf_counter()
     ttft, ids, finish, gaps = None, [], None, []
     with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
@@ -80,7 +83,9 @@ def metrics(base):
 class Client:
     def __init__(self, a):
         self.p, self.d, self.model, self.max_tokens = a.prefill, a.decode, a.model, a.max_tokens
-        self.router = a.router
+        self.router, self.mode = a.router, a.mode
+        # Push mode: the prefill engine's coordinates, learnt from its first answer (the warm-up).
+        self.prefill_at = None
 
     def body(self, ids, max_tokens):
         return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -97,23 +102,59 @@ class Client:
             if ttft is None:
                 raise RuntimeError(f"the router returned no tokens (finish_reason {finish})")
             return None, ttft, out, None
+        if self.mode == "push" and self.prefill_at:
+            return self.concurrent_steps(ids)
         return self.proxy_steps(ids)
 
-    def proxy_steps(self, ids):
-        t0 = time.perf_counter()
+    def prefill_body(self, ids):
         pb = self.body(ids, 1)
         pb["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        pr = post(self.p + "/v1/completions", pb)
+        if self.mode == "push":
+            pb["kv_transfer_params"]["transfer_mode"] = "push"
+        return pb
+
+    def proxy_steps(self, ids):
+        """The prefill leg, then the decode leg with the params it returned (in push mode too:
+        the decode engine then registers its blocks after the prefill ended)."""
+        t0 = time.perf_counter()
+        pr = post(self.p + "/v1/completions", self.prefill_body(ids))
         t_prefill = time.perf_counter() - t0
         ktp = pr.get("kv_transfer_params")
+        if self.mode == "push" and ktp:
+            self.prefill_at = {k: ktp.get(k) for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
         ttft_d, out, *_ = self.decode_only(ids, ktp)
         return t_prefill, t_prefill + ttft_d, out, ktp
 
-    def decode_only(self, ids, ktp):
+    def concurrent_steps(self, ids):
+        """Push mode: both legs at once, under one X-Request-Id (vLLM's engines pair them by it);
+        the decode leg names the prefill engine only (learnt from its first answer)."""
+        headers = {"X-Request-Id": f"pd-{random.getrandbits(64):016x}"}
+        answer = {}
+
+        def prefill():
+            t0 = time.perf_counter()
+            try:
+                answer["params"] = post(self.p + "/v1/completions", self.prefill_body(ids), headers).get("kv_transfer_params")
+            except Exception as e:  # noqa: BLE001
+                answer["err"] = e
+            answer["s"] = time.perf_counter() - t0
+
+        leg = threading.Thread(target=prefill)
+        leg.start()
+        ktp = dict(self.prefill_at, do_remote_prefill=True, do_remote_decode=False, transfer_mode="push")
+        try:
+            ttft, out, *_ = self.decode_only(ids, ktp, headers)
+        finally:
+            leg.join(TIMEOUT_S)
+        if "err" in answer:
+            raise RuntimeError(f"the prefill leg failed: {answer['err']!r}")
+        return answer.get("s"), ttft, out, answer.get("params")
+
+    def decode_only(self, ids, ktp, headers=None):
         db = self.body(ids, self.max_tokens)
         db["kv_transfer_params"] = ktp
-        ttft, out, finish, gaps = stream(self.d + "/v1/completions", db)
+        ttft, out, finish, gaps = stream(self.d + "/v1/completions", db, headers)
         if ttft is None:
             raise RuntimeError(f"decode returned no tokens (finish_reason {finish})")
         return ttft, out, finish, gaps
@@ -225,6 +266,9 @@ def main():
     ap.add_argument("--window", type=int, help="the model's sliding window (tokens) with vLLM's hybrid allocator "
                     "on: prompts whose window blocks the prefill engine dropped are not loaded (expected_loaded)")
     ap.add_argument("--failure-policy", choices=["fail", "recompute", "none"], default="none")
+    ap.add_argument("--mode", choices=["pull", "push"], default="pull",
+                    help="push: the prefill leg asks for a push; after the warm-up (sequential, whose answer names "
+                    "the prefill engine) the proxy sends both legs at once (without --router)")
     ap.add_argument("--expected", help="JSON file of outputs from an earlier config: must be equal too")
     ap.add_argument("--save", help="write prompts and outputs here")
     ap.add_argument("--probe", help="send one prompt only, with this label (see the module's doc)")

@@ -374,11 +374,21 @@ impl ConnectorScheduler {
             return FinishOutcome::default();
         };
         let mode = params.mode();
+        // The id the decode engines register under: the router's shared id for both legs, if it
+        // gave one within kvx's limits, else this engine's.
+        let shared =
+            params.remote_request_id.clone().filter(|id| id.as_str().len() <= crate::params::MAX_ID_LEN);
+        let registered_as = shared.unwrap_or_else(|| request_id.clone());
+        let push_hold = |groups| PushHold {
+            request_id: request_id.clone(),
+            registered_as: registered_as.clone(),
+            groups,
+        };
         if !keeps {
             if mode == TransferMode::Push {
                 // The decode engine registered (or will) without waiting for this answer: an
                 // empty hold tells the workers to refuse its registrations now.
-                self.new_pushing.push(PushHold { request_id: request_id.clone(), groups: Vec::new() });
+                self.new_pushing.push(push_hold(Vec::new()));
             }
             return FinishOutcome::default();
         }
@@ -404,7 +414,7 @@ impl ConnectorScheduler {
             // Without a full block the hold is empty: the registrations are refused at once.
             TransferMode::Push => {
                 let groups = if delay_free { computed.clone() } else { Vec::new() };
-                self.new_pushing.push(PushHold { request_id: request_id.clone(), groups })
+                self.new_pushing.push(push_hold(groups))
             }
         }
         let remote = RemoteCoordinates {
@@ -413,9 +423,11 @@ impl ConnectorScheduler {
         };
         let instance = self.config.instance.map(|i| crate::auth::HexBytes(i.to_le_bytes()));
         let tp_size = Some(self.config.tp_size);
+        // A push is registered for by the id its hold is kept under; a pull READs by this engine's.
+        let offered_id = if mode == TransferMode::Push { &registered_as } else { request_id };
         let offer = Offer {
             remote: &remote,
-            request_id,
+            request_id: offered_id,
             groups: &computed,
             nonce: &nonce,
             instance: instance.as_ref(),
@@ -423,7 +435,7 @@ impl ConnectorScheduler {
         };
         let kvx_offer_mac = self.config.auth_key.as_ref().map(|key| offer.tag(key));
         let mut params = TransferParams::for_decode(computed, remote);
-        params.remote_request_id = Some(request_id.clone());
+        params.remote_request_id = Some(offered_id.clone());
         params.kvx_hold_nonce = Some(nonce);
         params.kvx_offer_mac = kvx_offer_mac;
         params.kvx_instance = instance;

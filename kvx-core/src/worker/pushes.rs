@@ -89,6 +89,8 @@ impl Job {
 
 #[derive(Debug)]
 struct Live {
+    /// The prefill engine's id of the request (the holds are keyed by the id registrations name).
+    request_id: RequestId,
     groups: Vec<GroupBlocks>,
     /// When the hold came: heartbeats renew it to at most ten leases from then.
     start: Instant,
@@ -227,11 +229,19 @@ impl Pushes {
     /// A push hold from the scheduler: its lease starts now; the registrations that came before
     /// it are taken.
     pub(super) fn hold(&mut self, now: Instant, held: &PushHold, stats: &mut WorkerStats) -> Vec<PushEffect> {
-        let id = held.request_id.clone();
-        if held.groups.iter().all(|g| g.ids.is_empty()) {
+        let id = held.registered_as.clone();
+        let empty = held.groups.iter().all(|g| g.ids.is_empty());
+        if self.live.contains_key(&id) {
+            // Two requests registered for under one id (a router that reused it): the first
+            // keeps it, the second's blocks are freed unpushed (its registrations go to the first).
+            warn!(request_id = %held.request_id, registered_as = %id, "another push hold is registered for under this id: freed unpushed");
+            return if empty { Vec::new() } else { vec![PushEffect::Freed(held.request_id.clone())] };
+        }
+        if empty {
             return self.end_unheld(now, &id, "the prefill engine kept no blocks of the request", stats);
         }
         let live = Live {
+            request_id: held.request_id.clone(),
             groups: held.groups.clone(),
             start: now,
             until: now + self.lease,
@@ -645,11 +655,11 @@ impl Pushes {
         if !(all_done || live.expired) || !live.jobs.is_empty() {
             return;
         }
-        self.live.remove(id);
+        let Some(live) = self.live.remove(id) else { return };
         let ended =
             Ended { reason: "the prefill engine's hold of the request ended".to_owned(), answered: 0 };
         self.ended.insert(now, request_key(id), ended);
-        effects.push(PushEffect::Freed(id.clone()));
+        effects.push(PushEffect::Freed(live.request_id));
     }
 
     fn refuse(
@@ -704,7 +714,7 @@ impl Pushes {
     /// At close: every hold ends (in request order), with the WRITEs in flight to cancel.
     pub(super) fn close(&mut self, config: &WorkerConfig) -> (Vec<RequestId>, Vec<XferId>) {
         let writes: Vec<XferId> = self.writes.keys().copied().collect();
-        let mut ended: Vec<RequestId> = self.live.drain().map(|(id, _)| id).collect();
+        let mut ended: Vec<RequestId> = self.live.drain().map(|(_, live)| live.request_id).collect();
         ended.sort();
         *self = Pushes::new(config, self.instance);
         (ended, writes)

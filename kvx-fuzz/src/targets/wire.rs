@@ -180,7 +180,8 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     pushes: vec!["p".into()],
                 }],
                 reqs_to_push: vec![kvx_core::PushHold {
-                    request_id: "p".into(),
+                    request_id: "p-1a2b3c4d".into(),
+                    registered_as: "p".into(),
                     groups: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX])],
                 }],
                 ..Default::default()

@@ -26,9 +26,21 @@ inside NIXL's wheel can share a process: kvx-ucx loads its UCX apart.
   side channel, and decode engines find prefill engines by engine id, so the params carry no
   host or port. Every engine of the deployment uses the same. Fallback: the environment variable
   ``KVX_DISCOVERY``.
-- ``progress_thread``: progress the transfer agent in the background. Default: on for a producer
-  with ``ucx`` (vLLM's KV memory is not UCX-allocated, so the target of a READ must progress, and
-  an idle prefill engine does not step), off otherwise (NIXL's thread busy-spins a core).
+- ``mode``: how a request's KV moves when its ``kv_transfer_params`` name no ``transfer_mode``:
+  ``"pull"`` (default: the decode engine READs the blocks the prefill engine offers) or
+  ``"push"`` (the decode engine registers blocks it allocated, the prefill engine WRITEs into
+  them as its prefill ends; vLLM's ``NixlPushConnector`` protocol, with kvx's checks). A
+  request's own ``"transfer_mode"`` wins. In push mode a router may dispatch both legs at once:
+  the decode leg needs only the prefill engine's ``remote_engine_id``, ``remote_host``,
+  ``remote_port`` and ``tp_size`` (what that engine's answers carry), and the two legs must be
+  sent with the same ``X-Request-Id`` header: vLLM suffixes each engine's request id with random
+  characters, and kvx pairs the legs by the id without them (as ``NixlPushConnector`` does),
+  unless the router names a shared ``remote_request_id`` in both legs' params. Ids must be unique
+  among the requests in flight: a second prefill leg under a live id is freed unpushed.
+- ``progress_thread``: progress the transfer agent in the background. Default: on with ``ucx``
+  for a producer, and for a consumer in push mode (vLLM's KV memory is not UCX-allocated, so the
+  target of a READ or WRITE must progress, and an idle engine does not step), off otherwise
+  (NIXL's thread busy-spins a core).
 - ``ucx_transports``: ``UCX_TLS`` for kvx-ucx's agent only.
 - ``tcp_connections``: connections kvx-tcp opens to each peer (default: kvx-tcp's, 4).
 - ``num_threads``: threads of NIXL's UCX thread-pool engine for ``nixl`` (default 4, as vLLM's
@@ -87,6 +99,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvx_vllm.trace import Trace
@@ -103,6 +116,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvx_vllm")  # under vLLM's logging configuration
 
 _BACKENDS = ("ucx", "nixl", "tcp")
+_MODES = ("pull", "push")
 _STATS_LOG_INTERVAL_S = 5.0
 _DEFAULT_LEASE_S = 30.0
 
@@ -368,7 +382,8 @@ def _finish_reason(request: "Request") -> str:
 
 
 class KvxConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvx's disaggregated prefill/decode connector (pull: the decode engine READs).
+    """kvx's disaggregated prefill/decode connector (pull: the decode engine READs; push: the
+    prefill engine WRITEs into blocks the decode engine registered).
 
     ``SupportsHMA``: vLLM keeps its hybrid allocator on, so a model with sliding-window and
     full-attention layers has one KV-cache group per attention type, all taking blocks from one
@@ -395,6 +410,9 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         self._auth_key = extra.get("auth_key") or os.environ.get("KVX_AUTH_KEY") or None
         self._discovery = str(extra.get("discovery") or os.environ.get("KVX_DISCOVERY", "tcp"))
         self._lease_s = float(extra.get("kv_lease_duration", _DEFAULT_LEASE_S))
+        self._mode = str(extra.get("mode", "pull")).lower()
+        if self._mode not in _MODES:
+            raise ValueError(f"kvx: unknown mode {self._mode!r}; expected one of {list(_MODES)}")
         self._sched = None
         self._native = None
         self._worker = None
@@ -432,8 +450,8 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self._create_worker(extra, cfg, vllm_config)
         handshakes = self._discovery if self._discovery != "tcp" else f"side channel {self._host}:{self._port}"
         logger.info(
-            "kvx connector (%s, %s backend) for engine %s, %s, lease %gs, %s, KV-cache groups %s (hybrid allocator %s)",
-            role.name, self._backend, self._engine_id, handshakes, self._lease_s,
+            "kvx connector (%s, %s backend, %s mode) for engine %s, %s, lease %gs, %s, KV-cache groups %s (hybrid allocator %s)",
+            role.name, self._backend, self._mode, self._engine_id, handshakes, self._lease_s,
             "authenticated (shared key)" if self._auth_key else "unauthenticated (no key)",
             _groups_tag(self._groups), "on" if self._hma else "off",
         )
@@ -470,7 +488,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             metrics_port=None if extra.get("metrics_port") is None else int(extra["metrics_port"]),
             discovery=self._discovery,
         )
-        default_progress = self._backend == "ucx" and cfg.is_kv_producer
+        default_progress = self._backend == "ucx" and (cfg.is_kv_producer or self._mode == "push")
         progress = bool(extra.get("progress_thread", default_progress))
         if self._backend == "ucx":
             self._worker = native.create_worker(
@@ -492,8 +510,22 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+    def _params(self, request: "Request") -> Optional[dict[str, Any]]:
+        """The request's ``kv_transfer_params``, completed in place for a push: the engine's
+        ``mode`` where they name no ``transfer_mode``, and the id both legs share
+        (``remote_request_id``): the request's id without vLLM's random suffix, unless the router
+        named one."""
         params = request.kv_transfer_params
+        if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            return params
+        if self._mode == "push":
+            params.setdefault("transfer_mode", "push")
+        if params.get("transfer_mode") == "push" and not params.get("remote_request_id"):
+            params["remote_request_id"] = get_base_request_id(request.request_id)
+        return params
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        params = self._params(request)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         count, load_async = self._sched.get_num_new_matched_tokens(
@@ -504,7 +536,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: "Request") -> None:
         """Decode side: a request that loads its KV from a prefill engine has that engine's lease
         on its blocks renewed (heartbeats) until its load is reported or it finishes."""
-        params = request.kv_transfer_params
+        params = self._params(request)
         if params and params.get("do_remote_prefill"):
             self._trace.event(
                 "d_arrived", request.request_id, remote_request_id=params.get("remote_request_id"),
@@ -515,7 +547,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace.event("p_arrived", request.request_id, prompt_tokens=request.num_prompt_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        params = request.kv_transfer_params
+        params = self._params(request)
         if not params or not params.get("do_remote_prefill"):
             return
         computed = self._local_computed_tokens(blocks)
@@ -566,7 +598,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         covering its computed tokens, out-of-window blocks of a sliding-window group already
         freed (null block 0). A prefill engine offers each group's blocks from its first non-null
         one on."""
-        params = request.kv_transfer_params
+        params = self._params(request)
         delay_free, out = self._sched.request_finished(
             request.request_id,
             json.dumps(params) if params else None,
@@ -653,8 +685,11 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
         called = time.time()
-        for req_id in self._worker.start_load_kv(meta.data):
+        loads, pushes = self._worker.start_load_kv(meta.data)
+        for req_id in loads:
             self._trace.event("d_step", req_id, t=called)
+        for req_id in pushes:
+            self._trace.event("p_step", req_id, t=called)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -100,3 +100,44 @@ fn a_push_waiting_for_its_blocks_renews_its_prefill_hold() {
     s.update_finished(&Finished { recving: vec![id("queued")], ..Finished::default() });
     assert!(s.is_idle());
 }
+
+#[test]
+fn a_prefill_leg_with_a_shared_id_is_held_and_offered_under_it() {
+    let mut s = sched();
+    let mut p = TransferParams::for_push_prefill();
+    p.remote_request_id = Some(id("cmpl-7-0"));
+    let out = s.request_finished(
+        &id("cmpl-7-0-1a2b3c4d"),
+        Some(&p),
+        FinishReason::LengthCapped,
+        2 * BS,
+        &whole(&[4, 5]),
+    );
+    assert!(out.delay_free);
+    assert_eq!(
+        out.params.and_then(|p| p.remote_request_id),
+        Some(id("cmpl-7-0")),
+        "a late decode leg registers under it"
+    );
+    let aborted = s.request_finished(
+        &id("cmpl-8-0-1a2b3c4d"),
+        Some(&TransferParams { remote_request_id: Some(id("cmpl-8-0")), ..p.clone() }),
+        FinishReason::Aborted,
+        0,
+        &[],
+    );
+    assert!(!aborted.delay_free);
+    let mut long = p.clone();
+    long.remote_request_id = Some(id(&"x".repeat(crate::params::MAX_ID_LEN + 1)));
+    s.request_finished(&id("own"), Some(&long), FinishReason::LengthCapped, BS, &whole(&[6]));
+    let meta = s.build_connector_meta(Instant::now());
+    let holds: Vec<_> =
+        meta.reqs_to_push.iter().map(|h| (h.request_id.as_str(), h.registered_as.as_str())).collect();
+    assert_eq!(
+        holds,
+        [("cmpl-7-0-1a2b3c4d", "cmpl-7-0"), ("cmpl-8-0-1a2b3c4d", "cmpl-8-0"), ("own", "own")],
+        "an id over kvx's limits is not shared: the engine's own stands"
+    );
+    s.update_finished(&Finished { sending: vec![id("cmpl-7-0-1a2b3c4d"), id("own")], ..Default::default() });
+    assert!(s.is_idle());
+}

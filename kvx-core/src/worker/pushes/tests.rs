@@ -17,7 +17,7 @@ fn pushes(key: Option<&str>) -> Pushes {
 }
 
 fn hold(id: &str, ids: &[u32]) -> PushHold {
-    PushHold { request_id: id.into(), groups: vec![GroupBlocks::whole(ids.to_vec())] }
+    PushHold::new(id.into(), vec![GroupBlocks::whole(ids.to_vec())])
 }
 
 fn registration(id: &str, token: u8, blocks: &[u32]) -> PushRegistration {
@@ -211,7 +211,7 @@ fn the_lease_cancels_writes_in_flight_and_frees_only_after_they_end() {
 fn an_empty_hold_and_a_pull_hold_refuse_registrations_at_once() {
     let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
     p.register(now, &from("d"), registration("aborted", 1, &[7]), |_| true, false, &mut stats);
-    let refused = p.hold(now, &PushHold { request_id: "aborted".into(), groups: Vec::new() }, &mut stats);
+    let refused = p.hold(now, &PushHold::new("aborted".into(), Vec::new()), &mut stats);
     assert!(refusals(&refused)[0].contains("kept no blocks"), "{refused:?}");
     p.register(now, &from("d"), registration("pulled", 2, &[7]), |_| true, false, &mut stats);
     let refused = p.pull_held(now, &"pulled".into(), &mut stats);
@@ -263,4 +263,27 @@ fn heartbeats_keep_a_push_hold_for_at_most_ten_leases() {
     }
     assert_eq!((p.len(), t.duration_since(now)), (0, 100 * SECOND), "freed at ten leases, renewed or not");
     assert!(stats.leases_renewed > 0);
+}
+
+#[test]
+fn a_hold_is_registered_for_under_its_shared_id_and_freed_under_its_own() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    // vLLM names each engine's request with a random suffix: the router's id is what both legs share.
+    let shared = |own: &str, ids: &[u32]| PushHold { registered_as: "cmpl-7-0".into(), ..hold(own, ids) };
+    p.register(now, &from("d"), registration("cmpl-7-0", 1, &[7]), |_| true, false, &mut stats);
+    assert_eq!(
+        p.hold(now, &shared("cmpl-7-0-1a2b3c4d", &[1]), &mut stats),
+        [PushEffect::Write(key("cmpl-7-0"))]
+    );
+    // A second request under the same shared id (a router reused it) is freed unpushed at once:
+    // the first keeps the id and its registration.
+    assert_eq!(
+        p.hold(now, &shared("cmpl-7-0-99999999", &[2]), &mut stats),
+        [PushEffect::Freed("cmpl-7-0-99999999".into())]
+    );
+    assert!(p.hold(now, &shared("cmpl-7-0-88888888", &[]), &mut stats).is_empty(), "nothing held");
+    assert!(p.posted(now, &key("cmpl-7-0"), Ok((XferId(1), from("d"), 8)), &mut stats).is_empty());
+    assert_eq!(p.take_write(XferId(1)), Some(key("cmpl-7-0")));
+    let done = p.write_ended(now, &key("cmpl-7-0"), Ok(()), &mut stats);
+    assert_eq!(done, [PushEffect::Freed("cmpl-7-0-1a2b3c4d".into())], "reported under the engine's own id");
 }
