@@ -44,18 +44,18 @@ PY="$VENV/bin/python"
 SERVE_PATH="$VENV/bin:/usr/bin:/bin"
 
 "$ROOT/scripts/install-vllm.sh"
-case $ROUTER in
-    kvx)
-        # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
-        KVX="${KVX_BIN:-}"
-        if [ -z "$KVX" ]; then
-            (cd "$ROOT" && cargo build -q -p kvx-cli)
-            KVX="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvx"
-        fi ;;
-    vllm-router)
-        VLLM_ROUTER=$("$ROOT/scripts/install-vllm-router.sh" | tail -1)
-        echo "$ME: router: vllm-router $("$(dirname "$VLLM_ROUTER")/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') ($VLLM_ROUTER)" ;;
-esac
+if [ "$ROUTER" = kvx ] || { [ "$ROUTER" != 0 ] && case " ${CONFIGS:-} " in *" kvx-push "*) true ;; *) false ;; esac; }; then
+    # The kvx binary scripts/test.sh builds (a no-op there), or its default build when run alone.
+    KVX="${KVX_BIN:-}"
+    if [ -z "$KVX" ]; then
+        (cd "$ROOT" && cargo build -q -p kvx-cli)
+        KVX="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvx"
+    fi
+fi
+if [ "$ROUTER" = vllm-router ]; then
+    VLLM_ROUTER=$("$ROOT/scripts/install-vllm-router.sh" | tail -1)
+    echo "$ME: router: vllm-router $("$(dirname "$VLLM_ROUTER")/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))') ($VLLM_ROUTER)"
+fi
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # kvx's connector as the servers will load it: from the wheel installed in the venv, with the
 # servers' PATH (no cargo, rustc or maturin there), outside the clone.
@@ -173,7 +173,7 @@ start() { # config name http_port side_port role policy (role none: a server wit
             none) env+=(VLLM_CPU_OMP_THREADS_BIND=0-1) ;;
         esac
     fi
-    case $cfg in nixl-noprog | nixl-push) env+=(NIXL_SHIM_PROG_THREAD=0) ;; esac
+    [ "$cfg" = nixl-noprog ] && env+=(NIXL_SHIM_PROG_THREAD=0)
     [ "$nixl" = 1 ] && env+=(LD_LIBRARY_PATH="$NIXL_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NIXL_PLUGIN_DIR="$NIXL_LIBS/plugins")
     # One kvx config runs authenticated: both servers share a key (handshakes, signed params).
     [ "$cfg" = kvx-nixl ] && env+=(KVX_AUTH_KEY="kvx-test-vllm-$$-shared-key")
@@ -251,9 +251,11 @@ start_router() { # config [prefill_port...]: the router (KVX_VLLM_ROUTER) in fro
     for port in "${@:-$P_PORT}"; do prefills+=(--prefill "http://127.0.0.1:$port"); done
     # The previous config's router may still hold its ports for a moment after stop_all (bounded).
     for _ in $(seq 1 40); do port_free "$R_PORT" && port_free "$R_METRICS" && break; sleep 0.25; done
-    case $ROUTER in
+    local mode=pull
+    [ "$cfg" = kvx-push ] && mode=push
+    case $(router_of "$cfg") in
         kvx)
-            setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" "${prefills[@]}" \
+            setsid "$KVX" router --host 127.0.0.1 --port "$R_PORT" "${prefills[@]}" --mode "$mode" \
                 --decode "http://127.0.0.1:$D_PORT" >"$OUT/$cfg-router.log" 2>&1 </dev/null & ;;
         vllm-router)
             # Its P/D mode with the NIXL flow (kvx's connector answers the same params protocol);
@@ -291,9 +293,11 @@ router_healthy() { # config: waits (bounded) until the router has a healthy pref
 
 is_kvx() { case $1 in kvx-*) return 0 ;; *) return 1 ;; esac; }
 
-# A config's P/D requests go through the router (KVX_VLLM_ROUTER), except the push configs': their
-# proxy (pd_check.py --mode push) sends both legs at once, which no router of the field does for kvx.
-routed() { [ "$ROUTER" != 0 ] && ! pushes "$1"; }
+# A config's P/D requests go through the router (KVX_VLLM_ROUTER), kvx-push's through `kvx router
+# --mode push` (vllm-router would only send the decode leg after the prefill answered), and
+# nixl-push's through no router (pd_check.py --mode push sends both legs at once).
+routed() { [ "$ROUTER" != 0 ] && [ "$1" != nixl-push ]; }
+router_of() { if [ "$1" = kvx-push ]; then echo kvx; else echo "$ROUTER"; fi; }
 pushes() { case $1 in kvx-push | nixl-push) return 0 ;; *) return 1 ;; esac; }
 
 sitecustomized() { # config: its servers run kvx-vllm/tools/probe/sitecustomize.py (see the top)

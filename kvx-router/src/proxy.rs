@@ -9,15 +9,15 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use tokio::time::MissedTickBehavior;
 
 use kvx_core::{Error, ErrorKind, Result};
 
-use super::Config;
 use super::metrics::{self, Metrics, RequestLabels, RoleLabels, Timer};
 use super::server::ServerState;
 use super::upstream::{Failure, Lease, Pool, Role};
+use super::{Config, Mode};
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -170,20 +170,21 @@ fn upstream_headers(client: &HeaderMap, request_id: &HeaderValue) -> HeaderMap {
 }
 
 /// The prefill server's body: the client's, computing the prompt and one token, without
-/// streaming, with the KV kept for a remote decode.
-fn prefill_body(request: &Map<String, Value>, route: Route) -> Bytes {
+/// streaming, with the KV kept for a remote decode (pushed to it in push mode).
+fn prefill_body(request: &Map<String, Value>, route: Route, mode: Mode) -> Bytes {
     let mut body = request.clone();
-    body.insert(
-        "kv_transfer_params".into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
+    let mut params = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    });
+    if mode == Mode::Push {
+        params["transfer_mode"] = "push".into();
+    }
+    body.insert("kv_transfer_params".into(), params);
     body.insert("stream".into(), Value::Bool(false));
     body.insert("max_tokens".into(), 1.into());
     if route == Route::ChatCompletions {
@@ -203,6 +204,27 @@ fn decode_body(mut request: Map<String, Value>, params: Option<Map<String, Value
         None => request.remove("kv_transfer_params"),
     };
     Value::Object(request).to_string().into()
+}
+
+/// What a decode leg sent before its prefill server answered needs of that server (push mode):
+/// the keys of its answers' params that say where its connector is.
+const PREFILL_AT: [&str; 4] = ["remote_engine_id", "remote_host", "remote_port", "tp_size"];
+
+/// A push's decode leg params: the prefill server's whereabouts from an earlier answer of it.
+fn push_params(at: &Map<String, Value>) -> Map<String, Value> {
+    let mut params = at.clone();
+    params.insert("do_remote_prefill".into(), true.into());
+    params.insert("do_remote_decode".into(), false.into());
+    params.insert("transfer_mode".into(), "push".into());
+    params
+}
+
+/// The decode server's answer as the client's response, and its outcome for the metrics.
+fn relayed(relay: Relay, request_id: &HeaderValue, timer: Timer) -> (&'static str, Response) {
+    let status = relay.response.status();
+    let headers = answer_headers(relay.response.headers(), Some(request_id));
+    let outcome = if status.is_client_error() { "client_error" } else { "ok" };
+    (outcome, client_response(status, headers, relay.body(timer)))
 }
 
 /// A decode server's answer whose head and first chunk arrived: from here on it goes to the client.
@@ -243,6 +265,9 @@ pub(crate) struct Shared {
     pub(crate) decode: Arc<Pool>,
     metrics: Metrics,
     server: Arc<ServerState>,
+    /// Push mode: where each prefill server's connector is ([`PREFILL_AT`] of its last answer's
+    /// params), by its index; `None` until it answered, and again once it failed.
+    prefill_at: Mutex<Vec<Option<Map<String, Value>>>>,
 }
 
 impl Shared {
@@ -262,7 +287,8 @@ impl Shared {
             config.request_timeout,
             &metrics,
         ));
-        Ok(Arc::new(Self { config, client, prefill, decode, metrics, server }))
+        let prefill_at = Mutex::new(vec![None; config.prefill.len()]);
+        Ok(Arc::new(Self { config, client, prefill, decode, metrics, server, prefill_at }))
     }
 
     /// What the router's servers (the API's and `--metrics-port`'s) share: limits, body budget.
@@ -291,6 +317,11 @@ impl Shared {
     pub(crate) async fn check_health(&self) {
         let timeout = self.config.health_timeout;
         tokio::join!(self.prefill.check(&self.client, timeout), self.decode.check(&self.client, timeout));
+        // A prefill server out of rotation may come back as another engine (a restart draws a
+        // new engine id): its next request goes in order, and its answer says where it is.
+        for index in (0..self.config.prefill.len()).filter(|&i| !self.prefill.is_healthy(i)) {
+            self.learn_prefill_at(index, None);
+        }
     }
 
     /// Checks every server's health every health interval, the first time one interval from now.
@@ -358,8 +389,50 @@ impl Shared {
         Ok(response)
     }
 
+    /// Push mode: where the prefill server `index` is, from its last answer; none in pull mode.
+    fn prefill_at(&self, index: usize) -> Option<Map<String, Value>> {
+        let known = self.prefill_at.lock().unwrap_or_else(PoisonError::into_inner);
+        known.get(index).cloned().flatten()
+    }
+
+    /// Push mode: records where the prefill server `index` is from its answer's `params` (all
+    /// of [`PREFILL_AT`] but `tp_size` must be there; `None` forgets it).
+    fn learn_prefill_at(&self, index: usize, params: Option<&Map<String, Value>>) {
+        if self.config.mode != Mode::Push {
+            return;
+        }
+        let at = params.map(|p| {
+            let keys = PREFILL_AT.iter().filter_map(|&k| p.get(k).map(|v| (k.to_owned(), v.clone())));
+            keys.collect::<Map<String, Value>>()
+        });
+        let at = at.filter(|at| at.get("remote_engine_id").is_some_and(Value::is_string));
+        let mut known = self.prefill_at.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = known.get_mut(index) {
+            *slot = at;
+        }
+    }
+
     /// One prefill attempt: the `kv_transfer_params` of the answer (`None` when it has none).
     async fn prefill_once(
+        &self,
+        lease: Lease,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+        request_id: &HeaderValue,
+    ) -> Result<Option<Map<String, Value>>, Stop> {
+        let index = lease.index();
+        let answered = self.prefill_answer(lease, route, headers, body, request_id).await;
+        match &answered {
+            Ok(params) => self.learn_prefill_at(index, params.as_ref()),
+            Err(Stop::Retry(_)) => self.learn_prefill_at(index, None),
+            Err(Stop::Refuse(_)) => {}
+        }
+        answered
+    }
+
+    /// The `kv_transfer_params` of a prefill server's answer.
+    async fn prefill_answer(
         &self,
         lease: Lease,
         route: Route,
@@ -415,7 +488,10 @@ impl Shared {
             .map_err(|e| Refusal::Invalid(format!("the request body is not a JSON object: {e}")))?;
         let request_id = request_id(client);
         let headers = upstream_headers(client, &request_id);
-        let prefill = prefill_body(&request, route);
+        let prefill = prefill_body(&request, route, self.config.mode);
+        if let Some(relay) = self.together(route, &request, &headers, &prefill, &request_id).await {
+            return Ok(relayed(relay?, &request_id, timer));
+        }
         let params = self
             .with_retries(&self.prefill, |lease| {
                 self.prefill_once(lease, route, &headers, prefill.clone(), &request_id)
@@ -428,10 +504,49 @@ impl Shared {
         let relay = self
             .with_retries(&self.decode, |lease| self.decode_once(lease, route, &headers, decode.clone()))
             .await?;
-        let status = relay.response.status();
-        let headers = answer_headers(relay.response.headers(), Some(&request_id));
-        let outcome = if status.is_client_error() { "client_error" } else { "ok" };
-        Ok((outcome, client_response(status, headers, relay.body(timer))))
+        Ok(relayed(relay, &request_id, timer))
+    }
+
+    /// Push mode, with a prefill server whose whereabouts an earlier answer gave: both legs at
+    /// once, the decode leg naming that server. `None` when it cannot (pull mode, no such server
+    /// healthy, or its prefill leg failed while the decode leg waited: the decode leg is dropped,
+    /// which aborts it at its server, and the request goes on in order).
+    async fn together(
+        &self,
+        route: Route,
+        request: &Map<String, Value>,
+        headers: &HeaderMap,
+        prefill: &Bytes,
+        request_id: &HeaderValue,
+    ) -> Option<Result<Relay, Refusal>> {
+        if self.config.mode != Mode::Push {
+            return None;
+        }
+        let lease = self.prefill.pick(&[])?;
+        let at = self.prefill_at(lease.index())?;
+        self.metrics.dispatched_together.inc();
+        let decode = decode_body(request.clone(), Some(push_params(&at)));
+        let prefill_leg = self.prefill_once(lease, route, headers, prefill.clone(), request_id);
+        let decode_leg =
+            self.with_retries(&self.decode, |lease| self.decode_once(lease, route, headers, decode.clone()));
+        tokio::pin!(prefill_leg, decode_leg);
+        let prefilled = tokio::select! {
+            prefilled = &mut prefill_leg => prefilled,
+            relay = &mut decode_leg => {
+                // The decode leg answered first (its KV came, or it computed the prompt itself):
+                // the prefill leg's answer still says where its server is now.
+                let _ = prefill_leg.await;
+                return Some(relay);
+            }
+        };
+        match prefilled {
+            Err(Stop::Retry(_)) => None,
+            Ok(None) => {
+                self.metrics.prefill_without_params.inc();
+                Some(decode_leg.await)
+            }
+            Ok(Some(_)) | Err(Stop::Refuse(_)) => Some(decode_leg.await),
+        }
     }
 
     async fn completion(&self, route: Route, client: &HeaderMap, body: &[u8]) -> Response {

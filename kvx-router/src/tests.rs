@@ -17,9 +17,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{Mutex, Semaphore, mpsc};
 
 use super::upstream::Role;
-use super::{Config, Limits, Shared};
+use super::{Config, Limits, Mode, Shared};
 
 mod floods;
+mod push;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -193,7 +194,19 @@ async fn router_with(
     limits: Limits,
     max_body_bytes: usize,
 ) -> (Arc<Shared>, String) {
+    router_in(Mode::Pull, prefill, decode, limits, max_body_bytes).await
+}
+
+/// [`router_with`] in `mode`.
+async fn router_in(
+    mode: Mode,
+    prefill: &[&str],
+    decode: &[&str],
+    limits: Limits,
+    max_body_bytes: usize,
+) -> (Arc<Shared>, String) {
     let config = Config {
+        mode,
         prefill: prefill.iter().map(|s| s.to_string()).collect(),
         decode: decode.iter().map(|s| s.to_string()).collect(),
         request_timeout: LIMIT,

@@ -231,7 +231,6 @@ impl Pool {
     }
 
     /// Whether server `index` is in rotation.
-    #[cfg(test)]
     pub(crate) fn is_healthy(&self, index: usize) -> bool {
         self.state().slots[index].healthy
     }

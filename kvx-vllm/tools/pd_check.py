@@ -117,13 +117,15 @@ class Client:
     def proxy_steps(self, ids):
         """The prefill leg, then the decode leg with the params it returned (in push mode too:
         the decode engine then registers its blocks after the prefill ended)."""
+        # Push: both legs under one X-Request-Id, which vLLM's push connectors pair them by.
+        headers = {"X-Request-Id": f"pd-{random.getrandbits(64):016x}"} if self.mode == "push" else None
         t0 = time.perf_counter()
-        pr = post(self.p + "/v1/completions", self.prefill_body(ids))
+        pr = post(self.p + "/v1/completions", self.prefill_body(ids), headers)
         t_prefill = time.perf_counter() - t0
         ktp = pr.get("kv_transfer_params")
         if self.mode == "push" and ktp:
             self.prefill_at = {k: ktp.get(k) for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
-        ttft_d, out, *_ = self.decode_only(ids, ktp)
+        ttft_d, out, *_ = self.decode_only(ids, ktp, headers)
         return t_prefill, t_prefill + ttft_d, out, ktp
 
     def concurrent_steps(self, ids):
