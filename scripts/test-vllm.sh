@@ -508,6 +508,9 @@ print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     f = r.get("failure_check")
     fc = f"{f['policy']}: {f['outcome']} in {f['seconds']} s" if f else "-"
+    reused = r.get("reused_id_check")
+    if reused:
+        fc += f"; one id, two prompts: {'/'.join(reused['outcomes'])} in {reused['seconds']} s"
     rs = r.get("restart")
     rc = (f"{'ok' if rs.get('ok') else 'FAILED'}: ready again in {rs.get('down_to_ready_s')} s, "
           f"then P/D in {(rs.get('after') or {}).get('seconds')} s") if rs else "-"

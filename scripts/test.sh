@@ -38,10 +38,10 @@ cargo test -p kvx-cli --features ucx,nixl,etcd
 KVX_BIN="$(realpath "${CARGO_TARGET_DIR:-target}/debug/kvx")"
 export KVX_BIN
 
-step "the fault soak over each real transport of that binary: 20 000 requests under every fault (the chaos layer over tcp, ucx, nixl), none unresolved, no byte mismatched, no block leaked (about 20-30 s each)"
+step "the fault soak over each real transport of that binary: 10 000 requests under every fault (the chaos layer over tcp, ucx, nixl), none unresolved, no byte mismatched, no block leaked (about 10-15 s each; docs/PERFORMANCE.md has 20 000)"
 soak_dir="$(mktemp -d)"
 for backend in tcp ucx nixl; do
-    UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL "$KVX_BIN" soak --requests 20000 --seed 1 --backend "$backend" \
+    UCX_LOG_LEVEL=fatal NIXL_LOG_LEVEL=FATAL "$KVX_BIN" soak --requests 10000 --seed 1 --backend "$backend" \
         >"$soak_dir/$backend.txt" || { cat "$soak_dir/$backend.txt"; exit 1; }
     grep -E '^  (finished|unresolved|blocks mismatched|blocks leaked) ' "$soak_dir/$backend.txt"
 done
@@ -90,13 +90,13 @@ elif [ "$netns" != 0 ]; then
     exit "$netns"
 fi
 
-step "kvx inside real vLLM, installed from its wheel: prefill/decode over kvx-ucx, kvx-nixl and kvx-tcp, through vllm-router, and a hybrid model"
+step "kvx inside real vLLM, installed from its wheel: prefill/decode over kvx-ucx, kvx-nixl and kvx-tcp, through vllm-router, push mode through kvx router, and a hybrid model"
 # In its own environment: the vLLM venv carries its own NIXL wheel (nixl-env.sh points at
 # .venv-nixl's). Fails on any mismatch or failed check.
-# kvx's three backends and the hybrid (sliding-window) model, one trial per prompt length (about
-# 15 minutes with vLLM installed); `scripts/test-vllm.sh` alone also runs the NixlConnector
-# baselines of docs/PERFORMANCE.md's table.
-env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl kvx-tcp kvx-hybrid" \
+# kvx's three backends, push mode (both legs sent together by kvx router) and the hybrid
+# (sliding-window) model, one trial per prompt length (about 17 minutes with vLLM installed);
+# `scripts/test-vllm.sh` alone also runs the NixlConnector baselines of docs/PERFORMANCE.md's table.
+env -u LD_LIBRARY_PATH -u NIXL_PLUGIN_DIR -u KVX_REQUIRE_NIXL KVX_VLLM_CONFIGS="kvx-ucx kvx-nixl kvx-tcp kvx-push kvx-hybrid" \
     KVX_VLLM_TRIALS=1 KVX_VLLM_HYBRID_TRIALS=1 scripts/test-vllm.sh
 
 step "serving benchmark, short: guidellm against real vLLM, one server and kvx-ucx P/D through vllm-router (the CSV's shape, not the speed)"

@@ -136,6 +136,10 @@ pub struct HexBytes<const N: usize>(pub [u8; N]);
 /// A hold's nonce: 128 bits.
 pub type Nonce = HexBytes<16>;
 
+/// A digest of a request's prompt, as the engine computes it (kvx does not look inside: equal
+/// digests mean the same prompt to the engines that computed them).
+pub type PromptDigest = HexBytes<32>;
+
 /// A MAC tag as it travels in `kv_transfer_params`.
 pub type MacTag = HexBytes<TAG_LEN>;
 

@@ -19,7 +19,7 @@ pub mod transfer;
 pub mod wire;
 pub mod worker;
 
-pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource};
+pub use auth::{AuthKey, HexBytes, MacTag, Nonce, NonceSource, PromptDigest};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{MetadataExchange, PeerLocator};

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 
-use crate::auth::{AuthKey, MacTag, Nonce, Purpose};
+use crate::auth::{AuthKey, MacTag, Nonce, PromptDigest, Purpose};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, GroupBlocks, RequestId};
 use crate::params::{InstanceId, Offer, RemoteCoordinates};
@@ -44,6 +44,11 @@ pub struct RecvRequest {
     /// engine's own).
     #[serde(default)]
     pub remote_tp_size: Option<u32>,
+    /// Push mode: the digest of the request's prompt its engine computed
+    /// ([`TransferParams::kvx_prompt_digest`](crate::TransferParams::kvx_prompt_digest)); the
+    /// registration carries it.
+    #[serde(default)]
+    pub prompt: Option<PromptDigest>,
 }
 
 impl RecvRequest {
@@ -255,12 +260,17 @@ pub struct PushHold {
     pub registered_as: RequestId,
     /// The held blocks of each KV-cache group, at their block positions.
     pub groups: Vec<GroupBlocks>,
+    /// The digest of the request's prompt its engine computed: with one, only a registration
+    /// carrying the same is written.
+    #[serde(default)]
+    pub prompt: Option<PromptDigest>,
 }
 
 impl PushHold {
-    /// The hold of `request_id`'s blocks `groups`, registered for under the same id.
+    /// The hold of `request_id`'s blocks `groups`, registered for under the same id, of a prompt
+    /// whose digest is not known.
     pub fn new(request_id: RequestId, groups: Vec<GroupBlocks>) -> Self {
-        PushHold { registered_as: request_id.clone(), request_id, groups }
+        PushHold { registered_as: request_id.clone(), request_id, groups, prompt: None }
     }
 }
 
@@ -295,6 +305,10 @@ pub struct PushRegistration {
     /// up. Past it the registration is refused and a WRITE of it still in flight cancelled.
     #[serde(default)]
     pub valid_ms: u64,
+    /// The digest of the decode request's prompt, when its engine computed one: a hold with a
+    /// digest writes only a registration of the same.
+    #[serde(default)]
+    pub prompt: Option<PromptDigest>,
     /// With a deployment key: the MAC over the registration ([`tag`](Self::tag)).
     #[serde(default)]
     pub mac: Option<MacTag>,
@@ -322,6 +336,7 @@ impl PushRegistration {
         let instances: Vec<u8> =
             std::iter::once(self.reply_to.instance).chain(self.instance).flat_map(u64::to_le_bytes).collect();
         let valid = self.valid_ms.to_le_bytes();
+        let prompt: &[u8] = self.prompt.as_ref().map_or(&[], |p| p.as_bytes());
         f(&[
             REGISTRATION_VERSION,
             engine.engine_id.as_str().as_bytes(),
@@ -334,6 +349,7 @@ impl PushRegistration {
             &instances,
             &valid,
             self.reply_to.token.as_bytes(),
+            prompt,
         ])
     }
 

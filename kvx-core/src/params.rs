@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::auth::{AuthKey, HexBytes, MacTag, Nonce, Purpose};
+use crate::auth::{AuthKey, HexBytes, MacTag, Nonce, PromptDigest, Purpose};
 
 /// An engine instance's id in params: 8 bytes in hex.
 pub type InstanceId = HexBytes<8>;
@@ -70,6 +70,12 @@ pub struct TransferParams {
     /// Any other value is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer_mode: Option<TransferMode>,
+    /// Push mode: a digest of the request's prompt, which the engine sets itself on each leg
+    /// when the request arrives (replacing whatever a client sent). The prefill engine writes a
+    /// registration only into a decode request of the same prompt, so two requests a router sent
+    /// under one id cannot be paired: neither receives the other's KV.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvx_prompt_digest: Option<PromptDigest>,
     /// Keys kvx does not interpret.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -178,6 +184,7 @@ impl TransferParams {
             kvx_offer_mac: None,
             kvx_instance: None,
             transfer_mode: None,
+            kvx_prompt_digest: None,
             extra: Default::default(),
         }
     }

@@ -53,6 +53,7 @@ fn handshake(w: &mut ConnectorWorker, now: Instant, payload: &[u8]) {
 /// A load of prefill block 5 into decode block 2, under the hold's nonce.
 fn load() -> ConnectorMetadata {
     let req = RecvRequest {
+        prompt: None,
         request_id: "r".into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::whole(vec![2])],

@@ -157,6 +157,7 @@ fn silent_decode_driver(rt: &tokio::runtime::Runtime, fabric: &Fabric, clock: &M
 /// One load from a prefill engine at `remote` that has not been handshaken yet.
 fn one_load(remote: RemoteCoordinates) -> ConnectorMetadata {
     let req = RecvRequest {
+        prompt: None,
         request_id: "r".into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::whole(vec![2])],

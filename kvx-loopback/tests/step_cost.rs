@@ -39,6 +39,7 @@ fn load(i: usize) -> RecvRequest {
     let mut nonce = [0u8; 16];
     nonce[..8].copy_from_slice(&(i as u64).to_le_bytes());
     RecvRequest {
+        prompt: None,
         request_id: format!("r{i}").into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::whole(vec![(i as u64 % BLOCKS) as u32])],

@@ -12,6 +12,12 @@ is back to idle (blocks freed). Optionally a request whose transfer must fail (a
 that is not there): it must fail (policy "fail") or be recomputed to the same output
 (policy "recompute"), within a bound.
 
+With --mode push the prefill leg asks for a push (``transfer_mode: push``) and both legs carry
+one X-Request-Id; after the warm-up (in order, whose answer says where the prefill engine is)
+the proxy steps here send both legs at once. Then one more check: two prompts' P/D requests
+under one X-Request-Id (a router reusing ids, or a client forging another's) must each get
+their own prompt's output or fail, never the other's KV.
+
 Writes one JSON line per request (with `t_sent`, its wall-clock send time, for pd_latency.py) and a
 summary line; exits 1 on any mismatch or failed check.
 
@@ -152,6 +158,37 @@ class Client:
         if "err" in answer:
             raise RuntimeError(f"the prefill leg failed: {answer['err']!r}")
         return answer.get("s"), ttft, out, answer.get("params")
+
+    def reused_id(self, prompts):
+        """Push mode: P/D requests of different prompts sent under ONE X-Request-Id
+        (a router reusing ids, or a client forging another's): each decode leg's output, or the
+        exception it ended with. kvx writes a registration only into a decode request of the
+        held request's prompt, so each must be its own prompt's output or a failure."""
+        headers = {"X-Request-Id": f"pd-reused-{random.getrandbits(64):016x}"}
+        ktp = dict(self.prefill_at, do_remote_prefill=True, do_remote_decode=False, transfer_mode="push")
+        outs = [None] * len(prompts)
+
+        def prefill(ids):
+            try:
+                post(self.p + "/v1/completions", self.prefill_body(ids), headers)
+            except Exception:  # noqa: BLE001 (the decode leg's outcome is what counts)
+                pass
+
+        def decode(i, ids):
+            try:
+                outs[i] = self.decode_only(ids, ktp, headers)[1]
+            except Exception as e:  # noqa: BLE001
+                outs[i] = e
+
+        # The prefill legs first (one hold keeps the id, the other is freed unpushed), then the
+        # decode legs together: both register with the hold that kept it.
+        for legs in ([threading.Thread(target=prefill, args=(ids,)) for ids in prompts],
+                     [threading.Thread(target=decode, args=(i, ids)) for i, ids in enumerate(prompts)]):
+            for leg in legs:
+                leg.start()
+            for leg in legs:
+                leg.join(TIMEOUT_S + 10)
+        return outs
 
     def decode_only(self, ids, ktp, headers=None):
         db = self.body(ids, self.max_tokens)
@@ -385,6 +422,17 @@ def main():
         ok &= after
     elif a.failure_policy != "none":
         ok = False  # no request got transfer parameters to build the failing one from
+    # Evidence 4 (push): two requests under one id never get each other's KV.
+    reused = None
+    if a.mode == "push" and c.prefill_at:
+        prompts = [[rng.randrange(3, 2048) for _ in range(2 * a.block_size + 5)] for _ in range(2)]
+        singles = [c.single(ids)[1] for ids in prompts]
+        t0 = time.perf_counter()
+        outs = c.reused_id(prompts)
+        kinds = ["own" if o == want else "failed" if isinstance(o, Exception) else "WRONG"
+                 for o, want in zip(outs, singles)]
+        reused = {"outcomes": kinds, "seconds": round(time.perf_counter() - t0, 1), "ok": "WRONG" not in kinds}
+        ok &= reused["ok"]
     summary = {
         "label": a.label, "all_match": ok, "requests": len(ttft_pd), "near_ties": near_ties,
         "pd_ttft_p50_ms": round(statistics.median(ttft_pd) * 1e3, 1) if ttft_pd else None,
@@ -393,6 +441,7 @@ def main():
         "single_ttft_p50_ms": round(statistics.median(ttft_single) * 1e3, 1) if ttft_single else None,
         "decode_external_hits": ext_hits, "expected_external": expected_external, "loaded_remotely": loaded_ok,
         "prefill_kv_usage_after": usage, "prefill_freed": freed_ok, "failure_check": failure,
+        "reused_id_check": reused,
     }
     print("SUMMARY " + json.dumps(summary), flush=True)
     sys.exit(0 if ok else 1)

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use crate::auth::{AuthKey, MacTag, Nonce, NonceSource};
+use crate::auth::{AuthKey, MacTag, Nonce, NonceSource, PromptDigest};
 use crate::error::{Error, Result};
 use crate::ids::{EngineId, GroupBlocks, RequestId};
 #[cfg(test)]
@@ -116,6 +116,8 @@ struct PendingRecv {
     instance: Option<InstanceId>,
     tp_size: Option<u32>,
     mode: TransferMode,
+    /// Push mode: the digest of the request's prompt its engine computed.
+    prompt: Option<PromptDigest>,
 }
 
 impl PendingRecv {
@@ -130,6 +132,7 @@ impl PendingRecv {
             mac: params.kvx_offer_mac,
             instance: params.kvx_instance,
             tp_size: params.tp_size,
+            prompt: params.kvx_prompt_digest,
         }
     }
 }
@@ -271,6 +274,7 @@ impl ConnectorScheduler {
                 mac: p.mac,
                 remote_instance: p.instance,
                 remote_tp_size: p.tp_size,
+                prompt: p.prompt,
             };
             if !req.is_notify_only() {
                 self.recving.insert(req.request_id.clone());
@@ -383,6 +387,7 @@ impl ConnectorScheduler {
             request_id: request_id.clone(),
             registered_as: registered_as.clone(),
             groups,
+            prompt: params.kvx_prompt_digest,
         };
         if !keeps {
             if mode == TransferMode::Push {

@@ -28,7 +28,7 @@ use super::deadlines::Deadlines;
 use super::early::{EarlyReleases, MAX_EARLY_READERS, Reader};
 use super::ttl::{Key, TtlMap};
 use super::{WorkerConfig, WorkerStats};
-use crate::auth::{AuthKey, HexBytes, Nonce};
+use crate::auth::{AuthKey, HexBytes, Nonce, PromptDigest};
 use crate::ids::{AgentName, BlockId, EngineId, GroupBlocks, RequestId};
 use crate::meta::{PushCancel, PushHold, PushRegistration, ReplyTo, block_pairs};
 use crate::params::MAX_ID_LEN;
@@ -92,6 +92,8 @@ struct Live {
     /// The prefill engine's id of the request (the holds are keyed by the id registrations name).
     request_id: RequestId,
     groups: Vec<GroupBlocks>,
+    /// The digest of the held request's prompt, if its engine computed one.
+    prompt: Option<PromptDigest>,
     /// When the hold came: heartbeats renew it to at most ten leases from then.
     start: Instant,
     until: Instant,
@@ -161,6 +163,10 @@ const MAX_ANSWERS_AGAIN: u32 = 8;
 
 /// Why a registration whose time ran out is refused.
 const TIME_RAN_OUT: &str = "the registration's time ran out before the WRITE";
+
+/// Why a registration of another prompt than the held request's is refused (two requests a
+/// router sent under one id).
+const OTHER_PROMPT: &str = "the registration's prompt is not the held request's (two requests under one id?)";
 
 /// Why a registration for a request held for a pull is refused.
 const PULL_HELD: &str =
@@ -243,6 +249,7 @@ impl Pushes {
         let live = Live {
             request_id: held.request_id.clone(),
             groups: held.groups.clone(),
+            prompt: held.prompt,
             start: now,
             until: now + self.lease,
             readers: None,
@@ -408,6 +415,12 @@ impl Pushes {
             return;
         }
         let Some(live) = self.live.get_mut(&id) else { return };
+        if live.prompt.is_some() && live.prompt != reg.prompt {
+            // Another request's registration under this id: refused at once, whatever was taken.
+            stats.rejected_notifications += 1;
+            effects.push(self.refuse(now, reg, OTHER_PROMPT, stats));
+            return;
+        }
         if live.taken.iter().any(|&(r, t)| r == reg.reader || t == reg.reply_to.token) {
             // A second registration of one reader (being written, or another token): the first
             // stands.

@@ -97,6 +97,7 @@ impl ConnectorWorker {
             readers,
             instance: req.prefill_instance(),
             valid_ms: u64::try_from(valid.as_millis()).unwrap_or(u64::MAX),
+            prompt: req.prompt,
             mac: None,
         };
         reg.mac = self.config.auth_key.as_ref().map(|key| reg.tag(key));

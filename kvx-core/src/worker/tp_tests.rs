@@ -151,6 +151,7 @@ fn nonce() -> Nonce {
 /// A load of local blocks `local` from remote blocks `remote` of a prefill engine of `tp` ranks.
 fn recv(local: Vec<BlockId>, remote: Vec<BlockId>, tp: u32) -> RecvRequest {
     RecvRequest {
+        prompt: None,
         request_id: "r".into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::whole(local)],

@@ -162,6 +162,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
             "edges",
             ConnectorMetadata {
                 reqs_to_recv: vec![RecvRequest {
+                    prompt: None,
                     request_id: "".into(),
                     remote_request_id: Some("\u{1F600}".into()),
                     local_block_ids: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX, 0])],
@@ -183,6 +184,7 @@ pub(crate) fn connector_metadata_samples() -> Vec<(&'static str, ConnectorMetada
                     request_id: "p-1a2b3c4d".into(),
                     registered_as: "p".into(),
                     groups: vec![GroupBlocks::new(u32::MAX, vec![u32::MAX])],
+                    prompt: Some(kvx_core::HexBytes([7; 32])),
                 }],
                 ..Default::default()
             },
@@ -304,6 +306,7 @@ pub(crate) fn push_registration_samples() -> Vec<(&'static str, PushRegistration
         token: NONCE,
     };
     let typical = PushRegistration {
+        prompt: Some(kvx_core::HexBytes([0x5a; 32])),
         request_id: "cmpl-1-0".into(),
         reply_to: reply_to.clone(),
         groups: vec![GroupBlocks::whole(vec![3, 4, 5])],

@@ -80,6 +80,7 @@ and the worker thread moves to the cores vLLM reserves for KV transfer (``_move_
 
 from __future__ import annotations
 
+import array
 import hashlib
 import importlib
 import json
@@ -366,6 +367,12 @@ def _groups_tag(groups: list[tuple[str, Optional[int]]]) -> str:
     return ",".join(kind if window is None else f"{kind}{window}" for kind, window in groups)
 
 
+def _prompt_digest(token_ids) -> str:
+    """SHA-256 of a prompt's token ids (32-bit little-endian), in hex: what both legs of a push
+    compare (``kvx_prompt_digest``)."""
+    return hashlib.sha256(array.array("I", token_ids).tobytes()).hexdigest()
+
+
 def _layer_index(name: str) -> tuple[int, str]:
     m = re.search(r"\.(\d+)\.", name)
     return (int(m.group(1)) if m else -1, name)
@@ -510,18 +517,25 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side (EngineCore)
 
-    def _params(self, request: "Request") -> Optional[dict[str, Any]]:
+    def _params(self, request: "Request", arriving: bool = False) -> Optional[dict[str, Any]]:
         """The request's ``kv_transfer_params``, completed in place for a push: the engine's
-        ``mode`` where they name no ``transfer_mode``, and the id both legs share
-        (``remote_request_id``): the request's id without vLLM's random suffix, unless the router
-        named one."""
+        ``mode`` where they name no ``transfer_mode``, the id both legs share
+        (``remote_request_id``: the request's id without vLLM's random suffix, unless the router
+        named one) and, as the request is ``arriving`` (``on_new_request``, vLLM's first hook for
+        it), the digest of its prompt (``kvx_prompt_digest``, replacing any a client sent): the
+        prefill engine writes only into a decode request of the same prompt."""
         params = request.kv_transfer_params
         if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
             return params
         if self._mode == "push":
             params.setdefault("transfer_mode", "push")
-        if params.get("transfer_mode") == "push" and not params.get("remote_request_id"):
-            params["remote_request_id"] = get_base_request_id(request.request_id)
+        if params.get("transfer_mode") == "push":
+            if not params.get("remote_request_id"):
+                params["remote_request_id"] = get_base_request_id(request.request_id)
+            if arriving:
+                params.pop("kvx_prompt_digest", None)
+                if request.prompt_token_ids is not None:
+                    params["kvx_prompt_digest"] = _prompt_digest(request.prompt_token_ids)
         return params
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -536,7 +550,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: "Request") -> None:
         """Decode side: a request that loads its KV from a prefill engine has that engine's lease
         on its blocks renewed (heartbeats) until its load is reported or it finishes."""
-        params = self._params(request)
+        params = self._params(request, arriving=True)
         if params and params.get("do_remote_prefill"):
             self._trace.event(
                 "d_arrived", request.request_id, remote_request_id=params.get("remote_request_id"),

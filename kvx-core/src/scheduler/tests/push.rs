@@ -141,3 +141,19 @@ fn a_prefill_leg_with_a_shared_id_is_held_and_offered_under_it() {
     s.update_finished(&Finished { sending: vec![id("cmpl-7-0-1a2b3c4d"), id("own")], ..Default::default() });
     assert!(s.is_idle());
 }
+
+#[test]
+fn the_engines_prompt_digest_goes_to_the_registration_and_to_the_hold() {
+    let digest = Some(crate::HexBytes([9; 32]));
+    let mut decode = sched();
+    let mut p = TransferParams { kvx_prompt_digest: digest, ..push_params("r") };
+    decode.update_state_after_alloc(&id("r"), 2 * BS, Some(&mut p), &whole(&[7, 8]), 0, 2 * BS).unwrap();
+    let meta = decode.build_connector_meta(Instant::now());
+    assert_eq!(meta.reqs_to_register[0].prompt, digest);
+    let mut prefill = sched();
+    let p = TransferParams { kvx_prompt_digest: digest, ..TransferParams::for_push_prefill() };
+    let out =
+        prefill.request_finished(&id("r"), Some(&p), FinishReason::LengthCapped, 2 * BS, &whole(&[4, 5]));
+    assert_eq!(out.params.and_then(|p| p.kvx_prompt_digest), None, "the answer does not carry it");
+    assert_eq!(prefill.build_connector_meta(Instant::now()).reqs_to_push[0].prompt, digest);
+}

@@ -25,6 +25,7 @@ fn nonce(id: &str) -> Nonce {
 
 fn request(id: &str) -> RecvRequest {
     RecvRequest {
+        prompt: None,
         request_id: id.into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::whole(vec![1, 2])],

@@ -22,6 +22,7 @@ fn hold(id: &str, ids: &[u32]) -> PushHold {
 
 fn registration(id: &str, token: u8, blocks: &[u32]) -> PushRegistration {
     PushRegistration {
+        prompt: None,
         request_id: id.into(),
         reply_to: ReplyTo {
             engine: RemoteCoordinates::at("decode", "d", 5700),
@@ -286,4 +287,24 @@ fn a_hold_is_registered_for_under_its_shared_id_and_freed_under_its_own() {
     assert_eq!(p.take_write(XferId(1)), Some(key("cmpl-7-0")));
     let done = p.write_ended(now, &key("cmpl-7-0"), Ok(()), &mut stats);
     assert_eq!(done, [PushEffect::Freed("cmpl-7-0-1a2b3c4d".into())], "reported under the engine's own id");
+}
+
+#[test]
+fn a_registration_of_another_prompt_is_refused_and_one_of_the_same_is_written() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    let digest = |b: u8| Some(HexBytes([b; 32]));
+    // Two requests a router sent under one id: the decode leg of the other prompt registers first.
+    p.hold(now, &PushHold { prompt: digest(1), ..hold("r", &[1]) }, &mut stats);
+    let other = PushRegistration { prompt: digest(2), ..registration("r", 1, &[7]) };
+    let refused = p.register(now, &from("d"), other, |_| true, false, &mut stats);
+    assert_eq!(refusals(&refused), [OTHER_PROMPT]);
+    let unknown = PushRegistration { prompt: None, ..registration("r", 2, &[7]) };
+    let refused = p.register(now, &from("d"), unknown, |_| true, false, &mut stats);
+    assert_eq!(refusals(&refused), [OTHER_PROMPT], "a hold that knows its prompt writes only that prompt");
+    let same = PushRegistration { prompt: digest(1), ..registration("r", 3, &[7]) };
+    assert_eq!(p.register(now, &from("d"), same, |_| true, false, &mut stats), [PushEffect::Write(key("r"))]);
+    // Once the reader was taken, another prompt's registration is still answered at once.
+    let late = PushRegistration { prompt: digest(2), ..registration("r", 4, &[7]) };
+    let refused = p.register(now, &from("d"), late, |_| true, false, &mut stats);
+    assert_eq!(refusals(&refused), [OTHER_PROMPT]);
 }

@@ -16,6 +16,7 @@ fn registrations() -> Registrations {
 
 fn req(id: &str) -> RecvRequest {
     RecvRequest {
+        prompt: None,
         request_id: id.into(),
         remote_request_id: Some(format!("p-{id}").as_str().into()),
         local_block_ids: vec![GroupBlocks::whole(vec![1, 2])],

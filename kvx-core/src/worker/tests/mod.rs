@@ -203,6 +203,7 @@ fn at(first: u32, ids: Vec<BlockId>) -> Vec<GroupBlocks> {
 /// A load of `local` blocks from the last `local.len()` of the `remote` blocks offered.
 fn recv(id: &str, local: Vec<BlockId>, remote: Vec<BlockId>) -> RecvRequest {
     RecvRequest {
+        prompt: None,
         request_id: id.into(),
         remote_request_id: None,
         local_block_ids: vec![GroupBlocks::new(remote.len().saturating_sub(local.len()) as u32, local)],

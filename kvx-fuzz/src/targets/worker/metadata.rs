@@ -189,6 +189,7 @@ fn fuzzed_metadata(
                 _ => Some(kvx_core::HexBytes([src.u8(); 16])),
             };
             let mut r = RecvRequest {
+                prompt: None,
                 request_id: request_id.into(),
                 remote_request_id,
                 local_block_ids: vec![GroupBlocks::new(remote_read_from, local_block_ids)],
