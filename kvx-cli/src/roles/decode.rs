@@ -457,7 +457,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> Result<Summary> {
     for (sent, (id, prompt)) in args.workload.prompts().into_iter().enumerate() {
         run.wait_for_room(args.max_in_flight)?;
         let params = match run.ask(&ApiRequest::Prefill { id: id.to_string(), prompt: prompt.clone() })? {
-            ApiReply::Params { params, .. } => params,
+            ApiReply::Params { params, .. } => *params,
             other => return Err(api_error("unexpected reply", format!("{other:?}"))),
         };
         match check_remote_host(&run.api.host, &params) {

@@ -48,7 +48,7 @@ enum ApiRequest {
 /// restart tells the decode process that the holds of the old one are gone.
 #[derive(Debug, Serialize, Deserialize)]
 enum ApiReply {
-    Params { params: TransferParams, instance: String },
+    Params { params: Box<TransferParams>, instance: String },
     Finished { leaked: usize, errors: Vec<String>, instance: String },
     Error(String),
 }

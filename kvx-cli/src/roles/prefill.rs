@@ -177,7 +177,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> Result<Summary> {
         metrics.observe(&engine);
         for (id, params) in engine.take_transfer_params() {
             if let Some(reply) = waiting.remove(&id) {
-                let _ = reply.send(ApiReply::Params { params, instance: instance.clone() });
+                let _ = reply.send(ApiReply::Params { params: Box::new(params), instance: instance.clone() });
             }
         }
         if done.is_some() && waiting.is_empty() && engine.is_idle() {
