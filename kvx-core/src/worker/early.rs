@@ -42,13 +42,14 @@ pub(super) struct Early {
 
 /// An entry kept per sender before its hold comes: each reader of a hold has one.
 pub(super) trait Reader {
-    /// The decode rank that sent it.
-    fn reader(&self) -> u32;
+    /// Whether `later`, from the same sender for the same hold, stands for this entry (the same
+    /// reader again): it takes its place.
+    fn replaced_by(&self, later: &Self) -> bool;
 }
 
 impl Reader for Early {
-    fn reader(&self) -> u32 {
-        self.reader
+    fn replaced_by(&self, later: &Self) -> bool {
+        self.reader == later.reader
     }
 }
 
@@ -123,7 +124,7 @@ impl<E: Reader> EarlyReleases<E> {
         } else {
             let (mut replaced, mut past_readers) = (0, 0);
             let pushed_out = sender.releases.update(&key, |list| {
-                if let Some(e) = list.iter_mut().find(|e| e.reader() == early.reader()) {
+                if let Some(e) = list.iter_mut().find(|e| e.replaced_by(&early)) {
                     *e = early;
                     replaced = 1;
                 } else if list.len() < MAX_EARLY_READERS {

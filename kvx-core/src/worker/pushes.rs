@@ -116,8 +116,12 @@ pub(super) struct Early {
 }
 
 impl Reader for Early {
-    fn reader(&self) -> u32 {
-        self.registration.reader
+    /// A registration sent again (same reader, same token) replaces the one kept; another
+    /// registration of the same reader (another decode request under the same id) is kept beside
+    /// it, and the hold writes the one of its prompt.
+    fn replaced_by(&self, later: &Self) -> bool {
+        let (kept, later) = (&self.registration, &later.registration);
+        kept.reader == later.reader && kept.reply_to.token == later.reply_to.token
     }
 }
 

@@ -308,3 +308,20 @@ fn a_registration_of_another_prompt_is_refused_and_one_of_the_same_is_written() 
     let refused = p.register(now, &from("d"), late, |_| true, false, &mut stats);
     assert_eq!(refusals(&refused), [OTHER_PROMPT]);
 }
+
+#[test]
+fn two_registrations_under_one_id_before_the_hold_are_both_kept_and_each_answered() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    let digest = |b: u8| Some(HexBytes([b; 32]));
+    // Two decode requests of one decode rank, under the same id, before any hold: neither
+    // stands for the other (a resend would carry the same token).
+    let a = PushRegistration { prompt: digest(1), ..registration("r", 1, &[7]) };
+    let b = PushRegistration { prompt: digest(2), ..registration("r", 2, &[8]) };
+    for reg in [a.clone(), b, a] {
+        assert!(p.register(now, &from("d"), reg, |_| true, false, &mut stats).is_empty());
+    }
+    assert_eq!(stats.stray_notifications, 1, "only the resend of a replaced its first copy");
+    let effects = p.hold(now, &PushHold { prompt: digest(1), ..hold("r", &[1]) }, &mut stats);
+    assert_eq!(refusals(&effects), [OTHER_PROMPT], "b answered at once");
+    assert!(effects.contains(&PushEffect::Write(key("r"))), "a written: {effects:?}");
+}
