@@ -139,6 +139,9 @@ pub(super) struct Pushes {
     ended: TtlMap<Ended>,
     /// Registrations their decode worker cancelled, by request and token.
     cancelled: TtlMap<()>,
+    /// Requests whose registrations were answered "no hold came in time": their decode legs
+    /// gave up, so the hold that comes after is freed at once, unpushed.
+    given_up: TtlMap<()>,
     /// The answers given, by request and token.
     answered: TtlMap<Answered>,
     writes: HashMap<XferId, PushKey>,
@@ -198,6 +201,7 @@ impl Pushes {
             early: EarlyReleases::new(config),
             ended: TtlMap::new(kept, ttl),
             cancelled: TtlMap::new(kept, ttl),
+            given_up: TtlMap::new(kept, ttl),
             answered: TtlMap::new(kept, ttl),
             writes: HashMap::new(),
         }
@@ -230,10 +234,16 @@ impl Pushes {
         stats.stray_notifications += self.early.expire_into(now, &mut expired);
         self.ended.expire(now);
         self.cancelled.expire(now);
+        self.given_up.expire(now);
         self.answered.expire(now);
-        let waiting = expired.into_iter().filter(|e| e.registration.heads.is_some());
+        let waiting: Vec<_> = expired.into_iter().filter(|e| e.registration.heads.is_some()).collect();
         let reason = "no hold of the request came to the prefill engine in time";
-        waiting.map(|e| self.refuse(now, e.registration, reason, stats)).collect()
+        let mut effects = Vec::new();
+        for early in waiting {
+            self.given_up.insert(now, request_key(&early.registration.request_id), ());
+            effects.push(self.refuse(now, early.registration, reason, stats));
+        }
+        effects
     }
 
     /// A push hold from the scheduler: its lease starts now; the registrations that came before
@@ -249,6 +259,14 @@ impl Pushes {
         }
         if empty {
             return self.end_unheld(now, &id, "the prefill engine kept no blocks of the request", stats);
+        }
+        if self.given_up.take(&request_key(&id)).is_some() {
+            // Its decode leg was told nothing would come, and failed: nobody will register.
+            debug!(request_id = %held.request_id, "push hold after its registrations gave up: freed unpushed");
+            let ended =
+                Ended { reason: "the registration had run out before the hold came".to_owned(), answered: 0 };
+            self.ended.insert(now, request_key(&id), ended);
+            return vec![PushEffect::Freed(held.request_id.clone())];
         }
         let live = Live {
             request_id: held.request_id.clone(),

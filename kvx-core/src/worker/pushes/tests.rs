@@ -325,3 +325,21 @@ fn two_registrations_under_one_id_before_the_hold_are_both_kept_and_each_answere
     assert_eq!(refusals(&effects), [OTHER_PROMPT], "b answered at once");
     assert!(effects.contains(&PushEffect::Write(key("r"))), "a written: {effects:?}");
 }
+
+#[test]
+fn a_hold_that_comes_after_its_registration_gave_up_is_freed_at_once() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    p.register(now, &from("d"), registration("late", 1, &[7]), |_| true, false, &mut stats);
+    // The prefill engine did not get to the request within early_release_ttl (5 s here): the
+    // decode leg is told, and fails or recomputes.
+    let answered = p.expire_buffers(now + 6 * SECOND, &mut stats);
+    assert_eq!(refusals(&answered), ["no hold of the request came to the prefill engine in time"]);
+    // Its hold, when it comes, has nobody to write to: its blocks go back at once, not at the
+    // lease's end; a resend of the registration is refused.
+    let held = p.hold(now + 7 * SECOND, &hold("late", &[1, 2]), &mut stats);
+    assert_eq!(held, [PushEffect::Freed("late".into())]);
+    assert!(p.is_empty());
+    let again =
+        p.register(now + 8 * SECOND, &from("d"), registration("late", 1, &[7]), |_| true, false, &mut stats);
+    assert!(matches!(again.as_slice(), [PushEffect::Answer { written: false, .. }]), "{again:?}");
+}
