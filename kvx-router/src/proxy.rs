@@ -412,7 +412,8 @@ impl Shared {
         }
     }
 
-    /// One prefill attempt: the `kv_transfer_params` of the answer (`None` when it has none).
+    /// One prefill attempt: the `kv_transfer_params` of the answer (`None` when it has none). In
+    /// push mode the answer also says where the server is, and a failure forgets it.
     async fn prefill_once(
         &self,
         lease: Lease,
@@ -421,43 +422,38 @@ impl Shared {
         body: Bytes,
         request_id: &HeaderValue,
     ) -> Result<Option<Map<String, Value>>, Stop> {
-        let index = lease.index();
-        let answered = self.prefill_answer(lease, route, headers, body, request_id).await;
+        let answered = async {
+            let mut response = self.post(&lease, route.path(), headers, body).await?;
+            let status = response.status();
+            let answer = read_answer(&lease, &mut response, self.config.max_body_bytes).await?;
+            if status.is_client_error() {
+                let headers = answer_headers(response.headers(), Some(request_id));
+                return Err(Stop::Refuse(Refusal::Passthrough(client_response(
+                    status,
+                    headers,
+                    answer.into(),
+                ))));
+            }
+            let bad =
+                |why: &str| Stop::Refuse(Refusal::Failed(format!("prefill server {}: {why}", lease.url())));
+            if !status.is_success() {
+                return Err(bad(&format!("answered HTTP {status}")));
+            }
+            let mut answer: Map<String, Value> = serde_json::from_slice(&answer)
+                .map_err(|e| bad(&format!("the answer is not a JSON object: {e}")))?;
+            match answer.remove("kv_transfer_params") {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::Object(params)) => Ok(Some(params)),
+                Some(_) => Err(bad("kv_transfer_params is not an object")),
+            }
+        }
+        .await;
         match &answered {
-            Ok(params) => self.learn_prefill_at(index, params.as_ref()),
-            Err(Stop::Retry(_)) => self.learn_prefill_at(index, None),
+            Ok(params) => self.learn_prefill_at(lease.index(), params.as_ref()),
+            Err(Stop::Retry(_)) => self.learn_prefill_at(lease.index(), None),
             Err(Stop::Refuse(_)) => {}
         }
         answered
-    }
-
-    /// The `kv_transfer_params` of a prefill server's answer.
-    async fn prefill_answer(
-        &self,
-        lease: Lease,
-        route: Route,
-        headers: &HeaderMap,
-        body: Bytes,
-        request_id: &HeaderValue,
-    ) -> Result<Option<Map<String, Value>>, Stop> {
-        let mut response = self.post(&lease, route.path(), headers, body).await?;
-        let status = response.status();
-        let answer = read_answer(&lease, &mut response, self.config.max_body_bytes).await?;
-        if status.is_client_error() {
-            let headers = answer_headers(response.headers(), Some(request_id));
-            return Err(Stop::Refuse(Refusal::Passthrough(client_response(status, headers, answer.into()))));
-        }
-        let bad = |why: &str| Stop::Refuse(Refusal::Failed(format!("prefill server {}: {why}", lease.url())));
-        if !status.is_success() {
-            return Err(bad(&format!("answered HTTP {status}")));
-        }
-        let mut answer: Map<String, Value> = serde_json::from_slice(&answer)
-            .map_err(|e| bad(&format!("the answer is not a JSON object: {e}")))?;
-        match answer.remove("kv_transfer_params") {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Object(params)) => Ok(Some(params)),
-            Some(_) => Err(bad("kv_transfer_params is not an object")),
-        }
     }
 
     /// One decode attempt: the answer once its head and first chunk arrived.

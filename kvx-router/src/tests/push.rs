@@ -49,14 +49,21 @@ async fn both_legs_go_out_together_once_the_prefill_server_answered_once() {
     assert_eq!(metric(&text, r#"kvx_router_requests_total{route="completions",outcome="ok"}"#), 2.0);
 }
 
-#[tokio::test]
-async fn a_prefill_leg_that_fails_while_its_decode_leg_waits_drops_the_decode_leg() {
+/// A push-mode router in front of one prefill and one decode stub, after one request in order
+/// (p0's answer said where it is); the request body to send again.
+async fn answered_once() -> (Arc<Stub>, Arc<Stub>, Arc<Shared>, String, Value) {
     let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
     let (router, url) = push_router(&[&p.url], &[&d.url]).await;
     let request = json!({"model": "m", "prompt": "hello", "max_tokens": 7});
     assert_eq!(complete(&url, request.clone()).await.status(), 200);
     p.next_arrival().await;
     d.next_arrival().await;
+    (p, d, router, url, request)
+}
+
+#[tokio::test]
+async fn a_prefill_leg_that_fails_while_its_decode_leg_waits_drops_the_decode_leg() {
+    let (p, d, router, url, request) = answered_once().await;
     // p0 fails its next request and its health check: the decode leg, held at d0, is dropped,
     // and with no other prefill server the client gets a 503, not a decode answer.
     d.gate.forget_permits(Semaphore::MAX_PERMITS);
@@ -86,12 +93,7 @@ async fn a_prefill_leg_that_fails_while_its_decode_leg_waits_drops_the_decode_le
 
 #[tokio::test]
 async fn a_prefill_server_found_down_by_its_health_check_is_asked_in_order_when_it_is_back() {
-    let (p, d) = (stub("p0", Role::Prefill).await, stub("d0", Role::Decode).await);
-    let (router, url) = push_router(&[&p.url], &[&d.url]).await;
-    let request = json!({"model": "m", "prompt": "hello", "max_tokens": 7});
-    assert_eq!(complete(&url, request.clone()).await.status(), 200);
-    p.next_arrival().await;
-    d.next_arrival().await;
+    let (p, d, router, url, request) = answered_once().await;
     // Restarted meanwhile (down at one health check, up at the next): maybe another engine now.
     p.health.store(503, Ordering::SeqCst);
     router.check_health().await;
