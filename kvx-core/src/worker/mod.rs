@@ -562,7 +562,9 @@ impl ConnectorWorker {
             }
         }
         self.holds.expire_buffers(now, &mut self.stats);
-        let effects = self.pushes.expire_buffers(now, &mut self.stats);
+        let peers = &self.peers;
+        let connected = |to: &ReplyTo| peers.connected_at(to);
+        let effects = self.pushes.expire_buffers(now, connected, &mut self.stats);
         self.apply_pushes(now, effects);
     }
 

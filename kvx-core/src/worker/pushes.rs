@@ -228,20 +228,30 @@ impl Pushes {
 
     /// Registrations whose hold did not come within `early_release_ttl` are answered "not
     /// written" (the decode worker need not wait for its registration's end), and the other
-    /// memories expire.
-    pub(super) fn expire_buffers(&mut self, now: Instant, stats: &mut WorkerStats) -> Vec<PushEffect> {
+    /// memories expire. Only decode workers `connected` at the instance they name are answered
+    /// (as for a hold this worker does not have: no handshake for whatever a registration names);
+    /// a hold that comes after such an answer is freed at once.
+    pub(super) fn expire_buffers(
+        &mut self,
+        now: Instant,
+        connected: impl Fn(&ReplyTo) -> bool,
+        stats: &mut WorkerStats,
+    ) -> Vec<PushEffect> {
         let mut expired = Vec::new();
         stats.stray_notifications += self.early.expire_into(now, &mut expired);
         self.ended.expire(now);
         self.cancelled.expire(now);
         self.given_up.expire(now);
         self.answered.expire(now);
-        let waiting: Vec<_> = expired.into_iter().filter(|e| e.registration.heads.is_some()).collect();
         let reason = "no hold of the request came to the prefill engine in time";
         let mut effects = Vec::new();
-        for early in waiting {
-            self.given_up.insert(now, request_key(&early.registration.request_id), ());
-            effects.push(self.refuse(now, early.registration, reason, stats));
+        for early in expired {
+            let reg = early.registration;
+            if reg.heads.is_none() || !connected(&reg.reply_to) {
+                continue;
+            }
+            self.given_up.insert(now, request_key(&reg.request_id), ());
+            effects.push(self.refuse(now, reg, reason, stats));
         }
         effects
     }

@@ -332,7 +332,7 @@ fn a_hold_that_comes_after_its_registration_gave_up_is_freed_at_once() {
     p.register(now, &from("d"), registration("late", 1, &[7]), |_| true, false, &mut stats);
     // The prefill engine did not get to the request within early_release_ttl (5 s here): the
     // decode leg is told, and fails or recomputes.
-    let answered = p.expire_buffers(now + 6 * SECOND, &mut stats);
+    let answered = p.expire_buffers(now + 6 * SECOND, |_| true, &mut stats);
     assert_eq!(refusals(&answered), ["no hold of the request came to the prefill engine in time"]);
     // Its hold, when it comes, has nobody to write to: its blocks go back at once, not at the
     // lease's end; a resend of the registration is refused.
@@ -342,4 +342,18 @@ fn a_hold_that_comes_after_its_registration_gave_up_is_freed_at_once() {
     let again =
         p.register(now + 8 * SECOND, &from("d"), registration("late", 1, &[7]), |_| true, false, &mut stats);
     assert!(matches!(again.as_slice(), [PushEffect::Answer { written: false, .. }]), "{again:?}");
+}
+
+#[test]
+fn a_registration_from_a_decode_worker_not_connected_expires_unanswered_and_its_hold_is_kept() {
+    let (mut p, mut stats, now) = (pushes(None), WorkerStats::default(), Instant::now());
+    p.register(now, &from("d"), registration("r", 1, &[7]), |_| true, false, &mut stats);
+    // No handshake with whatever address an expired registration names: nothing is answered,
+    // so its decode worker may still register, and the hold that comes waits for it.
+    assert!(p.expire_buffers(now + 6 * SECOND, |_| false, &mut stats).is_empty());
+    assert!(p.hold(now + 7 * SECOND, &hold("r", &[1]), &mut stats).is_empty());
+    assert_eq!(p.len(), 1);
+    let again =
+        p.register(now + 8 * SECOND, &from("d"), registration("r", 1, &[7]), |_| true, false, &mut stats);
+    assert_eq!(again, [PushEffect::Write(key("r"))]);
 }
