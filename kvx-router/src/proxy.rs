@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Map, Value, json};
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use tokio::time::MissedTickBehavior;
 
 use kvx_core::{Error, ErrorKind, Result};
@@ -210,6 +210,14 @@ fn decode_body(mut request: Map<String, Value>, params: Option<Map<String, Value
 /// the keys of its answers' params that say where its connector is.
 const PREFILL_AT: [&str; 4] = ["remote_engine_id", "remote_host", "remote_port", "tp_size"];
 
+/// Where a prefill server's connector is, from its answer's `params` ([`PREFILL_AT`]; the engine
+/// id at least).
+fn whereabouts(params: &Map<String, Value>) -> Option<Map<String, Value>> {
+    let at: Map<String, Value> =
+        PREFILL_AT.iter().filter_map(|&k| params.get(k).map(|v| (k.to_owned(), v.clone()))).collect();
+    at.get("remote_engine_id").is_some_and(Value::is_string).then_some(at)
+}
+
 /// A push's decode leg params: the prefill server's whereabouts from an earlier answer of it.
 fn push_params(at: &Map<String, Value>) -> Map<String, Value> {
     let mut params = at.clone();
@@ -265,9 +273,6 @@ pub(crate) struct Shared {
     pub(crate) decode: Arc<Pool>,
     metrics: Metrics,
     server: Arc<ServerState>,
-    /// Push mode: where each prefill server's connector is ([`PREFILL_AT`] of its last answer's
-    /// params), by its index; `None` until it answered, and again once it failed.
-    prefill_at: Mutex<Vec<Option<Map<String, Value>>>>,
 }
 
 impl Shared {
@@ -287,8 +292,7 @@ impl Shared {
             config.request_timeout,
             &metrics,
         ));
-        let prefill_at = Mutex::new(vec![None; config.prefill.len()]);
-        Ok(Arc::new(Self { config, client, prefill, decode, metrics, server, prefill_at }))
+        Ok(Arc::new(Self { config, client, prefill, decode, metrics, server }))
     }
 
     /// What the router's servers (the API's and `--metrics-port`'s) share: limits, body budget.
@@ -317,11 +321,6 @@ impl Shared {
     pub(crate) async fn check_health(&self) {
         let timeout = self.config.health_timeout;
         tokio::join!(self.prefill.check(&self.client, timeout), self.decode.check(&self.client, timeout));
-        // A prefill server out of rotation may come back as another engine (a restart draws a
-        // new engine id): its next request goes in order, and its answer says where it is.
-        for index in (0..self.config.prefill.len()).filter(|&i| !self.prefill.is_healthy(i)) {
-            self.learn_prefill_at(index, None);
-        }
     }
 
     /// Checks every server's health every health interval, the first time one interval from now.
@@ -389,31 +388,9 @@ impl Shared {
         Ok(response)
     }
 
-    /// Push mode: where the prefill server `index` is, from its last answer; none in pull mode.
-    fn prefill_at(&self, index: usize) -> Option<Map<String, Value>> {
-        let known = self.prefill_at.lock().unwrap_or_else(PoisonError::into_inner);
-        known.get(index).cloned().flatten()
-    }
-
-    /// Push mode: records where the prefill server `index` is from its answer's `params` (all
-    /// of [`PREFILL_AT`] but `tp_size` must be there; `None` forgets it).
-    fn learn_prefill_at(&self, index: usize, params: Option<&Map<String, Value>>) {
-        if self.config.mode != Mode::Push {
-            return;
-        }
-        let at = params.map(|p| {
-            let keys = PREFILL_AT.iter().filter_map(|&k| p.get(k).map(|v| (k.to_owned(), v.clone())));
-            keys.collect::<Map<String, Value>>()
-        });
-        let at = at.filter(|at| at.get("remote_engine_id").is_some_and(Value::is_string));
-        let mut known = self.prefill_at.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(slot) = known.get_mut(index) {
-            *slot = at;
-        }
-    }
-
     /// One prefill attempt: the `kv_transfer_params` of the answer (`None` when it has none). In
-    /// push mode the answer also says where the server is, and a failure forgets it.
+    /// push mode the answer also says where the server is (a failure that takes the server out of
+    /// rotation forgets it).
     async fn prefill_once(
         &self,
         lease: Lease,
@@ -448,10 +425,8 @@ impl Shared {
             }
         }
         .await;
-        match &answered {
-            Ok(params) => self.learn_prefill_at(lease.index(), params.as_ref()),
-            Err(Stop::Retry(_)) => self.learn_prefill_at(lease.index(), None),
-            Err(Stop::Refuse(_)) => {}
+        if let (Mode::Push, Ok(params)) = (self.config.mode, &answered) {
+            lease.learn(params.as_ref().and_then(whereabouts));
         }
         answered
     }
@@ -519,7 +494,7 @@ impl Shared {
             return None;
         }
         let lease = self.prefill.pick(&[])?;
-        let at = self.prefill_at(lease.index())?;
+        let at = lease.whereabouts()?;
         self.metrics.dispatched_together.inc();
         let decode = decode_body(request.clone(), Some(push_params(&at)));
         let prefill_leg = self.prefill_once(lease, route, headers, prefill.clone(), request_id);

@@ -4,6 +4,7 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use serde_json::{Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -90,6 +91,9 @@ struct Slot {
     failed_checks: u32,
     outstanding_gauge: Gauge,
     healthy_gauge: Gauge,
+    /// Push mode: where the server's KV connector is, as its last answer's params said; gone
+    /// when it leaves rotation (it may come back as another engine).
+    whereabouts: Option<Map<String, Value>>,
 }
 
 #[derive(Debug)]
@@ -144,6 +148,7 @@ impl Pool {
                     failed_checks: unhealthy_after.saturating_sub(1),
                     outstanding_gauge: metrics.outstanding.get_or_create(&labels).clone(),
                     healthy_gauge,
+                    whereabouts: None,
                 }
             })
             .collect();
@@ -188,6 +193,7 @@ impl Pool {
         let slot = &mut state.slots[index];
         let was_healthy = std::mem::replace(&mut slot.healthy, false);
         slot.healthy_gauge.set(0);
+        slot.whereabouts = None;
         drop(state);
         if was_healthy {
             eprintln!(
@@ -231,6 +237,7 @@ impl Pool {
     }
 
     /// Whether server `index` is in rotation.
+    #[cfg(test)]
     pub(crate) fn is_healthy(&self, index: usize) -> bool {
         self.state().slots[index].healthy
     }
@@ -280,6 +287,17 @@ impl Lease {
 
     pub(crate) fn url(&self) -> &str {
         &self.pool.urls[self.index]
+    }
+
+    /// Where this server's KV connector is, if an answer of it said so since it last came into
+    /// rotation.
+    pub(crate) fn whereabouts(&self) -> Option<Map<String, Value>> {
+        self.pool.state().slots[self.index].whereabouts.clone()
+    }
+
+    /// Records where this server's KV connector is (`None`: its answer did not say).
+    pub(crate) fn learn(&self, whereabouts: Option<Map<String, Value>>) {
+        self.pool.state().slots[self.index].whereabouts = whereabouts;
     }
 
     /// Takes this server out of rotation after `failure` of the request.

@@ -303,7 +303,7 @@ impl ConnectorWorker {
     }
 
     /// Drops the peer if it is still the connection `agent`.
-    fn invalidate_connection(&mut self, peer: &PeerKey, agent: &AgentName) {
+    pub(super) fn invalidate_connection(&mut self, peer: &PeerKey, agent: &AgentName) {
         if self.peers.ready(peer).is_some_and(|c| &c.agent == agent) {
             self.invalidate(peer);
         }

@@ -273,10 +273,10 @@ impl Pushes {
         if self.given_up.take(&request_key(&id)).is_some() {
             // Its decode leg was told nothing would come, and failed: nobody will register.
             debug!(request_id = %held.request_id, "push hold after its registrations gave up: freed unpushed");
-            let ended =
-                Ended { reason: "the registration had run out before the hold came".to_owned(), answered: 0 };
-            self.ended.insert(now, request_key(&id), ended);
-            return vec![PushEffect::Freed(held.request_id.clone())];
+            let reason = "the registration had run out before the hold came";
+            let mut effects = self.end_unheld(now, &id, reason, stats);
+            effects.push(PushEffect::Freed(held.request_id.clone()));
+            return effects;
         }
         let live = Live {
             request_id: held.request_id.clone(),

@@ -130,9 +130,7 @@ impl ConnectorWorker {
                 Vec::new()
             }
             RegEffect::DropPeer { peer, agent } => {
-                if self.peers.ready(&peer).is_some_and(|c| c.agent == agent) {
-                    self.invalidate(&peer);
-                }
+                self.invalidate_connection(&peer, &agent);
                 Vec::new()
             }
             RegEffect::Loaded(id) => {
