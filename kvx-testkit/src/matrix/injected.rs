@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use kvx_core::{ErrorKind, ManualClock, WorkerStats};
 
-use super::{LIMIT, Matrix, PROMPT_BLOCKS, assert_clean, assert_failed, assert_finished, run, submit};
+use super::{
+    LIMIT, Matrix, PROMPT_BLOCKS, assert_clean, assert_failed, assert_finished, run, step_until, submit,
+};
 use crate::chaos::{ChaosNet, Faults};
 use crate::sim::{Cluster, EngineConfig, InProcessSideChannels, SimTime};
 
@@ -105,6 +107,12 @@ pub fn doubled_release(m: &Matrix) {
     let mut prefill = vec![(1, 0, 1); m.tp() as usize];
     prefill[0] = (1, 1, 2);
     let counts = |w: &WorkerStats| (w.notifications, w.stray_notifications, w.hold_answers);
+    // The request finished on the first answer; the doubled release and its answer may still be
+    // on their way.
+    step_until(&mut c, "the doubled release answered and counted as stray", |c| {
+        c.prefills[0].worker_stats()[0].stray_notifications == 1
+            && c.decodes[0].worker_stats()[0].stray_notifications == 1
+    });
     assert_eq!(per_rank(&c.prefills[0].worker_stats(), counts), prefill);
     let mut decode = vec![(0, 0); m.tp() as usize];
     decode[0] = (1, 0);
