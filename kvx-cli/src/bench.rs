@@ -155,7 +155,7 @@ impl Baseline {
     /// The transport's baseline for `shape`: a TCP stream starts its sender process.
     fn start(transport: Transport, shape: Shape, stream_batch: u32) -> Result<Baseline> {
         Ok(match transport {
-            Transport::Shm => Baseline::Memcpy(xproc::Memcpy::new(shape)),
+            Transport::Shm => Baseline::Memcpy(xproc::Memcpy::new(shape)?),
             Transport::Tcp => {
                 Baseline::Tcp(TcpStreamBaseline::start_batched(&[], shape, stream_batch as usize)?)
             }
@@ -165,7 +165,7 @@ impl Baseline {
     /// One round; `check`: its bytes are checked (a memcpy's always are what it copied).
     fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
         match self {
-            Baseline::Memcpy(memcpy) => Ok(memcpy.round(round)),
+            Baseline::Memcpy(memcpy) => memcpy.round(round),
             Baseline::Tcp(stream) => stream.round(round, check),
         }
     }

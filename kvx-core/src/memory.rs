@@ -87,6 +87,13 @@ pub trait ByteAccess: Send + Sync + fmt::Debug {
 
 /// Zeroed, page-aligned host memory owned by kvx: the KV pool of tests, the demo and benchmarks.
 ///
+/// From 2 MiB on, the buffer is aligned to a huge page and, on Linux, asks for
+/// transparent huge pages (`madvise(MADV_HUGEPAGE)`, as numpy does for its large arrays): a
+/// transport that copies between processes (UCX's and NIXL's cma, `process_vm_readv`) pins every
+/// page it copies, and 4 KiB pages cost it up to half its rate on these machines (see
+/// docs/PERFORMANCE.md, "Huge pages"). Where the kernel's `transparent_hugepage` setting is
+/// `never` the hint does nothing.
+///
 /// Reads and writes go through [`HostMemory::read`] and [`HostMemory::write`] (raw copies), so a
 /// transport may write into the buffer while the owner holds an `Arc` to it.
 pub struct HostMemory {
@@ -102,6 +109,8 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 const PAGE: usize = 4096;
+/// The size of a transparent huge page on x86-64 and most aarch64 kernels.
+const HUGE_PAGE: usize = 2 << 20;
 
 impl HostMemory {
     /// Allocates `len` zeroed bytes, aligned to a page. `len` must be at least 1.
@@ -109,13 +118,20 @@ impl HostMemory {
         if len == 0 {
             return Err(Error::invalid_argument("HostMemory of zero bytes"));
         }
-        let layout = Layout::from_size_align(len, PAGE)
+        let align = if len >= HUGE_PAGE { HUGE_PAGE } else { PAGE };
+        let layout = Layout::from_size_align(len, align)
             .map_err(|e| Error::invalid_argument(format!("HostMemory of {len} bytes: {e}")))?;
         // SAFETY: the layout has a non-zero size (checked above).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let raw = unsafe { alloc::alloc(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
             Error::new(crate::ErrorKind::Backend, format!("out of memory allocating {len} bytes"))
         })?;
+        // The hint goes before the first touch: zeroing faults the pages in, huge where granted.
+        if align == HUGE_PAGE {
+            advise_huge_pages(ptr, len);
+        }
+        // SAFETY: `ptr` is a live allocation of `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
         Ok(HostMemory { ptr, layout })
     }
 
@@ -158,6 +174,17 @@ impl HostMemory {
         Ok(())
     }
 
+    /// Copies `len` bytes at `src_offset` of `src` to `offset` of this buffer (a local copy between
+    /// two host buffers, or within one; the ranges may overlap).
+    pub fn copy_from(&self, offset: usize, src: &HostMemory, src_offset: usize, len: usize) -> Result<()> {
+        self.check(offset, len)?;
+        src.check(src_offset, len)?;
+        // SAFETY: both ranges are inside live allocations (checked above); `ptr::copy` allows them
+        // to overlap.
+        unsafe { std::ptr::copy(src.ptr.as_ptr().add(src_offset), self.ptr.as_ptr().add(offset), len) };
+        Ok(())
+    }
+
     /// Fills `len` bytes at `offset` with `byte`.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
         self.check(offset, len)?;
@@ -174,6 +201,21 @@ impl HostMemory {
         v
     }
 }
+
+/// Asks the kernel to back `len` bytes at `ptr` (aligned to [`HUGE_PAGE`]) with transparent huge
+/// pages. A hint: where the kernel refuses it, the memory works the same on small pages.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: the range is our own live allocation; MADV_HUGEPAGE changes only how the kernel
+    // backs it, not its contents.
+    let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+    if rc != 0 {
+        tracing::debug!(len, error = %std::io::Error::last_os_error(), "HostMemory: no transparent huge pages");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
 
 // SAFETY: the region is our own allocation, which lives, unmoved, until `drop`; all access is by
 // raw copies.
@@ -195,7 +237,7 @@ impl ByteAccess for HostMemory {
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed` with exactly this layout and is freed once.
+        // SAFETY: `ptr` was returned by `alloc` with exactly this layout and is freed once.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
     }
 }
@@ -222,6 +264,27 @@ mod tests {
         assert!(m.write(9_999, &[1, 2]).is_err());
         assert!(m.read(usize::MAX, &mut out).is_err());
         assert!(HostMemory::new(0).is_err());
+        let other = HostMemory::new(100).unwrap();
+        other.write(10, &[7, 8, 9]).unwrap();
+        m.copy_from(0, &other, 10, 3).unwrap();
+        m.copy_from(1, &m, 0, 3).unwrap();
+        let mut copied = [0u8; 4];
+        m.read(0, &mut copied).unwrap();
+        assert_eq!(copied, [7, 7, 8, 9]);
+        assert!(m.copy_from(0, &other, 98, 3).is_err());
+        assert!(m.copy_from(9_999, &other, 0, 2).is_err());
+    }
+
+    #[test]
+    fn large_host_memory_is_zeroed_and_aligned_to_a_huge_page() {
+        // Allocated and freed first, so that the next allocation may reuse dirty memory.
+        let dirty = HostMemory::new(3 * HUGE_PAGE + 5).unwrap();
+        dirty.fill(0, dirty.len(), 0xa5).unwrap();
+        drop(dirty);
+        let m = HostMemory::new(3 * HUGE_PAGE + 5).unwrap();
+        assert_eq!(m.region().addr % HUGE_PAGE as u64, 0);
+        assert_eq!(m.len(), 3 * HUGE_PAGE + 5);
+        assert!(m.to_vec().iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -91,7 +91,7 @@ fn main() {
     println!(
         "1000 scattered 64 KiB READs (65.5 MB) per transfer, {iters} timed transfers per mode, GB/s = 1e9 B/s"
     );
-    let memcpy = stats(&xproc::memcpy_rounds(iters));
+    let memcpy = stats(&xproc::memcpy_rounds(iters).unwrap());
     println!(
         "{:<34} median {:>6.2}  min {:>6.2}  max {:>6.2}",
         "memcpy, one thread, same blocks", memcpy.median, memcpy.min, memcpy.max

@@ -118,8 +118,8 @@ impl Shape {
     /// Times of `rounds` single-thread memcpys of the same scattered blocks the READs move,
     /// between two buffers of this process (one untimed warm-up round first): the baseline the
     /// benches compare against.
-    pub fn memcpy_rounds(&self, rounds: usize) -> Vec<Duration> {
-        let mut memcpy = Memcpy::new(*self);
+    pub fn memcpy_rounds(&self, rounds: usize) -> Result<Vec<Duration>> {
+        let mut memcpy = Memcpy::new(*self)?;
         (0..=rounds).map(|round| memcpy.round(round)).skip(1).collect()
     }
 
@@ -164,33 +164,32 @@ impl Shape {
 }
 
 /// Single-thread memcpy of a [`Shape`]'s scattered blocks between two buffers of this process,
-/// one round at a time (so that a bench can interleave it with its READs).
+/// one round at a time (so that a bench can interleave it with its READs). The buffers are
+/// [`HostMemory`], as the READs' are, so that both sides run on the same kind of pages.
 #[derive(Debug)]
 pub struct Memcpy {
     shape: Shape,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    src: HostMemory,
+    dst: HostMemory,
 }
 
 impl Memcpy {
     /// The source filled with the target's pattern, and the destination slots.
-    pub fn new(shape: Shape) -> Memcpy {
-        let src = (0..shape.target_blocks).flat_map(|b| shape.block_bytes(b)).collect();
-        Memcpy { shape, src, dst: vec![0u8; shape.read_len()] }
+    pub fn new(shape: Shape) -> Result<Memcpy> {
+        let src = HostMemory::new(shape.target_len())?;
+        shape.fill_target(|offset, bytes| src.write(offset, bytes))?;
+        Ok(Memcpy { shape, src, dst: HostMemory::new(shape.read_len())? })
     }
 
     /// Copies round `round`'s blocks into their slots; returns the time the copies took.
-    pub fn round(&mut self, round: usize) -> Duration {
+    pub fn round(&mut self, round: usize) -> Result<Duration> {
         let (shape, bl) = (self.shape, self.shape.block_len);
-        self.dst.fill(0);
+        self.dst.fill(0, shape.read_len(), 0)?;
         let start = Instant::now();
         for i in 0..shape.reads {
-            let (s, d) = (shape.remote_block(i, round) * bl, shape.local_slot(i) * bl);
-            self.dst[d..d + bl].copy_from_slice(&self.src[s..s + bl]);
+            self.dst.copy_from(shape.local_slot(i) * bl, &self.src, shape.remote_block(i, round) * bl, bl)?;
         }
-        let elapsed = start.elapsed();
-        std::hint::black_box(&self.dst);
-        elapsed
+        Ok(start.elapsed())
     }
 }
 
@@ -231,7 +230,7 @@ pub fn fill_target(write: impl FnMut(usize, &[u8]) -> Result<()>) -> Result<()> 
 }
 
 /// [`Shape::memcpy_rounds`] of the default shape.
-pub fn memcpy_rounds(rounds: usize) -> Vec<Duration> {
+pub fn memcpy_rounds(rounds: usize) -> Result<Vec<Duration>> {
     Shape::DEFAULT.memcpy_rounds(rounds)
 }
 

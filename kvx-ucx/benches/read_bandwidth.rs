@@ -87,7 +87,7 @@ fn main() {
         BLOCK >> 10
     );
 
-    let memcpy = gbps(median(xproc::memcpy_rounds(rounds)));
+    let memcpy = gbps(median(xproc::memcpy_rounds(rounds).unwrap()));
     println!("  memcpy, same scattered blocks, one thread:        {memcpy:6.2} GB/s");
     let cases = [
         ("shared memory, UCX-allocated target (one-sided)", None, TargetMem::Pool),
