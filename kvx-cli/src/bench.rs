@@ -303,9 +303,10 @@ fn row(
     })
 }
 
-/// Runs `rounds` timed READs after a warm-up, each with a notification (as a decode engine posts
-/// them), each right after the same round of `transport`'s baseline, so that both see the same
-/// machine; the warm-up's and the last round's bytes are checked. `service` runs between polls.
+/// Runs `rounds` timed READs after a warm-up (every target block read once, then an untimed
+/// round), each with a notification (as a decode engine posts them), each right after the same
+/// round of `transport`'s baseline, so that both see the same machine; the warm-up round's and
+/// the last round's bytes are checked. `service` runs between polls.
 fn timed_rounds<A: TransferAgent>(
     reader: &Reader<A>,
     transport: Transport,
@@ -315,6 +316,7 @@ fn timed_rounds<A: TransferAgent>(
 ) -> Result<Rounds> {
     let mut baseline = Baseline::start(transport, reader.shape(), stream_batch)?;
     let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0 };
+    reader.touch_target(service)?;
     for round in 0..=rounds {
         let check = round == 0 || round == rounds;
         let base = baseline.round(round, check)?;

@@ -91,6 +91,27 @@ fn read_of_ucx_allocated_memory_needs_no_target_progress() {
     verify_reversed(&r.local, blocks as usize);
 }
 
+/// Memory UCX allocated is mapped into a reader on the same host (`ucp_rkey_ptr`): WRITEs land
+/// in it as READs come out of it, block for block, with the target never progressed, up to its
+/// last byte.
+#[test]
+fn write_into_ucx_allocated_memory_needs_no_target_progress() {
+    let target = UcxAgent::new("written-target").unwrap();
+    let blocks = 32u32;
+    let pool = target.alloc_memory(blocks as usize * BLOCK).unwrap();
+    target.register(pool.clone()).unwrap();
+    let w = reader("writer", &UcxConfig::default(), &target, pool.as_ptr() as u64, blocks);
+    fill_blocks(|off, d| w.local.write(off, d).unwrap(), blocks as usize);
+    let local: Vec<u32> = (0..blocks).collect();
+    let remote: Vec<u32> = (0..blocks).rev().collect();
+    let x =
+        w.agent.post(XferOp::Write, w.local_list, &local, w.remote_list, &remote, Some(b"written")).unwrap();
+    assert_eq!(wait_initiator_only(&w.agent, x), XferState::Done);
+    let written = HostMemory::new(pool.len()).unwrap();
+    written.write(0, &pool.to_vec()).unwrap();
+    verify_reversed(&written, blocks as usize);
+}
+
 /// Heap memory over TCP is emulated with messages: the target's progress thread serves it while
 /// the test only polls the initiator.
 #[test]

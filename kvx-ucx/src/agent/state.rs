@@ -104,6 +104,34 @@ pub(super) struct Peer {
 pub(super) struct RemoteRegion {
     pub(super) region: MemRegion,
     pub(super) rkey: NonNull<sys::ucp_rkey>,
+    /// Where the region's first byte is mapped in this process, when UCX mapped it here
+    /// (`ucp_rkey_ptr`: memory a peer on this host allocated through UCX, reached over shared
+    /// memory); transfers then copy it directly instead of one get or put per range.
+    pub(super) mapped: Option<NonNull<u8>>,
+}
+
+impl RemoteRegion {
+    /// The region of `rkey`, with its mapping in this process if UCX has one.
+    pub(super) fn new(region: MemRegion, rkey: NonNull<sys::ucp_rkey>) -> Self {
+        let mut addr: *mut c_void = ptr::null_mut();
+        // SAFETY: a live rkey; UCX only writes the out-pointer.
+        let status = unsafe { sys::ucp_rkey_ptr(rkey.as_ptr(), region.addr, &mut addr) };
+        let mapped = if status == sys::UCS_OK { NonNull::new(addr.cast()) } else { None };
+        RemoteRegion { region, rkey, mapped }
+    }
+
+    /// The address in this process of the `len` bytes at `raddr` of the region, when it is mapped
+    /// here and holds them.
+    pub(super) fn local_ptr(&self, raddr: u64, len: usize) -> Option<*mut u8> {
+        let base = self.mapped?;
+        let end = raddr.checked_add(len as u64)?;
+        if raddr < self.region.addr || end > self.region.addr + self.region.len {
+            return None;
+        }
+        let offset = usize::try_from(raddr - self.region.addr).ok()?;
+        // SAFETY: the offset lies inside the mapped region (checked above).
+        Some(unsafe { base.as_ptr().add(offset) })
+    }
 }
 
 impl Drop for RemoteRegion {

@@ -159,7 +159,7 @@ impl TransferAgent for UcxAgent {
                 check_as(ErrorKind::InvalidPeerData, status, &format!("ucp_ep_rkey_unpack of region {i}"))
                     .and_then(|()| NonNull::new(rkey).ok_or_else(|| error(ErrorKind::Backend, "null rkey")));
             match unpacked {
-                Ok(rkey) => regions.push(RemoteRegion { region: MemRegion::dram(r.addr, r.len), rkey }),
+                Ok(rkey) => regions.push(RemoteRegion::new(MemRegion::dram(r.addr, r.len), rkey)),
                 Err(e) => {
                     drop(regions);
                     inner.close_ep(ep, false);
@@ -374,10 +374,25 @@ fn submit(inner: &mut Inner, op: XferOp, ops: Plan, notify: Option<&[u8]>) -> Re
     }
     let rma = if by_messages { &[][..] } else { &ops.descs[..] };
     for (laddr, memh, raddr, region, len) in rma {
+        let remote = &peer.regions[*region];
+        if let Some(mapped) = remote.local_ptr(*raddr, *len) {
+            let local = *laddr as *mut u8;
+            // The local range lies in a live registration (checked by `plan`), the remote range in
+            // the peer's region, mapped here by UCX for as long as its rkey lives (the peer,
+            // holding it, outlives this call). A peer's memory may change under a copy, as under
+            // UCX's own get: the bytes are the peer's to vouch for, never a reference here.
+            let (from, to) = match op {
+                XferOp::Read => (mapped.cast_const(), local),
+                XferOp::Write => (local.cast_const(), mapped),
+            };
+            // SAFETY: both ranges are live and `len` long (above); `ptr::copy` allows overlap.
+            unsafe { ptr::copy(from, to, *len) };
+            continue;
+        }
         let mut param = tracker.param();
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = *memh;
-        let rkey = peer.regions[*region].rkey.as_ptr();
+        let rkey = remote.rkey.as_ptr();
         let (status_ptr, what) = match op {
             // SAFETY: the local range lies in a live registration (checked by `plan`), the
             // remote range in the peer's region whose rkey this is; both stay alive until the
