@@ -6,7 +6,8 @@ compares its times with kvx-nixl's in the same run. Two processes: this program 
 with kvx's xproc pattern, prints its metadata, and serves until a b"done" notification. Each round
 the reader READs READS scattered remote blocks into permuted local slots in one transfer with a
 notification, as vLLM's NixlConnector does (`make_prepped_xfer` with `notif_msg`, `transfer`,
-`check_xfer_state` until DONE), and checks every byte.
+`check_xfer_state` until DONE, yielding the CPU between checks as kvx's side does), and checks
+every byte.
 
 Output, one line per timed round (the first round, connection setup, is not timed):
     KVX-PY-ROUND <seconds from make_prepped_xfer to DONE> <transfer()'s status> <status checks>
@@ -20,6 +21,7 @@ returns PROC whenever UCX could not hand the notification's message over at once
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -106,6 +108,7 @@ def reader(args):
                     raise RuntimeError(f"round {rnd}: transfer still in progress")
                 state = agent.check_xfer_state(handle)
                 checks += 1
+                os.sched_yield()
             elapsed = time.perf_counter() - start
             if state != "DONE":
                 raise RuntimeError(f"round {rnd}: transfer ended {state}")

@@ -165,7 +165,7 @@ impl Baseline {
     /// One round; `check`: its bytes are checked (a memcpy's always are what it copied).
     fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
         match self {
-            Baseline::Memcpy(memcpy) => memcpy.round(round),
+            Baseline::Memcpy(memcpy) => Ok(memcpy.round(round)),
             Baseline::Tcp(stream) => stream.round(round, check),
         }
     }

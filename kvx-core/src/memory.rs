@@ -174,15 +174,12 @@ impl HostMemory {
         Ok(())
     }
 
-    /// Copies `len` bytes at `src_offset` of `src` to `offset` of this buffer (a local copy between
-    /// two host buffers, or within one; the ranges may overlap).
-    pub fn copy_from(&self, offset: usize, src: &HostMemory, src_offset: usize, len: usize) -> Result<()> {
-        self.check(offset, len)?;
-        src.check(src_offset, len)?;
-        // SAFETY: both ranges are inside live allocations (checked above); `ptr::copy` allows them
-        // to overlap.
-        unsafe { std::ptr::copy(src.ptr.as_ptr().add(src_offset), self.ptr.as_ptr().add(offset), len) };
-        Ok(())
+    /// The whole buffer as a slice, for its sole owner: `&mut self` proves that no transport
+    /// holds it (a registration holds an `Arc`), so nothing writes it behind the slice's back.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation is live, initialized (zeroed at creation) and `len` long; the
+        // exclusive borrow of `self` rules out every other access while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
     }
 
     /// Fills `len` bytes at `offset` with `byte`.
@@ -264,15 +261,12 @@ mod tests {
         assert!(m.write(9_999, &[1, 2]).is_err());
         assert!(m.read(usize::MAX, &mut out).is_err());
         assert!(HostMemory::new(0).is_err());
-        let other = HostMemory::new(100).unwrap();
-        other.write(10, &[7, 8, 9]).unwrap();
-        m.copy_from(0, &other, 10, 3).unwrap();
-        m.copy_from(1, &m, 0, 3).unwrap();
-        let mut copied = [0u8; 4];
-        m.read(0, &mut copied).unwrap();
-        assert_eq!(copied, [7, 7, 8, 9]);
-        assert!(m.copy_from(0, &other, 98, 3).is_err());
-        assert!(m.copy_from(9_999, &other, 0, 2).is_err());
+        let mut owned = HostMemory::new(100).unwrap();
+        owned.as_mut_slice()[99] = 7;
+        assert_eq!(owned.as_mut_slice().len(), 100);
+        let mut last = [0u8];
+        owned.read(99, &mut last).unwrap();
+        assert_eq!(last, [7]);
     }
 
     #[test]

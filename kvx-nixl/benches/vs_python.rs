@@ -3,7 +3,11 @@
 //!
 //! Each round READs `READS` blocks scattered over a target of `2 x READS` blocks into permuted
 //! local slots, in one transfer with a notification, timed from `post` (Python: from
-//! `make_prepped_xfer`) to done, every byte checked after it; the first round of each run
+//! `make_prepped_xfer`) to done, every byte checked after it. Both sides yield the CPU between
+//! status checks, as a caller waiting on a transfer should on a shared machine: a loop that
+//! checks without yielding starves NIXL's progress threads on 2 vCPUs, and kvx's checks, far
+//! cheaper than Python's, starved them most (kvx / Python 0.95-0.96 at 64 KiB with the progress
+//! thread when neither side yielded); the first round of each run
 //! (connection setup) is not timed. kvx's side: this binary re-executes itself as the target
 //! (kvx-testkit's `xproc` harness). Python's side: `scripts/bench_nixl_python.py`, reader and
 //! target, run by the interpreter in `KVX_NIXL_PYTHON` (with numpy and `nixl_cu12`). The two
@@ -129,7 +133,10 @@ fn kvx_run(block_len: usize, rounds: usize, progress: bool) -> Rounds {
         let deadline = start + TRANSFER_DEADLINE;
         loop {
             match agent.poll(x).unwrap() {
-                XferState::Pending => checks += 1,
+                XferState::Pending => {
+                    checks += 1;
+                    std::thread::yield_now();
+                }
                 XferState::Done => break,
                 XferState::Failed(e) => panic!("round {round}: READ failed: {e}"),
             }

@@ -16,7 +16,7 @@ use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use kvx_core::{Error, ErrorKind, Result};
+use kvx_core::{Error, ErrorKind, HostMemory, Result};
 
 use crate::child::SelfChild;
 use crate::xproc::{PROCESS_DEADLINE, SHAPE_ENV, Shape};
@@ -42,11 +42,14 @@ pub fn serve_if_child() -> Option<Result<()>> {
 }
 
 fn send(shape: Shape, batch: usize) -> Result<()> {
-    let mut src = vec![0u8; shape.target_len()];
+    // HostMemory, as the READs' pools are, so that both sides run on the same kind of pages.
+    let mut pool = HostMemory::new(shape.target_len())?;
+    let src = pool.as_mut_slice();
     shape.fill_target(|offset, bytes| {
         src[offset..offset + bytes.len()].copy_from_slice(bytes);
         Ok(())
     })?;
+    let src: &[u8] = src;
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("bind 127.0.0.1"))?;
     let port = listener.local_addr().map_err(io("local_addr"))?.port();
     let mut out = std::io::stdout().lock();
@@ -87,7 +90,7 @@ pub struct TcpStreamBaseline {
     stream: TcpStream,
     shape: Shape,
     batch: usize,
-    dst: Vec<u8>,
+    dst: HostMemory,
 }
 
 impl TcpStreamBaseline {
@@ -109,15 +112,17 @@ impl TcpStreamBaseline {
         let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
         stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
         stream.set_nodelay(true).map_err(io("set_nodelay"))?;
-        Ok(TcpStreamBaseline { child, stream, shape, batch, dst: vec![0u8; shape.read_len()] })
+        let dst = HostMemory::new(shape.read_len())?;
+        Ok(TcpStreamBaseline { child, stream, shape, batch, dst })
     }
 
     /// Moves round `round`'s blocks into their slots; returns the time from request to last
     /// byte. `check`: every byte is checked after (untimed).
     pub fn round(&mut self, round: usize, check: bool) -> Result<Duration> {
         let (shape, bl, batch) = (self.shape, self.shape.block_len, self.batch);
-        self.dst.fill(0);
         let TcpStreamBaseline { stream, dst, .. } = self;
+        let dst = dst.as_mut_slice();
+        dst.fill(0);
         // Each slot once, in the order the sender writes them; prepared before the clock starts.
         let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_exact_mut(bl).map(Some).collect();
         let mut wanted = (0..shape.reads)
@@ -143,7 +148,7 @@ impl TcpStreamBaseline {
         let elapsed = start.elapsed();
         if check {
             shape.check_round(round, |slot, block| {
-                block.copy_from_slice(&self.dst[slot * bl..slot * bl + bl]);
+                block.copy_from_slice(&dst[slot * bl..slot * bl + bl]);
                 Ok(())
             })?;
         }
