@@ -4,7 +4,7 @@
 # bench's plain TCP stream from the same kvx rounds: prints size, kvx GB/s, Mooncake GB/s, stream
 # GB/s, the median of the per-round kvx / Mooncake ratios (issue 14's goal: >= 1.5 at every size),
 # the same for the stream (what a data path that sends from the pool and receives into the slot
-# over one connection reaches) and Mooncake's CPU seconds per GB. A by-hand benchmark, not part of
+# over one connection reaches) and both sides' CPU seconds per GB. A by-hand benchmark, not part of
 # scripts/test.sh. Options go to scripts/bench_mooncake.py:
 #   --backend ucx|tcp  --sizes 16K,64K,1M  --blocks 1000  --pool-blocks 2000  --rounds 5  --csv FILE
 #   --stream-batch N (the stream moves N blocks per writev/readv: a kvx TCP data path's bound)

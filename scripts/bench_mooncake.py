@@ -177,7 +177,7 @@ def cpu_seconds(pid):
 
 
 def kvx_round(kvx, backend, shape, csv_path, stream_batch):
-    """One `kvx bench` run of one timed round: (kvx GB/s, TCP stream GB/s)."""
+    """One `kvx bench` run of one timed round: (kvx GB/s, TCP stream GB/s, kvx CPU s/GB)."""
     cmd = [kvx, "bench", "--backend", backend, "--transport", "tcp", "--sizes", str(shape.block_len),
            "--blocks", str(shape.reads), "--pool-blocks", str(shape.target_blocks), "--rounds", "1",
            "--stream-batch", str(stream_batch), "--csv", csv_path]
@@ -186,7 +186,7 @@ def kvx_round(kvx, backend, shape, csv_path, stream_batch):
         rows = list(csv.DictReader(f))
     if len(rows) != 1 or int(rows[0]["block_bytes"]) != shape.block_len:
         raise SystemExit(f"bench_mooncake: unexpected kvx bench CSV in {csv_path}: {rows}")
-    return float(rows[0]["gbps"]), float(rows[0]["baseline_gbps"])
+    return float(rows[0]["gbps"]), float(rows[0]["baseline_gbps"]), float(rows[0]["cpu_s_per_gb"])
 
 
 def load():
@@ -208,38 +208,39 @@ def drive(args):
             mc = Mooncake(shape, log)
             try:
                 mc.round(0)  # warm-up (connections, first touch); checked, not timed
-                kvx, stream, moon, moon_cpu = [], [], [], 0.0
+                kvx, stream, moon, moon_cpu, kvx_cpu = [], [], [], 0.0, []
                 for rnd in range(1, args.rounds + 1):
-                    k, s = kvx_round(args.kvx, args.backend, shape, kvx_csv, args.stream_batch)
+                    k, s, kc = kvx_round(args.kvx, args.backend, shape, kvx_csv, args.stream_batch)
                     seconds, cpu = mc.round(rnd)
                     m = moved / seconds / 1e9
                     kvx.append(k)
                     stream.append(s)
                     moon.append(m)
                     moon_cpu += cpu
+                    kvx_cpu.append(kc)
                     print(f"  {size_text(size)} round {rnd}: kvx {k:.2f}  Mooncake {m:.2f}  stream {s:.2f} GB/s; "
-                          f"Mooncake CPU {cpu / moved * 1e9:.2f} s/GB", file=sys.stderr, flush=True)
+                          f"CPU kvx {kc:.2f}  Mooncake {cpu / moved * 1e9:.2f} s/GB", file=sys.stderr, flush=True)
             finally:
                 mc.close()
             ratios = [k / m for k, m in zip(kvx, moon)]
             stream_ratio = statistics.median(s / m for s, m in zip(stream, moon))
             rows.append((size, statistics.median(kvx), statistics.median(moon), statistics.median(stream),
                          statistics.median(ratios), min(ratios), max(ratios), stream_ratio,
-                         moon_cpu / (moved * args.rounds) * 1e9))
+                         moon_cpu / (moved * args.rounds) * 1e9, statistics.mean(kvx_cpu)))
     print(f"| block | kvx-{args.backend} tcp GB/s | Mooncake tcp GB/s | TCP stream GB/s | kvx / Mooncake (min-max) | goal >= 1.5 "
-          "| stream / Mooncake | Mooncake CPU s/GB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for size, k, m, s, r, lo, hi, sr, c in rows:
+          "| stream / Mooncake | Mooncake CPU s/GB | kvx CPU s/GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, k, m, s, r, lo, hi, sr, c, kc in rows:
         print(f"| {size_text(size)} | {k:.2f} | {m:.2f} | {s:.2f} | {r:.2f} ({lo:.2f}-{hi:.2f}) | "
-              f"{'met' if r >= 1.5 else 'not met'} | {sr:.2f} | {c:.2f} |")
+              f"{'met' if r >= 1.5 else 'not met'} | {sr:.2f} | {c:.2f} | {kc:.2f} |")
     print(f"bench-mooncake: load average at the end {load()}")
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("block_bytes,blocks,rounds,kvx_gbps,mooncake_gbps,stream_gbps,ratio,ratio_min,ratio_max,"
-                    "stream_ratio,mooncake_cpu_s_per_gb\n")
-            for size, k, m, s, r, lo, hi, sr, c in rows:
+                    "stream_ratio,mooncake_cpu_s_per_gb,kvx_cpu_s_per_gb\n")
+            for size, k, m, s, r, lo, hi, sr, c, kc in rows:
                 f.write(f"{size},{args.blocks},{args.rounds},{k:.4f},{m:.4f},{s:.4f},{r:.4f},{lo:.4f},{hi:.4f},"
-                        f"{sr:.4f},{c:.4f}\n")
+                        f"{sr:.4f},{c:.4f},{kc:.4f}\n")
 
 
 def main():

@@ -72,10 +72,10 @@ UCX_LOG_LEVEL=fatal "$KVX_BIN" bench --all --transport shm,tcp --sizes 16K,64K -
     --csv "$bench_dir/bench.csv" --plot "$bench_dir/bench.svg" | tee "$bench_dir/bench.txt"
 # 2 sizes x (loopback shm; ucx shm, tcp; nixl shm, tcp; tcp tcp).
 bench_fail() { echo "kvx bench: $*" >&2; exit 1; }
-[ "$(head -n 1 "$bench_dir/bench.csv")" = "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us" ] ||
+[ "$(head -n 1 "$bench_dir/bench.csv")" = "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us,cpu_s_per_gb" ] ||
     bench_fail "CSV header"
 [ "$(tail -n +2 "$bench_dir/bench.csv" | wc -l)" = 12 ] || bench_fail "expected 12 CSV rows"
-awk -F, 'NR > 1 && (NF != 10 || $5 <= 0 || $7 <= 0) { exit 1 }' "$bench_dir/bench.csv" || bench_fail "a malformed CSV row"
+awk -F, 'NR > 1 && (NF != 11 || $5 <= 0 || $7 <= 0) { exit 1 }' "$bench_dir/bench.csv" || bench_fail "a malformed CSV row"
 [ "$(grep -c 'yes (2 rounds)$' "$bench_dir/bench.txt")" = 12 ] || bench_fail "a row without its bytes verified"
 grep -q '</svg>' "$bench_dir/bench.svg" || bench_fail "no plot"
 rm -r "$bench_dir"

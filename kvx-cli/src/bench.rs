@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use kvx_core::{Error, ErrorKind, HostMemory, KvMemory, Result, TransferAgent, XferId};
 use kvx_testkit::baseline::TcpStreamBaseline;
-use kvx_testkit::child::SelfChild;
+use kvx_testkit::child::{SelfChild, own_cpu_time};
 use kvx_testkit::xproc::{self, PROCESS_DEADLINE, Reader, Shape, TRANSFER_DEADLINE};
 
 use crate::backend::Backend;
@@ -142,6 +142,8 @@ struct Rounds {
     times: Vec<Duration>,
     baseline: Vec<Duration>,
     verified: usize,
+    /// CPU time of the reader's and the target's processes over the timed READs.
+    cpu: Duration,
 }
 
 /// A row's baseline, a round at a time.
@@ -299,6 +301,7 @@ fn row(
         baseline_gbps: gbps(base_p50),
         p50,
         p99,
+        cpu_s_per_gb: measured.cpu.as_secs_f64() / (measured.times.len() * shape.read_len()) as f64 * 1e9,
         verified: measured.verified,
     })
 }
@@ -306,16 +309,18 @@ fn row(
 /// Runs `rounds` timed READs after a warm-up (every target block read once, then an untimed
 /// round), each with a notification (as a decode engine posts them), each right after the same
 /// round of `transport`'s baseline, so that both see the same machine; the warm-up round's and
-/// the last round's bytes are checked. `service` runs between polls.
+/// the last round's bytes are checked. `service` runs between polls; `cpu_time` tells the CPU
+/// time the reader's and the target's processes have used so far.
 fn timed_rounds<A: TransferAgent>(
     reader: &Reader<A>,
     transport: Transport,
     stream_batch: u32,
     rounds: usize,
     service: &mut dyn FnMut(XferId) -> Result<()>,
+    cpu_time: &dyn Fn() -> Result<Duration>,
 ) -> Result<Rounds> {
     let mut baseline = Baseline::start(transport, reader.shape(), stream_batch)?;
-    let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0 };
+    let mut measured = Rounds { times: Vec::new(), baseline: Vec::new(), verified: 0, cpu: Duration::ZERO };
     reader.touch_target(service)?;
     for round in 0..=rounds {
         let check = round == 0 || round == rounds;
@@ -324,7 +329,11 @@ fn timed_rounds<A: TransferAgent>(
             reader.clear();
         }
         let note = format!("round-{round}");
+        let cpu_before = cpu_time()?;
         let elapsed = reader.try_read_round(round, Some(note.as_bytes()), service)?;
+        if round > 0 {
+            measured.cpu += cpu_time()?.saturating_sub(cpu_before);
+        }
         if check {
             reader.check(round)?;
             measured.verified += 1;
@@ -347,11 +356,12 @@ fn loopback_rounds(shape: Shape, rounds: usize) -> Result<Rounds> {
     target.register(pool.clone())?;
     let reader = Reader::open(fabric.agent(READER)?, &target.local_metadata()?, pool.region().addr, shape)?;
     let mut notes = Vec::new();
-    timed_rounds(&reader, Transport::Shm, 1, rounds, &mut |_| {
+    let service = &mut |_| {
         reader.agent.progress()?;
         target.progress()?;
         target.drain_notifications(&mut notes)
-    })
+    };
+    timed_rounds(&reader, Transport::Shm, 1, rounds, service, &own_cpu_time)
 }
 
 /// A native row: `kvx bench --reader-row` in a process with the transport's `UCX_TLS`, which
@@ -385,15 +395,16 @@ fn native_rounds(
     let mut fields = line.split(' ').map(|f| f.parse::<u64>().map_err(|_| bad()));
     let verified = fields.next().ok_or_else(bad)?? as usize;
     let mut times = fields.map(|ns| ns.map(Duration::from_nanos)).collect::<Result<Vec<_>>>()?;
-    if times.len() != 2 * rounds {
+    if times.len() != 2 * rounds + 1 {
         return Err(bad());
     }
+    let cpu = times.pop().ok_or_else(bad)?;
     let baseline = times.split_off(rounds);
-    Ok(Rounds { times, baseline, verified })
+    Ok(Rounds { times, baseline, verified, cpu })
 }
 
 /// The reader of one native row (`--reader-row`): prints its verified rounds, its READs' and
-/// its baseline's round times.
+/// its baseline's round times, and the CPU time of its READs.
 fn reader_row(
     backend: Backend,
     transports: &[Transport],
@@ -408,8 +419,13 @@ fn reader_row(
     let target = xproc::Target::start(&[], &spec, *shape)?;
     let measured = native_reads(backend, *transport, &target, *shape, rounds, stream_batch)?;
     target.wait_done(READER)?;
-    let times: Vec<String> =
-        measured.times.iter().chain(&measured.baseline).map(|t| t.as_nanos().to_string()).collect();
+    let times: Vec<String> = measured
+        .times
+        .iter()
+        .chain(&measured.baseline)
+        .chain([&measured.cpu])
+        .map(|t| t.as_nanos().to_string())
+        .collect();
     println!("{ROUNDS_LINE}{} {}", measured.verified, times.join(" "));
     Ok(())
 }
@@ -423,6 +439,7 @@ fn native_reads(
     rounds: usize,
     stream_batch: u32,
 ) -> Result<Rounds> {
+    let cpu_time = || -> Result<Duration> { Ok(own_cpu_time()? + target.cpu_time()?) };
     match backend {
         #[cfg(feature = "ucx")]
         Backend::Ucx => {
@@ -432,6 +449,7 @@ fn native_reads(
                 transport,
                 rounds,
                 stream_batch,
+                &cpu_time,
             )
         }
         #[cfg(feature = "nixl")]
@@ -442,20 +460,20 @@ fn native_reads(
                 transport,
                 rounds,
                 stream_batch,
+                &cpu_time,
             )
         }
         Backend::Tcp => {
             let reader = Reader::open(kvx_tcp::TcpAgent::new(READER)?, &target.metadata, target.base, shape)?;
             // The agent's I/O threads move the READ: sleep until it ends rather than take a CPU
             // from them polling.
-            let measured = timed_rounds(&reader, transport, stream_batch, rounds, &mut |x| {
-                reader.agent.wait(x, TRANSFER_DEADLINE).map(drop)
-            })?;
+            let wait = &mut |x| reader.agent.wait(x, TRANSFER_DEADLINE).map(drop);
+            let measured = timed_rounds(&reader, transport, stream_batch, rounds, wait, &cpu_time)?;
             reader.agent.notify(reader.peer(), xproc::DONE)?;
             Ok(measured)
         }
         other => {
-            let _ = (transport, target, shape, rounds, stream_batch);
+            let _ = (transport, target, shape, rounds, stream_batch, cpu_time);
             Err(Error::new(ErrorKind::Unsupported, format!("no reader process for {}", other.name())))
         }
     }
@@ -469,8 +487,9 @@ fn read_from<A: TransferAgent>(
     transport: Transport,
     rounds: usize,
     stream_batch: u32,
+    cpu_time: &dyn Fn() -> Result<Duration>,
 ) -> Result<Rounds> {
-    let measured = timed_rounds(&reader, transport, stream_batch, rounds, &mut |_| Ok(()))?;
+    let measured = timed_rounds(&reader, transport, stream_batch, rounds, &mut |_| Ok(()), cpu_time)?;
     reader.agent.notify(reader.peer(), xproc::DONE)?;
     Ok(measured)
 }

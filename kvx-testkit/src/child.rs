@@ -126,6 +126,32 @@ impl SelfChild {
     pub fn id(&self) -> u32 {
         self.child.id()
     }
+
+    /// The CPU time the child's live threads have run so far.
+    pub fn cpu_time(&self) -> Result<Duration> {
+        cpu_time(&format!("/proc/{}/task", self.id()))
+    }
+}
+
+/// The CPU time this process's live threads have run so far.
+pub fn own_cpu_time() -> Result<Duration> {
+    cpu_time("/proc/self/task")
+}
+
+/// The sum over a process's threads of the time each has run (`/proc/<pid>/task/*/schedstat`,
+/// nanoseconds; a thread that ended takes its time with it, so measure across spans where the
+/// threads that do the work live).
+fn cpu_time(tasks: &str) -> Result<Duration> {
+    let io = |e: std::io::Error| Error::new(ErrorKind::Io, format!("{tasks}: {e}"));
+    let mut total = 0u64;
+    for task in std::fs::read_dir(tasks).map_err(io)? {
+        let path = task.map_err(io)?.path().join("schedstat");
+        // A thread may end between the listing and the read: it no longer counts.
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let ran = text.split_whitespace().next().and_then(|ns| ns.parse::<u64>().ok());
+        total += ran.ok_or_else(|| Error::new(ErrorKind::Io, format!("{}: {text:?}", path.display())))?;
+    }
+    Ok(Duration::from_nanos(total))
 }
 
 impl Drop for SelfChild {
@@ -154,5 +180,16 @@ mod tests {
         let mut stuck = Command::new("sleep").arg("600").spawn().unwrap_or_else(|e| panic!("spawning: {e}"));
         assert_eq!(wait_within(&mut stuck, Duration::ZERO), None);
         assert!(matches!(stuck.try_wait(), Ok(Some(_))), "killed and reaped");
+    }
+
+    #[test]
+    fn cpu_time_grows_with_work_and_a_gone_process_is_an_error() {
+        let start = own_cpu_time().unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while own_cpu_time().unwrap_or_else(|e| panic!("{e}")) < start + Duration::from_millis(5) {
+            assert!(Instant::now() < deadline, "5 ms of CPU not counted after 30 s of spinning");
+            std::hint::spin_loop();
+        }
+        assert_eq!(cpu_time("/proc/0/task").map_err(|e| e.kind()), Err(ErrorKind::Io));
     }
 }

@@ -355,6 +355,11 @@ impl Target {
         ok(Target::start(args, spec, Shape::DEFAULT), "target")
     }
 
+    /// The CPU time the target process has used so far (all its threads).
+    pub fn cpu_time(&self) -> Result<Duration> {
+        self.child.cpu_time()
+    }
+
     /// [`spawn`](Self::spawn) for a target of `shape` (the child calls [`serve_if_child`]).
     pub fn start(args: &[&str], spec: &str, shape: Shape) -> Result<Target> {
         let mut child = SelfChild::spawn(args, &[(TARGET_ENV, spec), (SHAPE_ENV, &shape.to_env())])?;

@@ -11,7 +11,7 @@ use crate::backend::Backend;
 
 /// The CSV header, one column per field of [`Row`].
 pub(crate) const CSV_HEADER: &str =
-    "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us";
+    "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us,cpu_s_per_gb";
 
 /// One measured row.
 #[derive(Debug, Clone)]
@@ -24,6 +24,9 @@ pub(super) struct Row {
     pub(super) baseline_gbps: f64,
     pub(super) p50: Duration,
     pub(super) p99: Duration,
+    /// CPU seconds per GB moved, over the timed READs: the reader's and the target's processes
+    /// together (all their threads).
+    pub(super) cpu_s_per_gb: f64,
     /// Rounds whose every byte was checked.
     pub(super) verified: usize,
 }
@@ -34,7 +37,7 @@ impl Row {
     }
 
     /// The row's CSV cells, in [`CSV_HEADER`]'s order.
-    pub(super) fn cells(&self) -> [String; 10] {
+    pub(super) fn cells(&self) -> [String; 11] {
         [
             self.backend.name().to_owned(),
             self.transport.name().to_owned(),
@@ -46,22 +49,22 @@ impl Row {
             format!("{:.3}", self.ratio()),
             format!("{:.1}", micros(self.p50)),
             format!("{:.1}", micros(self.p99)),
+            format!("{:.2}", self.cpu_s_per_gb),
         ]
     }
 
     pub(super) fn table_line(&self) -> String {
-        let [backend, transport, _, _, gbps, baseline, baseline_gbps, ratio, p50, p99] = self.cells();
+        let [backend, transport, _, _, gbps, baseline, baseline_gbps, ratio, p50, p99, cpu] = self.cells();
         let block = size_text(self.shape.block_len);
         format!(
             "{backend:<9} {transport:<5} {block:>8} {gbps:>8} {baseline:<10} {baseline_gbps:>8} {ratio:>6} {p50:>10} \
-             {p99:>10}  yes ({} rounds)",
+             {p99:>10} {cpu:>8}  yes ({} rounds)",
             self.verified
         )
     }
 }
 
-pub(super) const TABLE_HEADER: &str =
-    "backend   link     block     GB/s baseline       GB/s  ratio    p50 µs     p99 µs  every byte verified";
+pub(super) const TABLE_HEADER: &str = "backend   link     block     GB/s baseline       GB/s  ratio    p50 µs     p99 µs CPU s/GB  every byte verified";
 
 fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
