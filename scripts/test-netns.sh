@@ -18,6 +18,12 @@
 #     (`--discovery etcd://`, no side-channel address in the params).
 # The namespaces, the veth pair and the child processes go on every exit path.
 #
+# `scripts/test-netns.sh bench [ARGS..]` makes the same namespaces and runs `kvx bench ARGS..`
+# across them instead of the checks: the reader in A, its target and its TCP stream's sender in B
+# (`KVX_BENCH_PEER_WRAPPER`), each listening on its veth address (`KVX_BENCH_HOST`), e.g.
+#   KVX_BIN=target/release/kvx scripts/test-netns.sh bench --backend tcp --transport tcp --stream-batch 16
+# and prints the bytes the veth pair carried.
+#
 # Usage: scripts/test-netns.sh [KVX]   (KVX: a kvx binary built with `--features ucx,nixl`;
 #        default $KVX_BIN, else ${CARGO_TARGET_DIR:-target}/debug/kvx). Needs root (`ip netns`).
 # Exits 77 when network namespaces cannot be made here (not root, no `ip`, no permission);
@@ -29,6 +35,12 @@ readonly NO_NETNS=77
 # Every process of a run ends within this many seconds (`timeout`), killed 5 s later at worst.
 readonly RUN_LIMIT=120
 
+bench=()
+if [ "${1:-}" = bench ]; then
+    shift
+    bench=(bench "$@")
+    set --
+fi
 kvx=${1:-${KVX_BIN:-${CARGO_TARGET_DIR:-target}/debug/kvx}}
 if [ ! -x "$kvx" ]; then
     echo "test-netns: no kvx binary at $kvx (cargo build -p kvx-cli --features ucx,nixl)" >&2
@@ -113,6 +125,17 @@ fi
 
 # Bytes sent by A's end of the pair so far.
 tx_bytes() { ip netns exec "$ns_a" cat "/sys/class/net/$veth_a/statistics/tx_bytes"; }
+
+if [ ${#bench[@]} -gt 0 ]; then
+    step "kvx ${bench[*]}: the reader in $ns_a ($ip_a), its target and stream sender in $ns_b ($ip_b)"
+    rx_bytes() { ip netns exec "$ns_a" cat "/sys/class/net/$veth_a/statistics/rx_bytes"; }
+    received=$(rx_bytes)
+    ip netns exec "$ns_a" env KVX_BENCH_HOST="$ip_a" \
+        KVX_BENCH_PEER_WRAPPER="ip netns exec $ns_b env KVX_BENCH_HOST=$ip_b" \
+        timeout --kill-after=5 1800 "$kvx" "${bench[@]}"
+    echo "test-netns: the veth pair carried $(($(rx_bytes) - received)) bytes to the reader"
+    exit 0
+fi
 
 # `start NS NAME [KEY=VALUE..] -- ARGS..`: `kvx ARGS..` in namespace NS with those variables
 # added to the environment, stdout and stderr to $logs/NAME.{out,err}; its pid in $last.

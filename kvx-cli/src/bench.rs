@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use kvx_core::{Error, ErrorKind, HostMemory, KvMemory, Result, TransferAgent, XferId};
 use kvx_testkit::baseline::TcpStreamBaseline;
-use kvx_testkit::child::{SelfChild, own_cpu_time};
+use kvx_testkit::child::{SelfChild, bench_host, own_cpu_time};
 use kvx_testkit::xproc::{self, PROCESS_DEADLINE, Reader, Shape, TRANSFER_DEADLINE};
 
 use crate::backend::Backend;
@@ -464,7 +464,8 @@ fn native_reads(
             )
         }
         Backend::Tcp => {
-            let reader = Reader::open(kvx_tcp::TcpAgent::new(READER)?, &target.metadata, target.base, shape)?;
+            let agent = kvx_tcp::TcpAgent::with_config(READER, &tcp_config())?;
+            let reader = Reader::open(agent, &target.metadata, target.base, shape)?;
             // The agent's I/O threads move the READ: sleep until it ends rather than take a CPU
             // from them polling.
             let wait = &mut |x| reader.agent.wait(x, TRANSFER_DEADLINE).map(drop);
@@ -518,7 +519,7 @@ pub(crate) fn serve_child_role() -> Option<Result<()>> {
             Ok(xproc::TargetSetup { agent, memory: pool, idle: xproc::Idle::Yield })
         }),
         "tcp" => xproc::serve_if_child(|_, shape| {
-            let agent = kvx_tcp::TcpAgent::new("bench-target")?;
+            let agent = kvx_tcp::TcpAgent::with_config("bench-target", &tcp_config())?;
             let pool = Arc::new(HostMemory::new(shape.target_len())?);
             shape.fill_target(|offset, bytes| pool.write(offset, bytes))?;
             // The agent's I/O threads serve the READs: park between drains, off the CPUs.
@@ -529,6 +530,13 @@ pub(crate) fn serve_child_role() -> Option<Result<()>> {
             Some(Err(Error::new(ErrorKind::Unsupported, format!("no bench target for backend {other:?}"))))
         }
     }
+}
+
+/// kvx-tcp's configuration for a bench process: listening on (and advertising) the bench's host,
+/// 127.0.0.1 unless [`HOST_ENV`](kvx_testkit::child::HOST_ENV) names another (the end of a veth
+/// pair, `scripts/test-netns.sh bench`).
+fn tcp_config() -> kvx_tcp::TcpConfig {
+    kvx_tcp::TcpConfig::default().with_host(bench_host(), None)
 }
 
 /// A UCX target over a UCX-allocated pool: read one-sidedly over shared memory; over TCP, where

@@ -1,5 +1,6 @@
 //! Baselines that benchmarks measure in the same run as kvx's READs: a plain TCP stream between
-//! two processes over 127.0.0.1, moving the same scattered blocks as an [`xproc`](crate::xproc)
+//! two processes over 127.0.0.1 (or the [`HOST_ENV`](crate::child::HOST_ENV) address the sender
+//! is given, the sender started by [`SelfChild::spawn_peer`]), moving the same scattered blocks as an [`xproc`](crate::xproc)
 //! READ of the same [`Shape`]. (Single-thread memcpy of the blocks is [`Shape::memcpy_rounds`].)
 //!
 //! [`TcpStreamBaseline::start`] starts this executable again as the sender ([`SENDER_ENV`] set;
@@ -13,12 +14,12 @@
 //! TCP data path of kvx's own could do with fewer system calls per block.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use kvx_core::{Error, ErrorKind, HostMemory, Result};
 
-use crate::child::SelfChild;
+use crate::child::{SelfChild, bench_host};
 use crate::xproc::{PROCESS_DEADLINE, SHAPE_ENV, Shape};
 
 /// Set in the child's environment: the child is a TCP sender.
@@ -26,7 +27,7 @@ pub const SENDER_ENV: &str = "KVX_TCP_BASELINE_SENDER";
 /// Set in the child's environment: blocks per system call (1 unless set).
 const BATCH_ENV: &str = "KVX_TCP_BASELINE_BATCH";
 
-const PORT_LINE: &str = "KVX-TCP-BASELINE-PORT ";
+const ADDRESS_LINE: &str = "KVX-TCP-BASELINE-ADDRESS ";
 
 /// If this process is a sender child (started by [`TcpStreamBaseline::start`]), serves one receiver and
 /// returns how that went; otherwise returns `None` at once.
@@ -50,10 +51,11 @@ fn send(shape: Shape, batch: usize) -> Result<()> {
         Ok(())
     })?;
     let src: &[u8] = src;
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("bind 127.0.0.1"))?;
-    let port = listener.local_addr().map_err(io("local_addr"))?.port();
+    let host = bench_host();
+    let listener = TcpListener::bind((host.as_str(), 0)).map_err(io("bind"))?;
+    let address = listener.local_addr().map_err(io("local_addr"))?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{PORT_LINE}{port}").and_then(|()| out.flush()).map_err(io("writing stdout"))?;
+    writeln!(out, "{ADDRESS_LINE}{address}").and_then(|()| out.flush()).map_err(io("writing stdout"))?;
     // The receiver connects as soon as it reads the port; a receiver that never comes leaves
     // this child to be killed by its parent's bound.
     let (mut stream, _) = listener.accept().map_err(io("accept"))?;
@@ -105,11 +107,11 @@ impl TcpStreamBaseline {
         let batch = batch.max(1);
         let env = [(SENDER_ENV, "1".to_owned()), (SHAPE_ENV, shape.to_env()), (BATCH_ENV, batch.to_string())];
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let mut child = SelfChild::spawn(args, &env)?;
-        let port = child.wait_line(PORT_LINE, PROCESS_DEADLINE)?;
-        let port: u16 =
-            port.parse().map_err(|_| Error::invalid_peer_data(format!("sender port {port:?}")))?;
-        let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(io("connect"))?;
+        let mut child = SelfChild::spawn_peer(args, &env)?;
+        let address = child.wait_line(ADDRESS_LINE, PROCESS_DEADLINE)?;
+        let address: SocketAddr =
+            address.parse().map_err(|_| Error::invalid_peer_data(format!("sender address {address:?}")))?;
+        let stream = TcpStream::connect(address).map_err(io("connect"))?;
         stream.set_read_timeout(Some(PROCESS_DEADLINE)).map_err(io("set_read_timeout"))?;
         stream.set_nodelay(true).map_err(io("set_nodelay"))?;
         let dst = HostMemory::new(shape.read_len())?;

@@ -30,6 +30,19 @@ pub fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     })
 }
 
+/// A command (words separated by white space) that [`SelfChild::spawn_peer`] puts before this
+/// executable: how a bench runs its peer in another network namespace.
+pub const PEER_WRAPPER_ENV: &str = "KVX_BENCH_PEER_WRAPPER";
+
+/// The address a bench's processes listen on and advertise (default 127.0.0.1): set per process
+/// by a [`PEER_WRAPPER_ENV`] wrapper, so that each end of a veth pair uses its own.
+pub const HOST_ENV: &str = "KVX_BENCH_HOST";
+
+/// [`HOST_ENV`], or 127.0.0.1.
+pub fn bench_host() -> String {
+    std::env::var(HOST_ENV).unwrap_or_else(|_| "127.0.0.1".to_owned())
+}
+
 /// This executable started again in another role (selected by `args` and the environment), its
 /// stdout read line by line on a thread; killed on drop if still running.
 #[derive(Debug)]
@@ -44,7 +57,25 @@ impl SelfChild {
     /// stderr is this process's, its stdin a pipe that [`close_stdin`](Self::close_stdin) closes.
     pub fn spawn(args: &[&str], envs: &[(&str, &str)]) -> Result<SelfChild> {
         let exe = std::env::current_exe().map_err(|e| io_error("current_exe", e))?;
-        let mut child = Command::new(exe)
+        Self::start(Command::new(exe), args, envs)
+    }
+
+    /// As [`spawn`](Self::spawn), for the other end of a measured link (a bench's target, its
+    /// stream's sender): where [`PEER_WRAPPER_ENV`] is set, its words come first, so that the
+    /// peer can run elsewhere (`ip netns exec B env KVX_BENCH_HOST=10.0.0.2`); the wrapper must
+    /// exec this executable in place (its pid is the child's).
+    pub fn spawn_peer(args: &[&str], envs: &[(&str, &str)]) -> Result<SelfChild> {
+        let exe = std::env::current_exe().map_err(|e| io_error("current_exe", e))?;
+        let wrapper = std::env::var(PEER_WRAPPER_ENV).unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let Some(first) = words.next() else { return Self::spawn(args, envs) };
+        let mut command = Command::new(first);
+        command.args(words).arg(exe);
+        Self::start(command, args, envs)
+    }
+
+    fn start(mut command: Command, args: &[&str], envs: &[(&str, &str)]) -> Result<SelfChild> {
+        let mut child = command
             .args(args)
             .envs(envs.iter().copied())
             .stdin(Stdio::piped())

@@ -362,7 +362,7 @@ impl Target {
 
     /// [`spawn`](Self::spawn) for a target of `shape` (the child calls [`serve_if_child`]).
     pub fn start(args: &[&str], spec: &str, shape: Shape) -> Result<Target> {
-        let mut child = SelfChild::spawn(args, &[(TARGET_ENV, spec), (SHAPE_ENV, &shape.to_env())])?;
+        let mut child = SelfChild::spawn_peer(args, &[(TARGET_ENV, spec), (SHAPE_ENV, &shape.to_env())])?;
         let base = child.wait_line(BASE_LINE, PROCESS_DEADLINE)?;
         let base =
             base.parse().map_err(|e| Error::invalid_peer_data(format!("target base {base:?}: {e}")))?;
