@@ -71,11 +71,16 @@ def coprime_from(start, n):
     return s
 
 
+def host():
+    """The address this process listens on: KVX_BENCH_HOST (as for kvx bench), or 127.0.0.1."""
+    return os.environ.get("KVX_BENCH_HOST", "127.0.0.1")
+
+
 def engine():
     from mooncake.engine import TransferEngine
 
     te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    rc = te.initialize(host(), "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
         sys.exit(f"bench_mooncake: TransferEngine.initialize(tcp, P2PHANDSHAKE) returned {rc}")
     return te
@@ -92,7 +97,7 @@ def target(shape):
     rc = te.register_memory(pool.ctypes.data, pool.nbytes)
     if rc != 0:
         sys.exit(f"bench_mooncake: target register_memory returned {rc}")
-    print(f"READY {te.get_rpc_port()} {pool.ctypes.data}", flush=True)
+    print(f"READY {te.get_rpc_port()} {pool.ctypes.data} {host()}", flush=True)
     sys.stdin.readline()  # the driver closes stdin (or writes a line) when it is done
 
 
@@ -139,10 +144,13 @@ class Mooncake:
         base = [sys.executable, __file__, "--block", str(shape.block_len), "--blocks", str(shape.reads),
                 "--pool-blocks", str(shape.target_blocks)]
         spawn = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        self.target = subprocess.Popen(base + ["--role", "target"], **spawn)
-        port, addr = expect_line(self.target, "READY", "the Mooncake target")
+        # The target runs where kvx bench runs its targets: after KVX_BENCH_PEER_WRAPPER's words
+        # (another network namespace), which must exec it in place (its pid is the target's).
+        wrapper = os.environ.get("KVX_BENCH_PEER_WRAPPER", "").split()
+        self.target = subprocess.Popen(wrapper + base + ["--role", "target"], **spawn)
+        port, addr, peer_host = expect_line(self.target, "READY", "the Mooncake target")
         self.initiator = subprocess.Popen(
-            base + ["--role", "initiator", "--peer", f"127.0.0.1:{port}", "--peer-addr", addr], **spawn)
+            base + ["--role", "initiator", "--peer", f"{peer_host}:{port}", "--peer-addr", addr], **spawn)
         expect_line(self.initiator, "READY", "the Mooncake initiator")
 
     def round(self, rnd):

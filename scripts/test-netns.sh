@@ -18,11 +18,12 @@
 #     (`--discovery etcd://`, no side-channel address in the params).
 # The namespaces, the veth pair and the child processes go on every exit path.
 #
-# `scripts/test-netns.sh bench [ARGS..]` makes the same namespaces and runs `kvx bench ARGS..`
-# across them instead of the checks: the reader in A, its target and its TCP stream's sender in B
-# (`KVX_BENCH_PEER_WRAPPER`), each listening on its veth address (`KVX_BENCH_HOST`), e.g.
-#   KVX_BIN=target/release/kvx scripts/test-netns.sh bench --backend tcp --transport tcp --stream-batch 16
-# and prints the bytes the veth pair carried.
+# `scripts/test-netns.sh across COMMAND [ARGS..]` makes the same namespaces and runs COMMAND in A
+# instead of the checks, with the benches' peers (kvx bench's target and TCP stream sender,
+# bench_mooncake.py's Mooncake target) in B (`KVX_BENCH_PEER_WRAPPER`), each listening on its veth
+# address (`KVX_BENCH_HOST`), and prints the bytes the veth pair carried to A, e.g.
+#   scripts/test-netns.sh across target/release/kvx bench --backend tcp --transport tcp --stream-batch 16
+#   KVX_BIN=target/release/kvx scripts/test-netns.sh across scripts/bench-mooncake.sh --backend tcp
 #
 # Usage: scripts/test-netns.sh [KVX]   (KVX: a kvx binary built with `--features ucx,nixl`;
 #        default $KVX_BIN, else ${CARGO_TARGET_DIR:-target}/debug/kvx). Needs root (`ip netns`).
@@ -35,11 +36,12 @@ readonly NO_NETNS=77
 # Every process of a run ends within this many seconds (`timeout`), killed 5 s later at worst.
 readonly RUN_LIMIT=120
 
-bench=()
-if [ "${1:-}" = bench ]; then
+across=()
+if [ "${1:-}" = across ]; then
     shift
-    bench=(bench "$@")
-    set --
+    across=("$@")
+    [ ${#across[@]} -gt 0 ] || { echo "test-netns: across needs a command" >&2; exit 2; }
+    set -- "${KVX_BIN:-$(command -v true)}"
 fi
 kvx=${1:-${KVX_BIN:-${CARGO_TARGET_DIR:-target}/debug/kvx}}
 if [ ! -x "$kvx" ]; then
@@ -126,13 +128,13 @@ fi
 # Bytes sent by A's end of the pair so far.
 tx_bytes() { ip netns exec "$ns_a" cat "/sys/class/net/$veth_a/statistics/tx_bytes"; }
 
-if [ ${#bench[@]} -gt 0 ]; then
-    step "kvx ${bench[*]}: the reader in $ns_a ($ip_a), its target and stream sender in $ns_b ($ip_b)"
+if [ ${#across[@]} -gt 0 ]; then
+    step "${across[*]}: in $ns_a ($ip_a), the benches' peers in $ns_b ($ip_b)"
     rx_bytes() { ip netns exec "$ns_a" cat "/sys/class/net/$veth_a/statistics/rx_bytes"; }
     received=$(rx_bytes)
     ip netns exec "$ns_a" env KVX_BENCH_HOST="$ip_a" \
         KVX_BENCH_PEER_WRAPPER="ip netns exec $ns_b env KVX_BENCH_HOST=$ip_b" \
-        timeout --kill-after=5 1800 "$kvx" "${bench[@]}"
+        timeout --kill-after=5 3600 "${across[@]}"
     echo "test-netns: the veth pair carried $(($(rx_bytes) - received)) bytes to the reader"
     exit 0
 fi

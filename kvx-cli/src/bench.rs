@@ -534,7 +534,7 @@ pub(crate) fn serve_child_role() -> Option<Result<()>> {
 
 /// kvx-tcp's configuration for a bench process: listening on (and advertising) the bench's host,
 /// 127.0.0.1 unless [`HOST_ENV`](kvx_testkit::child::HOST_ENV) names another (the end of a veth
-/// pair, `scripts/test-netns.sh bench`).
+/// pair, `scripts/test-netns.sh across`).
 fn tcp_config() -> kvx_tcp::TcpConfig {
     kvx_tcp::TcpConfig::default().with_host(bench_host(), None)
 }
