@@ -41,14 +41,16 @@ if [ "${1:-}" = across ]; then
     shift
     across=("$@")
     [ ${#across[@]} -gt 0 ] || { echo "test-netns: across needs a command" >&2; exit 2; }
-    set -- "${KVX_BIN:-$(command -v true)}"
+    set --
 fi
 kvx=${1:-${KVX_BIN:-${CARGO_TARGET_DIR:-target}/debug/kvx}}
-if [ ! -x "$kvx" ]; then
-    echo "test-netns: no kvx binary at $kvx (cargo build -p kvx-cli --features ucx,nixl)" >&2
-    exit 1
+if [ ${#across[@]} -eq 0 ]; then
+    if [ ! -x "$kvx" ]; then
+        echo "test-netns: no kvx binary at $kvx (cargo build -p kvx-cli --features ucx,nixl)" >&2
+        exit 1
+    fi
+    kvx=$(realpath "$kvx")
 fi
-kvx=$(realpath "$kvx")
 # kvx-nixl's libraries (the NIXL wheel in .venv-nixl).
 # shellcheck source=scripts/nixl-env.sh
 source scripts/nixl-env.sh
