@@ -636,7 +636,9 @@ fn bench_writes_verified_rows(args: &[&str], rows: &[(&str, &str)]) {
     let mut lines = csv.lines();
     assert_eq!(
         lines.next(),
-        Some("backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us")
+        Some(
+            "backend,transport,block_bytes,blocks,gbps,baseline,baseline_gbps,ratio,p50_us,p99_us,cpu_s_per_gb"
+        )
     );
     let expected: Vec<(&str, &str, &str)> = rows
         .iter()
@@ -645,7 +647,7 @@ fn bench_writes_verified_rows(args: &[&str], rows: &[(&str, &str)]) {
     let csv_rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
     assert_eq!(csv_rows.len(), expected.len(), "{csv}");
     for (fields, &(backend, transport, size)) in csv_rows.iter().zip(&expected) {
-        assert_eq!(fields.len(), 10, "{fields:?}");
+        assert_eq!(fields.len(), 11, "{fields:?}");
         assert_eq!(fields[..4], [backend, transport, size, "16"], "{fields:?}");
         let batch = args.iter().position(|a| *a == "--stream-batch").and_then(|i| args.get(i + 1));
         let baseline = match (transport, batch) {
@@ -658,6 +660,10 @@ fn bench_writes_verified_rows(args: &[&str], rows: &[(&str, &str)]) {
             let value: f64 = fields[at].parse().unwrap();
             assert!(value > 0.0 && value.is_finite(), "{fields:?}");
         }
+        // Two processes' CPU over the timed READs: never negative, though a short one may round
+        // to 0.00 s/GB.
+        let cpu: f64 = fields[10].parse().unwrap();
+        assert!(cpu >= 0.0 && cpu.is_finite(), "{fields:?}");
     }
     let table: Vec<&str> = stdout
         .lines()
