@@ -113,7 +113,8 @@ const PAGE: usize = 4096;
 const HUGE_PAGE: usize = 2 << 20;
 
 impl HostMemory {
-    /// Allocates `len` zeroed bytes, aligned to a page. `len` must be at least 1.
+    /// Allocates `len` zeroed bytes, aligned to a page (to a huge page from 2 MiB on). `len` must
+    /// be at least 1.
     pub fn new(len: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::invalid_argument("HostMemory of zero bytes"));

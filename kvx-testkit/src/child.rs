@@ -68,9 +68,14 @@ impl SelfChild {
         let exe = std::env::current_exe().map_err(|e| io_error("current_exe", e))?;
         let wrapper = std::env::var(PEER_WRAPPER_ENV).unwrap_or_default();
         let mut words = wrapper.split_whitespace();
-        let Some(first) = words.next() else { return Self::spawn(args, envs) };
-        let mut command = Command::new(first);
-        command.args(words).arg(exe);
+        let command = match words.next() {
+            None => Command::new(exe),
+            Some(first) => {
+                let mut command = Command::new(first);
+                command.args(words).arg(exe);
+                command
+            }
+        };
         Self::start(command, args, envs)
     }
 

@@ -124,8 +124,7 @@ impl RemoteRegion {
     /// here and holds them.
     pub(super) fn local_ptr(&self, raddr: u64, len: usize) -> Option<*mut u8> {
         let base = self.mapped?;
-        let end = raddr.checked_add(len as u64)?;
-        if raddr < self.region.addr || end > self.region.addr + self.region.len {
+        if !self.region.contains(&MemRegion::dram(raddr, len as u64)) {
             return None;
         }
         let offset = usize::try_from(raddr - self.region.addr).ok()?;
